@@ -1,0 +1,76 @@
+"""Pure RL math for the trainer: advantages, KL estimators, losses and their aggregation.
+
+Tensors are batch-first: B sequences, T response tokens, V vocabulary entries. Every per-token
+tensor travels with a mask (B, T) of 0/1 floats or bools marking the valid response tokens;
+responses are right-padded. Nothing here knows about Ray, recipes or devices: the training
+loop moves tensors around and calls these functions.
+"""
+
+from rlx.trainer.algos.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageEstimator,
+    broadcast_to_tokens,
+    compute_gae,
+    get_advantage_estimator,
+    grpo_advantages,
+    rloo_advantages,
+)
+from rlx.trainer.algos.aggregation import (
+    AGGREGATIONS,
+    aggregate_loss,
+    get_aggregation,
+    loss_denominators,
+)
+from rlx.trainer.algos.common import MAX_LOG_RATIO, Metrics
+from rlx.trainer.algos.kl import (
+    KL_ESTIMATORS,
+    get_kl_estimator,
+    kl_k1,
+    kl_k2,
+    kl_k3,
+    kl_penalized_rewards,
+)
+from rlx.trainer.algos.losses import (
+    clipped_value_loss,
+    entropy_from_logits,
+    logprobs_from_logits,
+    ppo_policy_loss,
+)
+from rlx.trainer.algos.masked import (
+    explained_variance,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+)
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AGGREGATIONS",
+    "KL_ESTIMATORS",
+    "MAX_LOG_RATIO",
+    "AdvantageEstimator",
+    "Metrics",
+    "aggregate_loss",
+    "broadcast_to_tokens",
+    "clipped_value_loss",
+    "compute_gae",
+    "entropy_from_logits",
+    "explained_variance",
+    "get_advantage_estimator",
+    "get_aggregation",
+    "get_kl_estimator",
+    "grpo_advantages",
+    "kl_k1",
+    "kl_k2",
+    "kl_k3",
+    "kl_penalized_rewards",
+    "logprobs_from_logits",
+    "loss_denominators",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "ppo_policy_loss",
+    "rloo_advantages",
+]

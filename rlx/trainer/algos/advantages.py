@@ -1,0 +1,146 @@
+"""Advantage estimators: GAE with a critic, group baselines (GRPO, RLOO) without one."""
+
+import functools
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from rlx.trainer.algos.common import lookup
+from rlx.trainer.algos.masked import masked_sum
+
+
+@torch.no_grad()
+def compute_gae(
+    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, gae_lambda: float
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016), per token.
+
+    rewards, values, mask: (B, T). Returns (advantages, returns), each (B, T), zero on padding,
+    with returns = advantages + values on valid tokens (the critic's regression target).
+    The value after the last valid token is 0: the response is over, nothing is bootstrapped.
+    Masked tokens are not actions: the recursion steps over them, so rewards and values sitting
+    on padding never reach a valid token.
+    """
+    dtype = torch.promote_types(rewards.dtype, values.dtype)
+    rewards, values, valid = rewards.to(dtype), values.to(dtype), mask.bool()
+    batch_size, num_tokens = rewards.shape
+    next_value = rewards.new_zeros(batch_size)  # (B,) V of the next valid token
+    next_advantage = rewards.new_zeros(batch_size)  # (B,)
+    advantages = torch.zeros_like(rewards)  # (B, T)
+    for t in reversed(range(num_tokens)):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]  # (B,) TD error
+        advantage = delta + gamma * gae_lambda * next_advantage  # (B,)
+        next_value = torch.where(valid[:, t], values[:, t], next_value)
+        next_advantage = torch.where(valid[:, t], advantage, next_advantage)
+        advantages[:, t] = torch.where(valid[:, t], advantage, 0.0)
+    returns = torch.where(valid, advantages + values, 0.0)  # (B, T)
+    return advantages, returns
+
+
+def _groups(scores: Tensor, group_size: int) -> Tensor:
+    if group_size < 2:
+        raise ValueError(
+            f"group_size must be at least 2 for a group baseline, got {group_size}: "
+            "a single response per prompt has nothing to be compared with; "
+            "sample more responses per prompt or use 'gae' with a critic"
+        )
+    if scores.dim() != 1 or scores.numel() % group_size != 0:
+        raise ValueError(
+            f"scores must be 1-D with a length divisible by group_size={group_size}, "
+            f"got shape {tuple(scores.shape)}"
+        )
+    return scores.view(-1, group_size)  # (P, G) responses of one prompt are contiguous
+
+
+def grpo_advantages(
+    scores: Tensor, group_size: int, norm_by_std: bool = True, eps: float = 1e-6
+) -> Tensor:
+    """GRPO outcome advantages (Shao et al. 2024): score minus its group's mean, divided by the
+    group's (unbiased) std when norm_by_std. scores: (B,) with B = prompts * group_size.
+    A group whose scores are all equal gets zero advantages (eps keeps 0 / 0 away)."""
+    grouped = _groups(scores, group_size)  # (P, G)
+    advantages = grouped - grouped.mean(dim=1, keepdim=True)  # (P, G)
+    if norm_by_std:
+        advantages = advantages / (grouped.std(dim=1, keepdim=True) + eps)  # (P, G)
+    return advantages.reshape(-1)  # (B,)
+
+
+def rloo_advantages(scores: Tensor, group_size: int) -> Tensor:
+    """REINFORCE leave-one-out (Ahmadian et al. 2024): each score minus the mean of the other
+    responses to the same prompt, a baseline that does not depend on the response itself."""
+    grouped = _groups(scores, group_size)  # (P, G)
+    baseline = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)  # (P, G)
+    return (grouped - baseline).reshape(-1)  # (B,)
+
+
+def broadcast_to_tokens(seq_values: Tensor, mask: Tensor) -> Tensor:
+    """Give every valid token its sequence's value: (B,) x mask (B, T) -> (B, T)."""
+    return torch.where(mask.bool(), seq_values.unsqueeze(-1), 0.0)  # (B, T)
+
+
+class AdvantageEstimator(Protocol):
+    """Common signature of ADVANTAGE_ESTIMATORS entries; each ignores what it does not need.
+
+    token_rewards, mask, values: (B, T). Returns (advantages, returns), each (B, T).
+    """
+
+    def __call__(
+        self,
+        token_rewards: Tensor,
+        mask: Tensor,
+        *,
+        values: Tensor | None = None,
+        group_size: int = 1,
+        gamma: float = 1.0,
+        gae_lambda: float = 1.0,
+    ) -> tuple[Tensor, Tensor]: ...
+
+
+def _gae_estimator(
+    token_rewards: Tensor,
+    mask: Tensor,
+    *,
+    values: Tensor | None = None,
+    group_size: int = 1,
+    gamma: float = 1.0,
+    gae_lambda: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    del group_size  # the critic is the baseline
+    if values is None:
+        raise ValueError("the 'gae' advantage estimator needs critic values (values=...)")
+    return compute_gae(token_rewards, values, mask, gamma, gae_lambda)
+
+
+def _outcome_estimator(seq_advantages: Callable[[Tensor, int], Tensor]) -> AdvantageEstimator:
+    def estimate(
+        token_rewards: Tensor,
+        mask: Tensor,
+        *,
+        values: Tensor | None = None,
+        group_size: int = 1,
+        gamma: float = 1.0,
+        gae_lambda: float = 1.0,
+    ) -> tuple[Tensor, Tensor]:
+        del values, gamma, gae_lambda  # one score per response: no critic, no discounting
+        scores = masked_sum(token_rewards.detach(), mask, dim=-1)  # (B,)
+        advantages = broadcast_to_tokens(seq_advantages(scores, group_size), mask)  # (B, T)
+        return advantages, advantages  # without a critic the returns are never regressed on
+
+    return estimate
+
+
+ADVANTAGE_ESTIMATORS: Mapping[str, AdvantageEstimator] = MappingProxyType(
+    {
+        "gae": _gae_estimator,
+        "grpo": _outcome_estimator(grpo_advantages),
+        "grpo-no-std": _outcome_estimator(functools.partial(grpo_advantages, norm_by_std=False)),
+        "rloo": _outcome_estimator(rloo_advantages),
+    }
+)
+
+
+def get_advantage_estimator(name: str) -> AdvantageEstimator:
+    return lookup(ADVANTAGE_ESTIMATORS, name, "advantage estimator")
