@@ -1,0 +1,31 @@
+"""Expected errors: the CLI prints them as one red line and exits 1 (no traceback)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class RlxError(Exception):
+    """An error the user can fix; its message says what is wrong and what to do."""
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One lint or schema finding, tied to a place in a recipe file."""
+
+    file: str
+    line: int
+    severity: str  # "error" | "warning"
+    field: str  # dotted path, e.g. "trainer.rollout.n"
+    message: str
+
+    def format(self) -> str:
+        return f"{self.file}:{self.line}: {self.severity}: {self.field}: {self.message}"
+
+
+class RecipeError(RlxError):
+    """A recipe that cannot be loaded: one or more findings, all errors."""
+
+    def __init__(self, findings: list[Finding]):
+        self.findings = findings
+        super().__init__("\n".join(f.format() for f in findings))

@@ -1,0 +1,88 @@
+"""Pieces every renderer shares. Everything here is pure: no clock, env, I/O or subprocess."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from typing import Any
+
+import yaml
+
+from rlx import __version__
+from rlx.recipe import Recipe
+
+# Environment variables rlx itself sets on every node.
+RECIPE_ENV = "RLX_RECIPE_JSON"
+RAY_TOKEN_SECRET = "RLX_RAY_TOKEN"
+
+NOT_INSTALLED = "rlx: rlx is not installed on this node; add: pip install rlx[train] to setup"
+
+
+def header_lines(recipe: Recipe, source: str, how_to_run: list[str]) -> list[str]:
+    """Comment lines that head every rendered file."""
+    lines = [
+        f"Rendered by rlx {__version__} from {source} (recipe '{recipe.name}').",
+        "Edit the recipe and render again rather than editing this file.",
+        *how_to_run,
+    ]
+    return [f"# {_printable(line)}".rstrip() for line in lines]
+
+
+def _printable(text: str) -> str:
+    # A recipe path with a newline in it must not end the comment it is quoted in.
+    return "".join(c if c.isprintable() else "?" for c in text)
+
+
+def recipe_json(recipe: Recipe) -> str:
+    """The whole validated recipe, as one line of JSON: what `rlx node` and `rlx train`
+    read on the nodes (so the nodes need no copy of the recipe file)."""
+    return json.dumps(recipe.model_dump(mode="json"), separators=(",", ":"), sort_keys=False,
+                      ensure_ascii=True)
+
+
+def secret_names(recipe: Recipe) -> list[str]:
+    names = list(recipe.secrets)
+    if recipe.ray.auth == "token":
+        names.append(RAY_TOKEN_SECRET)
+    return names
+
+
+def setup_script(recipe: Recipe) -> str:
+    """The recipe's setup commands as one bash script that stops at the first failure."""
+    if not recipe.setup:
+        return ""
+    return "set -euo pipefail\n" + "\n".join(cmd.rstrip("\n") for cmd in recipe.setup) + "\n"
+
+
+def node_command(backend: str) -> str:
+    """The run block's body: check rlx is there, then hand over to the node bootstrap."""
+    return (
+        "if ! command -v rlx >/dev/null 2>&1; then\n"
+        f"  echo {shlex.quote(NOT_INSTALLED)} >&2\n"
+        "  exit 127\n"
+        "fi\n"
+        f"exec rlx node --backend {backend}\n"
+    )
+
+
+class _Dumper(yaml.SafeDumper):
+    """Block scalars for multi-line strings; never wrap long lines."""
+
+
+def _str_representer(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    if "\n" in value:
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|")
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value)
+
+
+_Dumper.add_representer(str, _str_representer)
+
+
+def dump_yaml(data: dict[str, Any]) -> str:
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False,
+                     allow_unicode=False, width=2**31 - 1)
+
+
+def drop_empty(data: dict[str, Any]) -> dict[str, Any]:
+    """Leave out unset fields so the rendered file shows only what the recipe asks for."""
+    return {k: v for k, v in data.items() if v not in (None, [], {}, "")}

@@ -1,0 +1,571 @@
+"""The recipe: one strict model of an RL post-training job, shared by every backend.
+
+Validation here is about shape and single fields (types, ranges, formats). Checks that need
+several fields together, or knowledge of the backends, live in `rlx.lint`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+RECIPE_NAME = re.compile(r"[a-z][a-z0-9-]{0,38}[a-z0-9]")
+ACCELERATORS = re.compile(r"(?P<type>[A-Za-z][A-Za-z0-9_.-]*)(:(?P<count>[1-9][0-9]*))?")
+AMOUNT = re.compile(r"(?P<value>[0-9]+(\.[0-9]+)?)(?P<plus>\+)?")
+SLURM_WORD = re.compile(r"[A-Za-z0-9_.,@+=-]+")
+SLURM_CONSTRAINT = re.compile(r"[A-Za-z0-9_.,&|\[\]*:()!-]+")
+LOG_DIR = re.compile(r"[A-Za-z0-9_./~-]+")
+SLURM_TIME = re.compile(r"([0-9]+-)?[0-9]+(:[0-9]{1,2}){0,2}")
+BUCKET_URL = re.compile(r"(s3|gs|r2|cos|oci|https)://")
+
+
+def is_bucket(source: str) -> bool:
+    """A file-mount source that is an object-store bucket (mounted, so shared by all nodes)."""
+    return BUCKET_URL.match(source) is not None
+
+
+def _number_to_str(value: Any) -> Any:
+    # YAML reads `memory: 64` or `time: 60` as numbers; those fields are strings.
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | float):
+        return str(value)
+    return value
+
+
+Str = Annotated[str, BeforeValidator(_number_to_str)]
+
+
+def _str_or_list(value: Any) -> Any:
+    if isinstance(value, str):
+        return [value]
+    return value
+
+
+Commands = Annotated[list[Str], BeforeValidator(_str_or_list)]
+
+
+class StrictModel(BaseModel):
+    """Unknown keys are errors; instances are frozen once loaded."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+# --------------------------------------------------------------------------- resources
+
+
+class Resources(StrictModel):
+    """What every node of the job needs."""
+
+    nodes: int = Field(1, ge=1, le=4096, description="Number of nodes (machines) in the job.")
+    accelerators: Str | None = Field(
+        None,
+        description="Accelerators per node as TYPE:COUNT, e.g. 'H100:8' or 'L4' (count 1). "
+        "Omit for CPU-only nodes.",
+    )
+    cpus: Str | None = Field(
+        None, description="vCPUs per node: '8' for exactly 8, '8+' for at least 8."
+    )
+    memory: Str | None = Field(
+        None, description="Memory per node in GB: '64' for exactly 64, '64+' for at least 64."
+    )
+    disk_size: int | None = Field(None, ge=1, description="Boot disk size per node in GB.")
+    image: Str | None = Field(
+        None,
+        description="Container image every node runs in (SkyPilot docker image, dstack image). "
+        "For Slurm with pyxis, set slurm.container_image.",
+    )
+    spot: bool = Field(False, description="Use spot/preemptible instances where supported.")
+    ports: list[int | Str] = Field(
+        default_factory=list,
+        description="Ports to open to the internet (SkyPilot) or publish (dstack), e.g. 8000 "
+        "or '9000-9010'. Never list Ray's ports here.",
+    )
+
+    @field_validator("accelerators")
+    @classmethod
+    def _accelerators(cls, value: str | None) -> str | None:
+        if value is not None and not ACCELERATORS.fullmatch(value):
+            raise ValueError(f"{value!r} is not TYPE or TYPE:COUNT; write e.g. 'H100:8'")
+        return value
+
+    @field_validator("cpus", "memory")
+    @classmethod
+    def _amount(cls, value: str | None) -> str | None:
+        if value is not None and not AMOUNT.fullmatch(value):
+            raise ValueError(f"{value!r} is not a number; write e.g. '8' or '8+' (at least 8)")
+        return value
+
+    @field_validator("ports")
+    @classmethod
+    def _ports(cls, value: list[int | str]) -> list[int | str]:
+        for port in value:
+            low, _, high = str(port).partition("-")
+            if not (low.isdigit() and (not high or high.isdigit())):
+                raise ValueError(f"{port!r} is not a port or a range; write e.g. 8000 or '9000-9010'")
+            if not 1 <= int(low) <= int(high or low) <= 65535:
+                raise ValueError(f"{port!r} is outside 1-65535")
+        return value
+
+    @property
+    def accelerator_type(self) -> str | None:
+        if self.accelerators is None:
+            return None
+        match = ACCELERATORS.fullmatch(self.accelerators)
+        assert match is not None  # validated above
+        return match["type"]
+
+    @property
+    def gpus_per_node(self) -> int:
+        if self.accelerators is None:
+            return 0
+        match = ACCELERATORS.fullmatch(self.accelerators)
+        assert match is not None
+        return int(match["count"] or 1)
+
+    @property
+    def total_gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def expanded_ports(self) -> list[int]:
+        """Every port `ports` opens, ranges expanded."""
+        out: list[int] = []
+        for port in self.ports:
+            low, _, high = str(port).partition("-")
+            out.extend(range(int(low), int(high or low) + 1))
+        return out
+
+
+class Volume(StrictModel):
+    """Storage that every node sees at the same path."""
+
+    path: Str = Field(description="Absolute mount point on every node, e.g. /checkpoints.")
+    name: Str | None = Field(
+        None,
+        description="Backend volume to attach there (a SkyPilot volume or a dstack network "
+        "volume). Omit for storage every node already shares, such as a Slurm cluster's "
+        "shared filesystem.",
+    )
+    read_only: bool = Field(False, description="Mount read-only.")
+
+    @field_validator("path")
+    @classmethod
+    def _absolute(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError(f"{value!r} is not absolute; write e.g. '/checkpoints'")
+        return value.rstrip("/") or "/"
+
+
+# --------------------------------------------------------------------------- ray
+
+
+class RaySettings(StrictModel):
+    """The Ray cluster rlx forms on the nodes (separate from any Ray a backend runs itself)."""
+
+    port: int = Field(6379, ge=1024, le=65535, description="GCS port of the head node.")
+    dashboard_port: int = Field(8265, ge=1024, le=65535, description="Dashboard port (head).")
+    dashboard_host: Str = Field(
+        "127.0.0.1",
+        description="Address the dashboard binds to. Keep 127.0.0.1 and reach it through an "
+        "SSH tunnel; 0.0.0.0 exposes job submission to anyone who can reach the node.",
+    )
+    dashboard_agent_port: int = Field(
+        52366,
+        ge=1024,
+        le=65535,
+        description="Dashboard agent HTTP port on every node (Ray's default 52365 is taken by "
+        "SkyPilot's own Ray).",
+    )
+    object_manager_port: int = Field(8077, ge=1024, le=65535, description="Object manager port.")
+    node_manager_port: int = Field(8078, ge=1024, le=65535, description="Raylet port.")
+    client_server_port: int = Field(
+        10101, ge=1024, le=65535, description="Ray Client server port (head; SkyPilot's uses 10001)."
+    )
+    min_worker_port: int = Field(20002, ge=1024, le=65535, description="Lowest worker port.")
+    max_worker_port: int = Field(29999, ge=1024, le=65535, description="Highest worker port.")
+    join_timeout: int = Field(
+        600,
+        ge=10,
+        le=86400,
+        description="Seconds the head waits for every node to join (and a worker waits for "
+        "the head) before failing with the names of the missing nodes.",
+    )
+    auth: Literal["token", "none"] = Field(
+        "token",
+        description="Ray token authentication: 'token' (a fresh token per job, delivered as a "
+        "secret) or 'none'.",
+    )
+
+
+# --------------------------------------------------------------------------- trainer
+
+
+class ModelSettings(StrictModel):
+    path: Str = Field(description="Hugging Face hub id or a local folder with the model.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights dtype: 'auto' is bfloat16 on GPU and float32 on CPU."
+    )
+    trust_remote_code: bool = Field(False, description="Allow model code from the hub.")
+    gradient_checkpointing: bool = Field(False, description="Trade compute for memory.")
+
+
+class DataSettings(StrictModel):
+    train: Str = Field(
+        description="Prompt dataset: a .jsonl or .parquet file, or 'synthetic:NAME' for a "
+        "generated task."
+    )
+    format: Literal["auto", "jsonl", "parquet"] = Field(
+        "auto", description="File format; 'auto' goes by the file suffix."
+    )
+    prompt_key: Str = Field("prompt", description="Field with the prompt (text or chat messages).")
+    answer_key: Str | None = Field(
+        "answer",
+        description="Field with the reference answer given to the reward (dotted for nested "
+        "fields, e.g. reward_model.ground_truth).",
+    )
+    chat_template: bool = Field(
+        True, description="Render prompts with the tokenizer's chat template."
+    )
+    max_prompt_length: int = Field(512, ge=1, description="Longest prompt in tokens.")
+    truncate: Literal["error", "filter", "left"] = Field(
+        "filter",
+        description="What to do with longer prompts: drop them, keep the last tokens, or fail.",
+    )
+    shuffle: bool = Field(True, description="Shuffle prompts each epoch (seeded).")
+
+
+class RolloutSettings(StrictModel):
+    engine: Literal["auto", "vllm", "hf"] = Field(
+        "auto", description="Generation engine: vLLM on GPU when installed, else HF generate."
+    )
+    n: int = Field(8, ge=1, description="Responses sampled per prompt (the GRPO group size).")
+    max_new_tokens: int = Field(256, ge=1, description="Longest response in tokens.")
+    min_new_tokens: int = Field(0, ge=0, description="Shortest response in tokens.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per vLLM engine.")
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0, le=1, description="Share of GPU memory vLLM may take."
+    )
+
+
+class RewardSettings(StrictModel):
+    function: Str = Field(
+        "gsm8k",
+        description="Reward: a built-in name (gsm8k, math_exact, synthetic names) or a custom "
+        "function as 'module:function' or 'path/to/file.py:function'.",
+    )
+    gsm8k_mode: Literal["strict", "flexible"] = Field(
+        "strict",
+        description="gsm8k answer extraction: 'strict' reads the number after '####', "
+        "'flexible' the last number in the response.",
+    )
+
+
+class KLSettings(StrictModel):
+    coef: float = Field(0.001, ge=0, description="KL weight; 0 turns the reference model off.")
+    estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator.")
+    mode: Literal["loss", "reward"] = Field(
+        "loss", description="Add KL to the loss (GRPO style) or subtract it from the reward."
+    )
+
+
+class AlgorithmSettings(StrictModel):
+    clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO ratio clip (lower side).")
+    clip_eps_high: float | None = Field(
+        None, gt=0, lt=10, description="Upper ratio clip; defaults to clip_eps."
+    )
+    dual_clip: float | None = Field(
+        None, gt=1, description="Dual-clip bound c > 1 for negative advantages; off if unset."
+    )
+    kl: KLSettings = Field(default_factory=KLSettings, description="KL to the reference model.")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight.")
+    gamma: float = Field(1.0, gt=0, le=1, description="Discount (PPO/GAE).")
+    gae_lambda: float = Field(0.95, ge=0, le=1, description="GAE lambda (PPO).")
+    vf_coef: float = Field(0.5, ge=0, description="Value loss weight (PPO).")
+    value_clip: float = Field(0.2, gt=0, description="Value clip range (PPO).")
+    norm_adv_by_std: bool = Field(True, description="Divide group advantages by their std (GRPO).")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
+        "token-mean", description="How per-token losses become one number."
+    )
+
+
+class OptimSettings(StrictModel):
+    lr: float = Field(1e-6, gt=0, description="Policy learning rate.")
+    critic_lr: float = Field(1e-5, gt=0, description="Critic learning rate (PPO).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
+    schedule: Literal["constant", "cosine", "linear"] = Field(
+        "constant", description="Learning-rate schedule after warm-up."
+    )
+
+
+class BatchSettings(StrictModel):
+    prompts_per_step: int = Field(8, ge=1, description="Prompts sampled per training step.")
+    minibatch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Sequences per optimiser update; defaults to the whole step "
+        "(prompts_per_step x rollout.n).",
+    )
+    micro_batch_size: int = Field(
+        4, ge=1, description="Sequences per forward/backward on one device."
+    )
+    ppo_epochs: int = Field(1, ge=1, description="Passes over each step's samples.")
+
+
+class CheckpointSettings(StrictModel):
+    dir: Str | None = Field(
+        None,
+        description="Folder for checkpoints (a per-run subfolder is made). Must be on storage "
+        "every node shares when nodes > 1. Unset: no checkpoints.",
+    )
+    every: int = Field(50, ge=1, description="Save every this many steps.")
+    keep: int = Field(3, ge=1, description="Complete checkpoints to keep.")
+    resume: Literal["auto", "never"] | Str = Field(
+        "auto",
+        description="'auto' resumes from the newest complete checkpoint of this run, 'never' "
+        "starts fresh, or a path to one checkpoint.",
+    )
+
+
+class LoggingSettings(StrictModel):
+    dir: Str = Field("runs", description="Folder for metrics, TensorBoard logs and plots.")
+    tensorboard: bool = Field(True, description="Write TensorBoard event files.")
+    wandb_project: Str | None = Field(
+        None, description="W&B project; used only when WANDB_API_KEY is set."
+    )
+    every: int = Field(1, ge=1, description="Print metrics every this many steps.")
+
+
+class TrainerSettings(StrictModel):
+    """The shared PPO/GRPO trainer rlx runs on the head node."""
+
+    algorithm: Literal["grpo", "ppo", "rloo"] = Field(
+        "grpo", description="grpo (group-normalised), rloo (leave-one-out) or ppo (critic + GAE)."
+    )
+    model: ModelSettings = Field(description="Policy model (also the reference and, for PPO, "
+                                 "the critic's starting point).")
+    critic_model: ModelSettings | None = Field(
+        None, description="Critic model for PPO; defaults to the policy model."
+    )
+    data: DataSettings = Field(description="Prompt dataset.")
+    rollout: RolloutSettings = Field(default_factory=RolloutSettings, description="Generation.")
+    reward: RewardSettings = Field(default_factory=RewardSettings, description="Reward.")
+    algo: AlgorithmSettings = Field(default_factory=AlgorithmSettings, description="Losses.")
+    optim: OptimSettings = Field(default_factory=OptimSettings, description="Optimiser.")
+    batch: BatchSettings = Field(default_factory=BatchSettings, description="Batch sizes.")
+    steps: int = Field(100, ge=1, description="Training steps.")
+    seed: int = Field(0, ge=0, description="Random seed (data order, sampling, init).")
+    layout: Literal["colocated", "split"] = Field(
+        "colocated",
+        description="'colocated': training and rollout share every GPU; 'split': rollout "
+        "engines get rollout_gpus GPUs of their own.",
+    )
+    rollout_gpus: int = Field(0, ge=0, description="GPUs for rollout engines with layout: split.")
+    checkpoint: CheckpointSettings = Field(
+        default_factory=CheckpointSettings, description="Checkpointing and resume."
+    )
+    logging: LoggingSettings = Field(default_factory=LoggingSettings, description="Metrics.")
+
+
+# --------------------------------------------------------------------------- backends
+
+
+class SkyRecovery(StrictModel):
+    strategy: Literal["FAILOVER", "EAGER_NEXT_REGION"] = Field(
+        "EAGER_NEXT_REGION", description="How a managed job recovers from preemption."
+    )
+    max_restarts_on_errors: int = Field(
+        0, ge=0, description="Restarts after a user-code failure (0: only after preemption)."
+    )
+
+
+class SkySettings(StrictModel):
+    """SkyPilot-only settings."""
+
+    infra: Str | None = Field(
+        None, description="Where to run, e.g. 'aws', 'gcp/us-central1', 'k8s'. Any if unset."
+    )
+    disk_tier: Literal["low", "medium", "high", "ultra", "best"] | None = Field(
+        None, description="Disk performance tier."
+    )
+    recovery: SkyRecovery | None = Field(
+        None, description="Managed-job recovery (used with `rlx launch --managed`)."
+    )
+
+
+class DstackRetry(StrictModel):
+    on_events: list[Literal["no-capacity", "interruption", "error"]] = Field(
+        default_factory=lambda: ["no-capacity", "interruption"],
+        description="Events that trigger a retry.",
+    )
+    duration: Str = Field("1h", description="How long to keep retrying, e.g. '1h' or '2d'.")
+
+
+class DstackSettings(StrictModel):
+    """dstack-only settings."""
+
+    fleets: list[Str] = Field(
+        default_factory=list,
+        description="Fleets to run in; distributed tasks need a fleet with placement: cluster.",
+    )
+    backends: list[Str] = Field(default_factory=list, description="dstack backends to consider.")
+    regions: list[Str] = Field(default_factory=list, description="Regions to consider.")
+    max_price: float | None = Field(None, gt=0, description="Highest price per instance hour.")
+    max_duration: Str | None = Field(None, description="Stop the run after this long, e.g. '8h'.")
+    retry: DstackRetry | None = Field(None, description="Retry policy.")
+
+
+class SlurmSettings(StrictModel):
+    """Slurm-only settings."""
+
+    partition: Str | None = Field(None, description="Partition (sbatch --partition).")
+    account: Str | None = Field(None, description="Account to charge (sbatch --account).")
+    qos: Str | None = Field(None, description="Quality of service (sbatch --qos).")
+    time: Str | None = Field(
+        None, description="Time limit: minutes, HH:MM:SS or D-HH:MM:SS (sbatch --time)."
+    )
+    constraint: Str | None = Field(None, description="Node features (sbatch --constraint).")
+    exclusive: bool = Field(True, description="Take whole nodes (sbatch --exclusive).")
+    gpu_flag: Literal["gpus-per-node", "gres"] = Field(
+        "gpus-per-node", description="How to ask for GPUs: --gpus-per-node=N or --gres=gpu:N."
+    )
+    container_image: Str | None = Field(
+        None,
+        description="Run every step in this image with pyxis (srun --container-image), e.g. "
+        "'nvcr.io#nvidia/pytorch:24.05-py3'.",
+    )
+    container_mounts: list[Str] = Field(
+        default_factory=list,
+        description="pyxis mounts SRC:DST[:FLAGS]; volumes are added automatically.",
+    )
+    modules: list[Str] = Field(
+        default_factory=list, description="Environment modules to load (module load NAME)."
+    )
+    log_dir: Str = Field(
+        "rlx-logs",
+        description="Folder for per-job log folders (driver, head, one per worker); must be "
+        "on shared storage.",
+    )
+
+    @field_validator("partition", "account", "qos")
+    @classmethod
+    def _word(cls, value: str | None) -> str | None:
+        # These land on #SBATCH lines, which no shell quoting protects.
+        if value is not None and not SLURM_WORD.fullmatch(value):
+            raise ValueError(f"{value!r} has characters Slurm names do not use; write a plain "
+                             "name such as 'gpu' or 'my-account'")
+        return value
+
+    @field_validator("constraint")
+    @classmethod
+    def _constraint(cls, value: str | None) -> str | None:
+        if value is not None and not SLURM_CONSTRAINT.fullmatch(value):
+            raise ValueError(f"{value!r} is not a Slurm constraint expression; write e.g. "
+                             "'h100&ib'")
+        return value
+
+    @field_validator("log_dir")
+    @classmethod
+    def _log_dir(cls, value: str) -> str:
+        if not LOG_DIR.fullmatch(value):
+            raise ValueError(f"{value!r} must be a plain path (letters, digits, '_', '.', '/', "
+                             "'~', '-'): it goes on an #SBATCH line")
+        return value.rstrip("/") or "/"
+
+    @field_validator("time")
+    @classmethod
+    def _time(cls, value: str | None) -> str | None:
+        if value is not None and not SLURM_TIME.fullmatch(value):
+            raise ValueError(f"{value!r} is not a Slurm time; write minutes, 'HH:MM:SS' or "
+                             "'D-HH:MM:SS'")
+        return value
+
+
+# --------------------------------------------------------------------------- the recipe
+
+
+class Recipe(StrictModel):
+    """An RL post-training job, described once for every backend."""
+
+    name: Str = Field(
+        description="Job name: lowercase letters, digits and '-', starting with a letter, "
+        "at most 40 characters (used as cluster, run and job name)."
+    )
+    resources: Resources = Field(default_factory=Resources, description="Per-node resources.")
+    env: dict[Str, Str] = Field(
+        default_factory=dict, description="Plain environment variables for every node."
+    )
+    secrets: list[Str] = Field(
+        default_factory=list,
+        description="NAMES of secret environment variables; values are read from your "
+        "environment at launch and never written to any file.",
+    )
+    workdir: Str | None = Field(
+        None, description="Local folder synced to every node (SkyPilot/dstack) before setup."
+    )
+    file_mounts: dict[Str, Str] = Field(
+        default_factory=dict,
+        description="Remote path -> local path or bucket URL (s3://, gs://) on every node.",
+    )
+    volumes: list[Volume] = Field(
+        default_factory=list, description="Shared storage for data, caches and checkpoints."
+    )
+    setup: Commands = Field(
+        default_factory=list, description="Shell commands run once on every node before the job."
+    )
+    command: Commands | None = Field(
+        None,
+        description="Shell command the head runs once every node has joined; defaults to "
+        "rlx's trainer (`rlx train`).",
+    )
+    ray: RaySettings = Field(default_factory=RaySettings, description="The job's Ray cluster.")
+    trainer: TrainerSettings | None = Field(
+        None, description="The PPO/GRPO trainer (needed unless `command` replaces it)."
+    )
+    sky: SkySettings | None = Field(None, description="SkyPilot settings.")
+    dstack: DstackSettings | None = Field(None, description="dstack settings.")
+    slurm: SlurmSettings | None = Field(None, description="Slurm settings.")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not RECIPE_NAME.fullmatch(value):
+            raise ValueError(
+                f"{value!r} is not a valid job name; use lowercase letters, digits and '-', "
+                "start with a letter, at most 40 characters, e.g. 'gsm8k-grpo'"
+            )
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for key in value:
+            if not ENV_NAME.fullmatch(key):
+                raise ValueError(f"{key!r} is not a valid environment variable name")
+        return value
+
+    @field_validator("secrets")
+    @classmethod
+    def _secret_names(cls, value: list[str]) -> list[str]:
+        for i, key in enumerate(value):
+            if not ENV_NAME.fullmatch(key):
+                # Never echo the entry: it may be a secret value pasted by mistake.
+                raise ValueError(
+                    f"entry {i} is not an environment variable name; list secret NAMES only "
+                    "(e.g. HF_TOKEN), never values"
+                )
+        if len(set(value)) != len(value):
+            raise ValueError("a secret is listed twice; list each name once")
+        return value
+
+    @property
+    def head_command(self) -> list[str]:
+        """Shell commands the head runs once the cluster is up."""
+        return self.command if self.command is not None else ["rlx train"]
