@@ -26,10 +26,13 @@ SKYPILOT_PORTS = {
 }
 SKYPILOT_WORKER_PORTS = range(11002, 20000)
 RESERVED_ENV_PREFIXES = ("SKYPILOT_", "DSTACK_", "SLURM_", "RLX_")
-SECRET_LIKE_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|PRIVATE_KEY)",
-                              re.IGNORECASE)
-SECRET_LIKE_VALUE = re.compile(r"^(hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|gh[pousr]_[A-Za-z0-9]{20,}"
-                               r"|AKIA[0-9A-Z]{16}|xox[abp]-[A-Za-z0-9-]{10,})")
+SECRET_LIKE_NAME = re.compile(
+    r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|PRIVATE_KEY)", re.IGNORECASE
+)
+SECRET_LIKE_VALUE = re.compile(
+    r"^(hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|gh[pousr]_[A-Za-z0-9]{20,}"
+    r"|AKIA[0-9A-Z]{16}|xox[abp]-[A-Za-z0-9-]{10,})"
+)
 
 Check = Callable[[LoadedRecipe], Iterable[Finding]]
 
@@ -94,8 +97,11 @@ def _dp_ranks(recipe: Recipe) -> int:
 
 def check_has_work(lr: LoadedRecipe) -> Iterator[Finding]:
     if lr.recipe.trainer is None and lr.recipe.command is None:
-        yield lr.finding(("trainer",), ERROR, "nothing to run: add a 'trainer:' section, or a "
-                         "'command:' for your own program")
+        yield lr.finding(
+            ("trainer",),
+            ERROR,
+            "nothing to run: add a 'trainer:' section, or a 'command:' for your own program",
+        )
 
 
 def check_batch_divisibility(lr: LoadedRecipe) -> Iterator[Finding]:
@@ -107,21 +113,33 @@ def check_batch_divisibility(lr: LoadedRecipe) -> Iterator[Finding]:
     minibatch = batch.minibatch_size or step
     where = ("trainer", "batch")
     if step % ranks:
-        yield lr.finding((*where, "prompts_per_step"), ERROR,
-                         f"prompts_per_step x rollout.n = {step} sequences do not split evenly "
-                         f"over {ranks} training GPUs; make it a multiple of {ranks}")
+        yield lr.finding(
+            (*where, "prompts_per_step"),
+            ERROR,
+            f"prompts_per_step x rollout.n = {step} sequences do not split evenly "
+            f"over {ranks} training GPUs; make it a multiple of {ranks}",
+        )
     if step % minibatch:
-        yield lr.finding((*where, "minibatch_size"), ERROR,
-                         f"minibatch_size {minibatch} does not divide the {step} sequences of a "
-                         "step; pick a divisor")
+        yield lr.finding(
+            (*where, "minibatch_size"),
+            ERROR,
+            f"minibatch_size {minibatch} does not divide the {step} sequences of a "
+            "step; pick a divisor",
+        )
     elif minibatch % ranks:
-        yield lr.finding((*where, "minibatch_size"), ERROR,
-                         f"minibatch_size {minibatch} does not split over {ranks} training GPUs; "
-                         f"make it a multiple of {ranks}")
+        yield lr.finding(
+            (*where, "minibatch_size"),
+            ERROR,
+            f"minibatch_size {minibatch} does not split over {ranks} training GPUs; "
+            f"make it a multiple of {ranks}",
+        )
     elif batch.micro_batch_size > minibatch // ranks:
-        yield lr.finding((*where, "micro_batch_size"), ERROR,
-                         f"micro_batch_size {batch.micro_batch_size} is larger than the "
-                         f"{minibatch // ranks} sequences each GPU gets per minibatch; lower it")
+        yield lr.finding(
+            (*where, "micro_batch_size"),
+            ERROR,
+            f"micro_batch_size {batch.micro_batch_size} is larger than the "
+            f"{minibatch // ranks} sequences each GPU gets per minibatch; lower it",
+        )
 
 
 def check_tensor_parallel(lr: LoadedRecipe) -> Iterator[Finding]:
@@ -130,9 +148,12 @@ def check_tensor_parallel(lr: LoadedRecipe) -> Iterator[Finding]:
         return
     tp = trainer.rollout.tensor_parallel_size
     if tp > 1 and (gpus == 0 or gpus % tp):
-        yield lr.finding(("trainer", "rollout", "tensor_parallel_size"), ERROR,
-                         f"tensor_parallel_size {tp} does not divide the {gpus} GPUs per node; "
-                         "an engine must fit on one node")
+        yield lr.finding(
+            ("trainer", "rollout", "tensor_parallel_size"),
+            ERROR,
+            f"tensor_parallel_size {tp} does not divide the {gpus} GPUs per node; "
+            "an engine must fit on one node",
+        )
 
 
 def check_rollout_engine(lr: LoadedRecipe) -> Iterator[Finding]:
@@ -141,21 +162,29 @@ def check_rollout_engine(lr: LoadedRecipe) -> Iterator[Finding]:
         return
     rollout = trainer.rollout
     if rollout.engine == "vllm" and lr.recipe.resources.gpus_per_node == 0:
-        yield lr.finding(("trainer", "rollout", "engine"), ERROR,
-                         "vLLM needs GPUs but resources.accelerators is unset; use engine: hf "
-                         "(or auto) on CPU")
+        yield lr.finding(
+            ("trainer", "rollout", "engine"),
+            ERROR,
+            "vLLM needs GPUs but resources.accelerators is unset; use engine: hf (or auto) on CPU",
+        )
     if rollout.min_new_tokens > rollout.max_new_tokens:
-        yield lr.finding(("trainer", "rollout", "min_new_tokens"), ERROR,
-                         f"min_new_tokens {rollout.min_new_tokens} exceeds max_new_tokens "
-                         f"{rollout.max_new_tokens}")
+        yield lr.finding(
+            ("trainer", "rollout", "min_new_tokens"),
+            ERROR,
+            f"min_new_tokens {rollout.min_new_tokens} exceeds max_new_tokens "
+            f"{rollout.max_new_tokens}",
+        )
 
 
 def check_group_size(lr: LoadedRecipe) -> Iterator[Finding]:
     trainer = lr.recipe.trainer
     if trainer and trainer.algorithm in ("grpo", "rloo") and trainer.rollout.n < 2:
-        yield lr.finding(("trainer", "rollout", "n"), ERROR,
-                         f"{trainer.algorithm} compares responses within a group, so rollout.n "
-                         "must be at least 2 (8 or 16 is typical)")
+        yield lr.finding(
+            ("trainer", "rollout", "n"),
+            ERROR,
+            f"{trainer.algorithm} compares responses within a group, so rollout.n "
+            "must be at least 2 (8 or 16 is typical)",
+        )
 
 
 def check_layout(lr: LoadedRecipe) -> Iterator[Finding]:
@@ -166,45 +195,67 @@ def check_layout(lr: LoadedRecipe) -> Iterator[Finding]:
     tp = trainer.rollout.tensor_parallel_size
     if trainer.layout == "split":
         if not 0 < trainer.rollout_gpus < total:
-            yield lr.finding(("trainer", "rollout_gpus"), ERROR,
-                             f"layout: split needs 0 < rollout_gpus < {total} (the job's GPUs) "
-                             "so both training and rollout get GPUs")
+            yield lr.finding(
+                ("trainer", "rollout_gpus"),
+                ERROR,
+                f"layout: split needs 0 < rollout_gpus < {total} (the job's GPUs) "
+                "so both training and rollout get GPUs",
+            )
         elif trainer.rollout_gpus % tp:
-            yield lr.finding(("trainer", "rollout_gpus"), ERROR,
-                             f"rollout_gpus {trainer.rollout_gpus} is not a multiple of "
-                             f"tensor_parallel_size {tp}")
+            yield lr.finding(
+                ("trainer", "rollout_gpus"),
+                ERROR,
+                f"rollout_gpus {trainer.rollout_gpus} is not a multiple of "
+                f"tensor_parallel_size {tp}",
+            )
     elif trainer.rollout_gpus:
-        yield lr.finding(("trainer", "rollout_gpus"), WARNING,
-                         "rollout_gpus is ignored with layout: colocated")
+        yield lr.finding(
+            ("trainer", "rollout_gpus"), WARNING, "rollout_gpus is ignored with layout: colocated"
+        )
 
 
 def check_ray_ports(lr: LoadedRecipe) -> Iterator[Finding]:
     ports = _ray_ports(lr.recipe)
     worker_range = range(lr.recipe.ray.min_worker_port, lr.recipe.ray.max_worker_port + 1)
     if not worker_range:
-        yield lr.finding(("ray", "max_worker_port"), ERROR,
-                         "max_worker_port must be above min_worker_port")
+        yield lr.finding(
+            ("ray", "max_worker_port"), ERROR, "max_worker_port must be above min_worker_port"
+        )
     seen: dict[int, str] = {}
     for field, port in ports.items():
         if port in SKYPILOT_PORTS:
-            yield lr.finding(("ray", field), ERROR,
-                             f"port {port} is {SKYPILOT_PORTS[port]} on every SkyPilot node; "
-                             "pick another port")
+            yield lr.finding(
+                ("ray", field),
+                ERROR,
+                f"port {port} is {SKYPILOT_PORTS[port]} on every SkyPilot node; pick another port",
+            )
         elif port in SKYPILOT_WORKER_PORTS:
-            yield lr.finding(("ray", field), ERROR,
-                             f"port {port} is in SkyPilot's Ray worker range 11002-19999; pick "
-                             "a port outside it")
+            yield lr.finding(
+                ("ray", field),
+                ERROR,
+                f"port {port} is in SkyPilot's Ray worker range 11002-19999; pick "
+                "a port outside it",
+            )
         if port in seen:
-            yield lr.finding(("ray", field), ERROR,
-                             f"port {port} is also ray.{seen[port]}; every Ray port must differ")
+            yield lr.finding(
+                ("ray", field),
+                ERROR,
+                f"port {port} is also ray.{seen[port]}; every Ray port must differ",
+            )
         seen.setdefault(port, field)
         if port in worker_range:
-            yield lr.finding(("ray", field), ERROR,
-                             f"port {port} lies inside the worker port range "
-                             f"{worker_range.start}-{worker_range.stop - 1}")
+            yield lr.finding(
+                ("ray", field),
+                ERROR,
+                f"port {port} lies inside the worker port range "
+                f"{worker_range.start}-{worker_range.stop - 1}",
+            )
     if set(worker_range) & set(SKYPILOT_WORKER_PORTS):
-        yield lr.finding(("ray", "min_worker_port"), ERROR,
-                         "the worker port range overlaps SkyPilot's Ray workers (11002-19999)")
+        yield lr.finding(
+            ("ray", "min_worker_port"),
+            ERROR,
+            "the worker port range overlaps SkyPilot's Ray workers (11002-19999)",
+        )
 
 
 def check_public_ports(lr: LoadedRecipe) -> Iterator[Finding]:
@@ -212,33 +263,47 @@ def check_public_ports(lr: LoadedRecipe) -> Iterator[Finding]:
     ray_ports = _ray_ports(lr.recipe)
     for field, port in ray_ports.items():
         if port in public:
-            yield lr.finding(("resources", "ports"), ERROR,
-                             f"ray.{field} {port} is opened to the internet; anyone could join "
-                             "the cluster or submit jobs. Remove it and use an SSH tunnel")
+            yield lr.finding(
+                ("resources", "ports"),
+                ERROR,
+                f"ray.{field} {port} is opened to the internet; anyone could join "
+                "the cluster or submit jobs. Remove it and use an SSH tunnel",
+            )
     ray = lr.recipe.ray
     if public & set(range(ray.min_worker_port, ray.max_worker_port + 1)):
-        yield lr.finding(("resources", "ports"), ERROR,
-                         "a public port lies in Ray's worker port range; remove it")
+        yield lr.finding(
+            ("resources", "ports"),
+            ERROR,
+            "a public port lies in Ray's worker port range; remove it",
+        )
 
 
 def check_dashboard_host(lr: LoadedRecipe) -> Iterator[Finding]:
     host = lr.recipe.ray.dashboard_host
     if host in ("0.0.0.0", "::", "[::]", "*"):
-        yield lr.finding(("ray", "dashboard_host"), ERROR,
-                         f"{host} opens the Ray dashboard (and job submission) to the network; "
-                         "keep 127.0.0.1 and use an SSH tunnel")
+        yield lr.finding(
+            ("ray", "dashboard_host"),
+            ERROR,
+            f"{host} opens the Ray dashboard (and job submission) to the network; "
+            "keep 127.0.0.1 and use an SSH tunnel",
+        )
     elif host not in ("127.0.0.1", "localhost", "::1"):
-        yield lr.finding(("ray", "dashboard_host"), WARNING,
-                         f"the dashboard binds {host}, reachable from other machines; "
-                         "127.0.0.1 is safer")
+        yield lr.finding(
+            ("ray", "dashboard_host"),
+            WARNING,
+            f"the dashboard binds {host}, reachable from other machines; 127.0.0.1 is safer",
+        )
 
 
 def check_auth(lr: LoadedRecipe) -> Iterator[Finding]:
     if lr.recipe.ray.auth == "none":
-        yield lr.finding(("ray", "auth"), WARNING,
-                         "without token auth anyone who reaches the head's Ray port can join "
-                         "the cluster and run code; keep auth: token unless the network is "
-                         "private")
+        yield lr.finding(
+            ("ray", "auth"),
+            WARNING,
+            "without token auth anyone who reaches the head's Ray port can join "
+            "the cluster and run code; keep auth: token unless the network is "
+            "private",
+        )
 
 
 def check_secrets_in_env(lr: LoadedRecipe) -> Iterator[Finding]:
@@ -246,36 +311,63 @@ def check_secrets_in_env(lr: LoadedRecipe) -> Iterator[Finding]:
     for name, value in recipe.env.items():
         where = ("env", name)
         if name in recipe.secrets:
-            yield lr.finding(where, ERROR, f"{name} is listed under secrets; remove its value "
-                             "from env (secret values are read from your environment at launch)")
+            yield lr.finding(
+                where,
+                ERROR,
+                f"{name} is listed under secrets; remove its value "
+                "from env (secret values are read from your environment at launch)",
+            )
         elif SECRET_LIKE_VALUE.match(value):
-            yield lr.finding(where, ERROR, "this value looks like a credential; remove it, "
-                             f"list '{name}' under secrets and export it before launch")
+            yield lr.finding(
+                where,
+                ERROR,
+                "this value looks like a credential; remove it, "
+                f"list '{name}' under secrets and export it before launch",
+            )
         elif SECRET_LIKE_NAME.search(name) and value:
-            yield lr.finding(where, ERROR, f"{name} looks like a secret written in plain text; "
-                             "list the name under secrets and export the value before launch")
+            yield lr.finding(
+                where,
+                ERROR,
+                f"{name} looks like a secret written in plain text; "
+                "list the name under secrets and export the value before launch",
+            )
         if "${{" in value:
-            yield lr.finding(where, ERROR, "'${{ ... }}' is dstack interpolation and is passed "
-                             "literally here; list the variable under secrets instead")
+            yield lr.finding(
+                where,
+                ERROR,
+                "'${{ ... }}' is dstack interpolation and is passed "
+                "literally here; list the variable under secrets instead",
+            )
 
 
 def check_reserved_env(lr: LoadedRecipe) -> Iterator[Finding]:
     for name in [*lr.recipe.env, *lr.recipe.secrets]:
         section = "env" if name in lr.recipe.env else "secrets"
         where = (section, name) if section == "env" else (section,)
-        if name.startswith(RESERVED_ENV_PREFIXES) or name in ("RAY_ADDRESS", "RAY_AUTH_TOKEN",
-                                                              "RAY_AUTH_MODE"):
+        if name.startswith(RESERVED_ENV_PREFIXES) or name in (
+            "RAY_ADDRESS",
+            "RAY_AUTH_TOKEN",
+            "RAY_AUTH_MODE",
+        ):
             yield lr.finding(where, ERROR, f"{name} is set by the backend or by rlx; remove it")
 
 
 def check_setup_commands(lr: LoadedRecipe) -> Iterator[Finding]:
     for i, command in enumerate(lr.recipe.setup):
         if re.search(r"\bray\s+stop\b", command):
-            yield lr.finding(("setup", i), ERROR, "'ray stop' stops every Ray on the node, "
-                             "SkyPilot's own included; rlx stops only the cluster it started")
+            yield lr.finding(
+                ("setup", i),
+                ERROR,
+                "'ray stop' stops every Ray on the node, "
+                "SkyPilot's own included; rlx stops only the cluster it started",
+            )
         elif re.search(r"\bray\s+start\b", command):
-            yield lr.finding(("setup", i), WARNING, "rlx starts and joins the Ray cluster "
-                             "itself; a 'ray start' in setup will clash with it")
+            yield lr.finding(
+                ("setup", i),
+                WARNING,
+                "rlx starts and joins the Ray cluster "
+                "itself; a 'ray start' in setup will clash with it",
+            )
 
 
 def check_checkpoint_storage(lr: LoadedRecipe) -> Iterator[Finding]:
@@ -286,12 +378,18 @@ def check_checkpoint_storage(lr: LoadedRecipe) -> Iterator[Finding]:
     retries = _retries_on(recipe)
     if ckpt.dir is None:
         if retries:
-            yield lr.finding(("trainer", "checkpoint", "dir"), ERROR,
-                             f"{retries} restarts the job, but without checkpoint.dir it starts "
-                             "over from step 0; set checkpoint.dir on a volume")
+            yield lr.finding(
+                ("trainer", "checkpoint", "dir"),
+                ERROR,
+                f"{retries} restarts the job, but without checkpoint.dir it starts "
+                "over from step 0; set checkpoint.dir on a volume",
+            )
         if ("trainer", "checkpoint", "resume") in lr.positions.lines and ckpt.resume == "auto":
-            yield lr.finding(("trainer", "checkpoint", "resume"), ERROR,
-                             "resume: auto needs checkpoint.dir to look in; set it")
+            yield lr.finding(
+                ("trainer", "checkpoint", "resume"),
+                ERROR,
+                "resume: auto needs checkpoint.dir to look in; set it",
+            )
         return
     if _under(ckpt.dir, _shared_roots(recipe, writable=True)):
         return
@@ -301,19 +399,26 @@ def check_checkpoint_storage(lr: LoadedRecipe) -> Iterator[Finding]:
     if retries:
         reasons.append(f"{retries} may restart the job on another machine")
     if reasons:
-        yield lr.finding(("trainer", "checkpoint", "dir"), ERROR,
-                         f"{ckpt.dir} is on node-local disk but {' and '.join(reasons)}; put it "
-                         "under a volume path (volumes:) or a bucket mount")
+        yield lr.finding(
+            ("trainer", "checkpoint", "dir"),
+            ERROR,
+            f"{ckpt.dir} is on node-local disk but {' and '.join(reasons)}; put it "
+            "under a volume path (volumes:) or a bucket mount",
+        )
 
 
 def check_resume_path(lr: LoadedRecipe) -> Iterator[Finding]:
     trainer = lr.recipe.trainer
-    if trainer and trainer.checkpoint.resume not in ("auto", "never"):
-        if trainer.checkpoint.dir is None and lr.recipe.resources.nodes > 1 and not _under(
-                trainer.checkpoint.resume, _shared_roots(lr.recipe, writable=False)):
-            yield lr.finding(("trainer", "checkpoint", "resume"), ERROR,
-                             "resuming from a path that is not on shared storage; other nodes "
-                             "cannot read it")
+    if trainer is None or trainer.checkpoint.resume in ("auto", "never"):
+        return
+    readable = _shared_roots(lr.recipe, writable=False)
+    if lr.recipe.resources.nodes > 1 and not _under(trainer.checkpoint.resume, readable):
+        yield lr.finding(
+            ("trainer", "checkpoint", "resume"),
+            ERROR,
+            "every node loads the checkpoint to resume from, but this path is not on shared "
+            "storage; put it under a volume or a file mount",
+        )
 
 
 def check_shared_model_and_data(lr: LoadedRecipe) -> Iterator[Finding]:
@@ -326,14 +431,20 @@ def check_shared_model_and_data(lr: LoadedRecipe) -> Iterator[Finding]:
         models.append(("critic_model", trainer.critic_model.path))
     for field, path in models:
         if path.startswith(("/", "~")) and not _under(path, readable):
-            yield lr.finding(("trainer", field, "path"), ERROR,
-                             f"{path} is read on every node but is not on shared storage; put it "
-                             "under a volume, a file mount, or the workdir (relative path)")
+            yield lr.finding(
+                ("trainer", field, "path"),
+                ERROR,
+                f"{path} is read on every node but is not on shared storage; put it "
+                "under a volume, a file mount, or the workdir (relative path)",
+            )
     data = trainer.data.train
     if data.startswith(("/", "~")) and not _under(data, readable):
-        yield lr.finding(("trainer", "data", "train"), WARNING,
-                         f"{data} is read on the head only, which a restarted job may not land "
-                         "on; keep data on a volume or in the workdir")
+        yield lr.finding(
+            ("trainer", "data", "train"),
+            WARNING,
+            f"{data} is read on the head only, which a restarted job may not land "
+            "on; keep data on a volume or in the workdir",
+        )
 
 
 def check_volumes_for_backends(lr: LoadedRecipe) -> Iterator[Finding]:
@@ -341,13 +452,19 @@ def check_volumes_for_backends(lr: LoadedRecipe) -> Iterator[Finding]:
     cloud_backends = [b for b in ("sky", "dstack") if getattr(recipe, b) is not None]
     for i, volume in enumerate(recipe.volumes):
         if volume.name is None and cloud_backends:
-            yield lr.finding(("volumes", i, "path"), ERROR,
-                             f"{volume.path} has no volume name, so "
-                             f"{' and '.join(cloud_backends)} cannot attach it; add 'name:'")
+            yield lr.finding(
+                ("volumes", i, "path"),
+                ERROR,
+                f"{volume.path} has no volume name, so "
+                f"{' and '.join(cloud_backends)} cannot attach it; add 'name:'",
+            )
     for target in recipe.file_mounts:
         if not target.startswith(("/", "~")):
-            yield lr.finding(("file_mounts", target), ERROR,
-                             f"mount point {target!r} must be absolute (or start with ~)")
+            yield lr.finding(
+                ("file_mounts", target),
+                ERROR,
+                f"mount point {target!r} must be absolute (or start with ~)",
+            )
 
 
 def check_slurm(lr: LoadedRecipe) -> Iterator[Finding]:
@@ -355,19 +472,31 @@ def check_slurm(lr: LoadedRecipe) -> Iterator[Finding]:
     if slurm is None:
         return
     if recipe.file_mounts:
-        yield lr.finding(("file_mounts",), ERROR, "Slurm copies no files to the nodes; put them "
-                         "on the shared filesystem and list that path under volumes")
+        yield lr.finding(
+            ("file_mounts",),
+            ERROR,
+            "Slurm copies no files to the nodes; put them "
+            "on the shared filesystem and list that path under volumes",
+        )
     if recipe.resources.image and not slurm.container_image:
-        yield lr.finding(("resources", "image"), WARNING, "Slurm ignores resources.image; set "
-                         "slurm.container_image to run in a container with pyxis")
+        yield lr.finding(
+            ("resources", "image"),
+            WARNING,
+            "Slurm ignores resources.image; set "
+            "slurm.container_image to run in a container with pyxis",
+        )
     image = slurm.container_image
     if image and "#" not in image and re.match(r"^[a-z0-9.-]+\.[a-z]+(:[0-9]+)?/", image):
         registry, _, rest = image.partition("/")
-        yield lr.finding(("slurm", "container_image"), WARNING,
-                         f"pyxis separates the registry with '#': write '{registry}#{rest}'")
+        yield lr.finding(
+            ("slurm", "container_image"),
+            WARNING,
+            f"pyxis separates the registry with '#': write '{registry}#{rest}'",
+        )
     if recipe.resources.spot:
-        yield lr.finding(("resources", "spot"), WARNING, "Slurm has no spot instances; "
-                         "spot is ignored there")
+        yield lr.finding(
+            ("resources", "spot"), WARNING, "Slurm has no spot instances; spot is ignored there"
+        )
 
 
 def check_sky(lr: LoadedRecipe) -> Iterator[Finding]:
@@ -376,8 +505,11 @@ def check_sky(lr: LoadedRecipe) -> Iterator[Finding]:
         return
     infra = (sky.infra or "").lower()
     if recipe.resources.spot and infra.startswith(("k8s", "kubernetes", "ssh")):
-        yield lr.finding(("resources", "spot"), ERROR,
-                         f"{sky.infra} has no spot instances; set spot: false or pick a cloud")
+        yield lr.finding(
+            ("resources", "spot"),
+            ERROR,
+            f"{sky.infra} has no spot instances; set spot: false or pick a cloud",
+        )
 
 
 def check_dstack(lr: LoadedRecipe) -> Iterator[Finding]:
@@ -385,20 +517,29 @@ def check_dstack(lr: LoadedRecipe) -> Iterator[Finding]:
     if dstack is None:
         return
     if recipe.resources.nodes > 1 and not dstack.fleets:
-        yield lr.finding(("dstack", "fleets"), WARNING,
-                         "a distributed task needs a fleet with placement: cluster; name it "
-                         "here so the run does not wait for one that never fits")
+        yield lr.finding(
+            ("dstack", "fleets"),
+            WARNING,
+            "a distributed task needs a fleet with placement: cluster; name it "
+            "here so the run does not wait for one that never fits",
+        )
     if recipe.file_mounts:
-        yield lr.finding(("file_mounts",), WARNING, "dstack copies only local files (files:); "
-                         "bucket mounts are skipped")
+        yield lr.finding(
+            ("file_mounts",),
+            WARNING,
+            "dstack copies only local files (files:); bucket mounts are skipped",
+        )
 
 
 def check_checkpoint_cadence(lr: LoadedRecipe) -> Iterator[Finding]:
     trainer = lr.recipe.trainer
     if trainer and trainer.checkpoint.dir and trainer.checkpoint.every > trainer.steps:
-        yield lr.finding(("trainer", "checkpoint", "every"), WARNING,
-                         f"every {trainer.checkpoint.every} steps but the run has "
-                         f"{trainer.steps}; only the final checkpoint will be written")
+        yield lr.finding(
+            ("trainer", "checkpoint", "every"),
+            WARNING,
+            f"every {trainer.checkpoint.every} steps but the run has "
+            f"{trainer.steps}; only the final checkpoint will be written",
+        )
 
 
 def check_unused_settings(lr: LoadedRecipe) -> Iterator[Finding]:
@@ -406,12 +547,18 @@ def check_unused_settings(lr: LoadedRecipe) -> Iterator[Finding]:
     if trainer is None:
         return
     if trainer.algorithm != "ppo" and trainer.critic_model is not None:
-        yield lr.finding(("trainer", "critic_model"), WARNING,
-                         f"{trainer.algorithm} has no critic; critic_model is ignored")
+        yield lr.finding(
+            ("trainer", "critic_model"),
+            WARNING,
+            f"{trainer.algorithm} has no critic; critic_model is ignored",
+        )
     if lr.recipe.command is not None:
-        yield lr.finding(("command",), WARNING,
-                         "command replaces rlx's trainer, so the trainer section is only "
-                         "passed along (as RLX_RECIPE_JSON)")
+        yield lr.finding(
+            ("command",),
+            WARNING,
+            "command replaces rlx's trainer, so the trainer section is only "
+            "passed along (as RLX_RECIPE_JSON)",
+        )
 
 
 CHECKS: list[Check] = [

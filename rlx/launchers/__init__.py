@@ -26,6 +26,7 @@ def get_backend(name: str) -> ModuleType:
 def render(name: str, recipe, source: str) -> str:
     """Render `recipe` into the backend's native file text (pure)."""
     if name not in RENDERABLE:
-        raise RlxError(f"backend {name!r} has no file to render; choose one of "
-                       f"{', '.join(RENDERABLE)}")
+        raise RlxError(
+            f"backend {name!r} has no file to render; choose one of {', '.join(RENDERABLE)}"
+        )
     return get_backend(name).render(recipe, source)

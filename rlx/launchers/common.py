@@ -36,8 +36,9 @@ def _printable(text: str) -> str:
 def recipe_json(recipe: Recipe) -> str:
     """The whole validated recipe, as one line of JSON: what `rlx node` and `rlx train`
     read on the nodes (so the nodes need no copy of the recipe file)."""
-    return json.dumps(recipe.model_dump(mode="json"), separators=(",", ":"), sort_keys=False,
-                      ensure_ascii=True)
+    return json.dumps(
+        recipe.model_dump(mode="json"), separators=(",", ":"), sort_keys=False, ensure_ascii=True
+    )
 
 
 def secret_names(recipe: Recipe) -> list[str]:
@@ -79,8 +80,14 @@ _Dumper.add_representer(str, _str_representer)
 
 
 def dump_yaml(data: dict[str, Any]) -> str:
-    return yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False,
-                     allow_unicode=False, width=2**31 - 1)
+    return yaml.dump(
+        data,
+        Dumper=_Dumper,
+        sort_keys=False,
+        default_flow_style=False,
+        allow_unicode=False,
+        width=2**31 - 1,
+    )
 
 
 def drop_empty(data: dict[str, Any]) -> dict[str, Any]:

@@ -35,12 +35,14 @@ def _amount(value: str | None, unit: str) -> str | None:
 
 def _resources(recipe: Recipe) -> dict[str, Any]:
     res = recipe.resources
-    return drop_empty({
-        "gpu": res.accelerators,
-        "cpu": _amount(res.cpus, ""),
-        "memory": _amount(res.memory, "GB"),
-        "disk": f"{res.disk_size}GB" if res.disk_size else None,
-    })
+    return drop_empty(
+        {
+            "gpu": res.accelerators,
+            "cpu": _amount(res.cpus, ""),
+            "memory": _amount(res.memory, "GB"),
+            "disk": f"{res.disk_size}GB" if res.disk_size else None,
+        }
+    )
 
 
 def run_config(recipe: Recipe) -> dict[str, Any]:
@@ -53,39 +55,47 @@ def run_config(recipe: Recipe) -> dict[str, Any]:
     files = []
     if recipe.workdir:
         files.append({"local_path": recipe.workdir, "path": "."})
-    files += [{"local_path": src, "path": dst} for dst, src in recipe.file_mounts.items()
-              if not is_bucket(src)]
+    files += [
+        {"local_path": src, "path": dst}
+        for dst, src in recipe.file_mounts.items()
+        if not is_bucket(src)
+    ]
     retry = None
     if settings and settings.retry:
         retry = {"on_events": list(settings.retry.on_events), "duration": settings.retry.duration}
-    return drop_empty({
-        "type": "task",
-        "name": recipe.name,
-        "nodes": recipe.resources.nodes,
-        "image": recipe.resources.image,
-        "shell": "bash",
-        "env": env,
-        "files": files,
-        "volumes": [drop_empty({"name": v.name, "path": v.path}) for v in recipe.volumes
-                    if v.name],
-        # Workers block in `rlx node` until the head is done, so dstack keeps them up.
-        "commands": [setup_script(recipe) + node_command(NAME)],
-        "resources": _resources(recipe),
-        "spot_policy": "spot" if recipe.resources.spot else None,
-        "fleets": list(settings.fleets) if settings else [],
-        "backends": list(settings.backends) if settings else [],
-        "regions": list(settings.regions) if settings else [],
-        "max_price": settings.max_price if settings else None,
-        "max_duration": settings.max_duration if settings else None,
-        "retry": retry,
-        "stop_criteria": "master-done",
-    })
+    return drop_empty(
+        {
+            "type": "task",
+            "name": recipe.name,
+            "nodes": recipe.resources.nodes,
+            "image": recipe.resources.image,
+            "shell": "bash",
+            "env": env,
+            "files": files,
+            "volumes": [
+                drop_empty({"name": v.name, "path": v.path}) for v in recipe.volumes if v.name
+            ],
+            # Workers block in `rlx node` until the head is done, so dstack keeps them up.
+            "commands": [setup_script(recipe) + node_command(NAME)],
+            "resources": _resources(recipe),
+            "spot_policy": "spot" if recipe.resources.spot else None,
+            "fleets": list(settings.fleets) if settings else [],
+            "backends": list(settings.backends) if settings else [],
+            "regions": list(settings.regions) if settings else [],
+            "max_price": settings.max_price if settings else None,
+            "max_duration": settings.max_duration if settings else None,
+            "retry": retry,
+            "stop_criteria": "master-done",
+        }
+    )
 
 
 def render(recipe: Recipe, source: str) -> str:
     exports = "export " + " ".join(f"{n}=..." for n in secret_names(recipe))
     how = [
         f"Run with: rlx launch {source} --backend dstack",
-        "(or by hand: " + (f"{exports}; " if secret_names(recipe) else "") + "dstack apply -f THIS_FILE)",
+        "(or by hand: "
+        + (f"{exports}; " if secret_names(recipe) else "")
+        + "dstack apply -f THIS_FILE)",
     ]
     return "\n".join(header_lines(recipe, source, how)) + "\n" + dump_yaml(run_config(recipe))

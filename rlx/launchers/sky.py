@@ -56,19 +56,21 @@ def _file_mounts(recipe: Recipe) -> dict[str, Any]:
 def task_config(recipe: Recipe) -> dict[str, Any]:
     """The SkyPilot task as a plain dict (what the YAML says)."""
     envs = {**recipe.env, RECIPE_ENV: recipe_json(recipe)}
-    return drop_empty({
-        "name": recipe.name,
-        "num_nodes": recipe.resources.nodes,
-        "resources": _resources(recipe),
-        "workdir": recipe.workdir,
-        "file_mounts": _file_mounts(recipe),
-        "volumes": {v.path: v.name for v in recipe.volumes if v.name},
-        "envs": envs,
-        # Names only: values come from `rlx launch` (or `sky launch --secret NAME`).
-        "secrets": dict.fromkeys(secret_names(recipe)),
-        "setup": setup_script(recipe),
-        "run": node_command(NAME),
-    })
+    return drop_empty(
+        {
+            "name": recipe.name,
+            "num_nodes": recipe.resources.nodes,
+            "resources": _resources(recipe),
+            "workdir": recipe.workdir,
+            "file_mounts": _file_mounts(recipe),
+            "volumes": {v.path: v.name for v in recipe.volumes if v.name},
+            "envs": envs,
+            # Names only: values come from `rlx launch` (or `sky launch --secret NAME`).
+            "secrets": dict.fromkeys(secret_names(recipe)),
+            "setup": setup_script(recipe),
+            "run": node_command(NAME),
+        }
+    )
 
 
 def render(recipe: Recipe, source: str) -> str:
@@ -76,6 +78,7 @@ def render(recipe: Recipe, source: str) -> str:
         f"Run with: rlx launch {source} --backend sky",
         "(or by hand: sky launch -c NAME THIS_FILE"
         + (" --secret RLX_RAY_TOKEN=$(openssl rand -hex 32)" if recipe.ray.auth == "token" else "")
-        + "".join(f" --secret {name}" for name in recipe.secrets) + ")",
+        + "".join(f" --secret {name}" for name in recipe.secrets)
+        + ")",
     ]
     return "\n".join(header_lines(recipe, source, how)) + "\n" + dump_yaml(task_config(recipe))

@@ -37,8 +37,11 @@ def directives(recipe: Recipe) -> list[str]:
     ]
     if res.gpus_per_node:
         flag = slurm.gpu_flag if slurm else "gpus-per-node"
-        lines.append(f"--gres=gpu:{res.gpus_per_node}" if flag == "gres"
-                     else f"--gpus-per-node={res.gpus_per_node}")
+        lines.append(
+            f"--gres=gpu:{res.gpus_per_node}"
+            if flag == "gres"
+            else f"--gpus-per-node={res.gpus_per_node}"
+        )
     if res.cpus:
         lines.append(f"--cpus-per-task={math.ceil(float(res.cpus.rstrip('+')))}")
     if res.memory:
@@ -62,8 +65,10 @@ def _container_flags(recipe: Recipe) -> list[str]:
     slurm = recipe.slurm
     if not slurm or not slurm.container_image:
         return []
-    mounts = [*slurm.container_mounts,
-              *(f"{v.path}:{v.path}" + (":ro" if v.read_only else "") for v in recipe.volumes)]
+    mounts = [
+        *slurm.container_mounts,
+        *(f"{v.path}:{v.path}" + (":ro" if v.read_only else "") for v in recipe.volumes),
+    ]
     flags = [f"--container-image={slurm.container_image}", "--container-name=rlx"]
     if mounts:
         flags.append(f"--container-mounts={','.join(mounts)}")
@@ -78,7 +83,7 @@ def script(recipe: Recipe) -> list[str]:
         "set -euo pipefail",
         "",
         "# One folder per job: driver.log (this script), head.log, one log per worker.",
-        f"job_logs={q(log_dir(recipe))}/\"${{SLURM_JOB_NAME}}-${{SLURM_JOB_ID}}\"",
+        f'job_logs={q(log_dir(recipe))}/"${{SLURM_JOB_NAME}}-${{SLURM_JOB_ID}}"',
         'mkdir -p "$job_logs"',
         'echo "rlx: logs of this job are in $job_logs"',
         'exec >>"$job_logs/driver.log" 2>&1',
@@ -90,12 +95,15 @@ def script(recipe: Recipe) -> list[str]:
     out.append(f"export {RECIPE_ENV}={q(recipe_json(recipe))}")
     out.append("")
     if recipe.secrets:
-        out.append("# Secrets come from the environment sbatch ran in; they are never written to "
-                   "a file.")
+        out.append(
+            "# Secrets come from the environment sbatch ran in; they are never written to a file."
+        )
         for name in recipe.secrets:
-            message = f"{name} is not set: export it before submitting (secrets are read from " \
-                      "your environment)"
-            out.append(f": \"${{{name}:?{message}}}\"")
+            message = (
+                f"{name} is not set: export it before submitting (secrets are read from "
+                "your environment)"
+            )
+            out.append(f': "${{{name}:?{message}}}"')
         out.append("")
     if recipe.ray.auth == "token":
         out += [
@@ -110,7 +118,7 @@ def script(recipe: Recipe) -> list[str]:
         'mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
         "RLX_NODE_HOSTS=$(printf '%s\\n' \"${nodes[@]}\")",
         "export RLX_NODE_HOSTS",
-        'head_node=${nodes[0]}',
+        "head_node=${nodes[0]}",
         'echo "rlx: head ${head_node}, nodes: ${nodes[*]}"',
         "",
     ]
@@ -120,7 +128,7 @@ def script(recipe: Recipe) -> list[str]:
     if setup:
         out += [
             f"export RLX_SETUP={q(setup)}",
-            f"{step} --nodes={nodes} --ntasks={nodes} --output=\"$job_logs/setup-%N.log\" "
+            f'{step} --nodes={nodes} --ntasks={nodes} --output="$job_logs/setup-%N.log" '
             'bash -c "$RLX_SETUP"',
             "",
         ]
@@ -132,14 +140,14 @@ def script(recipe: Recipe) -> list[str]:
             "fi",
         ]
     out += [
-        f"{step} --nodes=1 --ntasks=1 --nodelist=\"$head_node\" "
+        f'{step} --nodes=1 --ntasks=1 --nodelist="$head_node" '
         f'--output="$job_logs/head.log" rlx node --backend {NAME} &',
         "head_pid=$!",
     ]
     if nodes > 1:
         out += [
             'workers=$(IFS=,; echo "${nodes[*]:1}")',
-            f"{step} --nodes={nodes - 1} --ntasks={nodes - 1} --nodelist=\"$workers\" "
+            f'{step} --nodes={nodes - 1} --ntasks={nodes - 1} --nodelist="$workers" '
             f'--output="$job_logs/worker-%N.log" rlx node --backend {NAME} &',
             "workers_pid=$!",
         ]
@@ -172,6 +180,11 @@ def render(recipe: Recipe, source: str) -> str:
         f"Run with: rlx launch {source} --backend slurm",
         f"(or by hand: mkdir -p {log_dir(recipe)} && sbatch THIS_FILE)",
     ]
-    lines = ["#!/bin/bash", *header_lines(recipe, source, how), *directives(recipe), "",
-             *script(recipe)]
+    lines = [
+        "#!/bin/bash",
+        *header_lines(recipe, source, how),
+        *directives(recipe),
+        "",
+        *script(recipe),
+    ]
     return "\n".join(lines) + "\n"

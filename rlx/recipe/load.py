@@ -62,7 +62,9 @@ def load_recipe(path: str | Path) -> LoadedRecipe:
     except FileNotFoundError:
         raise RlxError(f"{file}: no such file; check the path to the recipe") from None
     except IsADirectoryError:
-        raise RlxError(f"{file}: is a folder; give a recipe file (rlx lint takes folders)") from None
+        raise RlxError(
+            f"{file}: is a folder; give a recipe file (rlx lint takes folders)"
+        ) from None
     except UnicodeDecodeError:
         raise RlxError(f"{file}: not UTF-8 text; save the recipe as UTF-8") from None
     except OSError as exc:
@@ -76,9 +78,18 @@ def parse_recipe(text: str, file: str = "<recipe>") -> LoadedRecipe:
     except YamlError as exc:
         raise RecipeError([Finding(file, exc.line, "error", "(recipe)", str(exc))]) from None
     if not isinstance(data, dict):
-        raise RecipeError([Finding(file, 1, "error", "(recipe)",
-                                   "a recipe is a mapping of fields; start with e.g. "
-                                   "'name: my-job' (see `rlx schema`)")])
+        raise RecipeError(
+            [
+                Finding(
+                    file,
+                    1,
+                    "error",
+                    "(recipe)",
+                    "a recipe is a mapping of fields; start with e.g. "
+                    "'name: my-job' (see `rlx schema`)",
+                )
+            ]
+        )
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as exc:
@@ -103,7 +114,9 @@ def _real_path(loc: tuple[Any, ...], data: Any, kind: str) -> Path_:
     node = data
     for i, part in enumerate(loc):
         last = i == len(loc) - 1
-        if (isinstance(node, dict) and part in node) or (isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)):
+        if (isinstance(node, dict) and part in node) or (
+            isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)
+        ):
             path.append(part)
             node = node[part]
         elif last and kind == "missing":
@@ -123,9 +136,12 @@ def _message(error: Any, path: Path_) -> str:
         return msg.removeprefix("Value error, ")
     if kind in ("literal_error", "enum"):
         expected = error.get("ctx", {}).get("expected", "")
-        hint = _closest(str(given), [s.strip(" '") for s in expected.replace(" or ", ",").split(",")])
+        hint = _closest(
+            str(given), [s.strip(" '") for s in expected.replace(" or ", ",").split(",")]
+        )
         return f"{given!r} is not allowed; write one of {expected}" + (
-            f" (did you mean {hint!r}?)" if hint else "")
+            f" (did you mean {hint!r}?)" if hint else ""
+        )
     if isinstance(given, dict | list):
         return f"{msg}"
     return f"{msg}, got {given!r}"

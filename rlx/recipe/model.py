@@ -105,7 +105,9 @@ class Resources(StrictModel):
         for port in value:
             low, _, high = str(port).partition("-")
             if not (low.isdigit() and (not high or high.isdigit())):
-                raise ValueError(f"{port!r} is not a port or a range; write e.g. 8000 or '9000-9010'")
+                raise ValueError(
+                    f"{port!r} is not a port or a range; write e.g. 8000 or '9000-9010'"
+                )
             if not 1 <= int(low) <= int(high or low) <= 65535:
                 raise ValueError(f"{port!r} is outside 1-65535")
         return value
@@ -182,7 +184,10 @@ class RaySettings(StrictModel):
     object_manager_port: int = Field(8077, ge=1024, le=65535, description="Object manager port.")
     node_manager_port: int = Field(8078, ge=1024, le=65535, description="Raylet port.")
     client_server_port: int = Field(
-        10101, ge=1024, le=65535, description="Ray Client server port (head; SkyPilot's uses 10001)."
+        10101,
+        ge=1024,
+        le=65535,
+        description="Ray Client server port (head; SkyPilot's uses 10001).",
     )
     min_worker_port: int = Field(20002, ge=1024, le=65535, description="Lowest worker port.")
     max_worker_port: int = Field(29999, ge=1024, le=65535, description="Highest worker port.")
@@ -349,8 +354,9 @@ class TrainerSettings(StrictModel):
     algorithm: Literal["grpo", "ppo", "rloo"] = Field(
         "grpo", description="grpo (group-normalised), rloo (leave-one-out) or ppo (critic + GAE)."
     )
-    model: ModelSettings = Field(description="Policy model (also the reference and, for PPO, "
-                                 "the critic's starting point).")
+    model: ModelSettings = Field(
+        description="Policy model (also the reference and, for PPO, the critic's starting point)."
+    )
     critic_model: ModelSettings | None = Field(
         None, description="Critic model for PPO; defaults to the policy model."
     )
@@ -459,32 +465,38 @@ class SlurmSettings(StrictModel):
     def _word(cls, value: str | None) -> str | None:
         # These land on #SBATCH lines, which no shell quoting protects.
         if value is not None and not SLURM_WORD.fullmatch(value):
-            raise ValueError(f"{value!r} has characters Slurm names do not use; write a plain "
-                             "name such as 'gpu' or 'my-account'")
+            raise ValueError(
+                f"{value!r} has characters Slurm names do not use; write a plain "
+                "name such as 'gpu' or 'my-account'"
+            )
         return value
 
     @field_validator("constraint")
     @classmethod
     def _constraint(cls, value: str | None) -> str | None:
         if value is not None and not SLURM_CONSTRAINT.fullmatch(value):
-            raise ValueError(f"{value!r} is not a Slurm constraint expression; write e.g. "
-                             "'h100&ib'")
+            raise ValueError(
+                f"{value!r} is not a Slurm constraint expression; write e.g. 'h100&ib'"
+            )
         return value
 
     @field_validator("log_dir")
     @classmethod
     def _log_dir(cls, value: str) -> str:
         if not LOG_DIR.fullmatch(value):
-            raise ValueError(f"{value!r} must be a plain path (letters, digits, '_', '.', '/', "
-                             "'~', '-'): it goes on an #SBATCH line")
+            raise ValueError(
+                f"{value!r} must be a plain path (letters, digits, '_', '.', '/', "
+                "'~', '-'): it goes on an #SBATCH line"
+            )
         return value.rstrip("/") or "/"
 
     @field_validator("time")
     @classmethod
     def _time(cls, value: str | None) -> str | None:
         if value is not None and not SLURM_TIME.fullmatch(value):
-            raise ValueError(f"{value!r} is not a Slurm time; write minutes, 'HH:MM:SS' or "
-                             "'D-HH:MM:SS'")
+            raise ValueError(
+                f"{value!r} is not a Slurm time; write minutes, 'HH:MM:SS' or 'D-HH:MM:SS'"
+            )
         return value
 
 

@@ -19,8 +19,12 @@ Path_ = tuple[str | int, ...]
 # YAML 1.2 core schema for plain scalars.
 _INT = re.compile(r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+")
 _FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?")
-_SPECIAL_FLOATS = {".inf": float("inf"), "+.inf": float("inf"), "-.inf": float("-inf"),
-                   ".nan": float("nan")}
+_SPECIAL_FLOATS = {
+    ".inf": float("inf"),
+    "+.inf": float("inf"),
+    "-.inf": float("-inf"),
+    ".nan": float("nan"),
+}
 _BOOL = {"true": True, "false": False}
 _NULL = {"", "~", "null"}
 _CORE_TAG = "tag:yaml.org,2002:"
@@ -85,12 +89,16 @@ def _convert(node: yaml.Node, path: Path_, pos: Positions) -> Any:
                 raise YamlError("mapping keys must be plain scalars", key_node.start_mark.line + 1)
             key = key_node.value
             if key == "<<":
-                raise YamlError("YAML merge keys (<<) are not supported in recipes; write the "
-                                "fields out", key_node.start_mark.line + 1)
+                raise YamlError(
+                    "YAML merge keys (<<) are not supported in recipes; write the fields out",
+                    key_node.start_mark.line + 1,
+                )
             if key in out:
                 first = pos.lines.get((*path, key), 0)
-                raise YamlError(f"duplicate key {key!r} (first written on line {first}); keep "
-                                "one", key_node.start_mark.line + 1)
+                raise YamlError(
+                    f"duplicate key {key!r} (first written on line {first}); keep one",
+                    key_node.start_mark.line + 1,
+                )
             pos.lines[(*path, key)] = key_node.start_mark.line + 1
             out[key] = _convert(value_node, (*path, key), pos)
         return out
