@@ -1,0 +1,263 @@
+"""The `rlx` command line.
+
+Heavy libraries (torch, ray, sky, dstack, transformers, vllm) and even the recipe model are
+imported inside the commands that need them, so `rlx --help` stays instant. Expected errors
+(RlxError) become one red line on stderr and exit code 1; RLX_DEBUG=1 shows tracebacks.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable
+from enum import Enum
+from pathlib import Path
+from typing import Any, TypeVar
+
+import typer
+
+from rlx import __version__
+
+app = typer.Typer(
+    name="rlx",
+    help="One recipe for multi-node RL post-training (PPO/GRPO) of language models on "
+    "SkyPilot, dstack, Slurm or this machine.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Backend(str, Enum):
+    sky = "sky"
+    dstack = "dstack"
+    slurm = "slurm"
+    local = "local"
+
+
+class RenderBackend(str, Enum):
+    sky = "sky"
+    dstack = "dstack"
+    slurm = "slurm"
+
+
+class NodeBackend(str, Enum):
+    auto = "auto"
+    sky = "sky"
+    dstack = "dstack"
+    slurm = "slurm"
+    local = "local"
+
+
+class LintFormat(str, Enum):
+    text = "text"
+    github = "github"
+
+
+def fail(message: str) -> None:
+    """Print one red error line to stderr and exit 1."""
+    print_error(message)
+    raise typer.Exit(1)
+
+
+def expected_errors(func: F) -> F:
+    """Turn the errors a user can fix into one line and exit 1 (tracebacks with RLX_DEBUG=1)."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from rlx.errors import RlxError
+
+        try:
+            return func(*args, **kwargs)
+        except RlxError as exc:
+            if os.environ.get("RLX_DEBUG"):
+                raise
+            print_error(str(exc))
+            raise typer.Exit(1) from None
+        except KeyboardInterrupt:
+            raise typer.Exit(130) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def print_error(message: str) -> None:
+    """The first line in red after 'error:'; any further lines (detail) plain."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    console = Console(stderr=True, highlight=False, soft_wrap=True)
+    first, *rest = message.splitlines() or [""]
+    console.print(f"[bold red]error:[/] {escape(first)}")
+    for line in rest:
+        console.print(escape(line))
+
+
+def version_callback(value: bool) -> None:
+    if value:
+        typer.echo(f"rlx {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main_options(
+    version: bool = typer.Option(
+        False, "--version", callback=version_callback, is_eager=True, help="Print the version."
+    ),
+) -> None:
+    """rlx: render, lint, launch and train."""
+
+
+# --------------------------------------------------------------------------- lint / render
+
+
+@app.command()
+@expected_errors
+def lint(
+    paths: list[Path] = typer.Argument(..., help="Recipe files or folders of recipes."),
+    strict: bool = typer.Option(False, "--strict", help="Fail on warnings too."),
+    output_format: LintFormat = typer.Option(
+        LintFormat.text, "--format", help="text, or github for GitHub Actions annotations."
+    ),
+) -> None:
+    """Check recipes before anyone pays for a GPU: schema, then semantic checks.
+
+    One line per finding, `path:line: severity: field: message`. Exit 1 on any error (and on
+    warnings with --strict)."""
+    from rlx.lint import lint_file, recipe_files
+
+    files = recipe_files(paths)
+    if not files:
+        fail(f"no recipe files (*.yaml, *.yml) under {', '.join(map(str, paths))}")
+    errors = warnings = 0
+    for file in files:
+        for finding in lint_file(file):
+            if finding.severity == "error":
+                errors += 1
+            else:
+                warnings += 1
+            if output_format is LintFormat.github:
+                level = "error" if finding.severity == "error" else "warning"
+                message = finding.message.replace("%", "%25").replace("\n", "%0A")
+                typer.echo(
+                    f"::{level} file={finding.file},line={finding.line},"
+                    f"title={finding.field}::{message}"
+                )
+            else:
+                typer.echo(finding.format())
+    summary = f"{len(files)} recipe(s): {errors} error(s), {warnings} warning(s)"
+    typer.echo(summary, err=True)
+    if errors or (strict and warnings):
+        raise typer.Exit(1)
+
+
+@app.command()
+@expected_errors
+def render(
+    recipe: Path = typer.Argument(..., help="Recipe file."),
+    backend: RenderBackend = typer.Option(..., "--backend", "-b", help="Target backend."),
+    output: Path | None = typer.Option(None, "--output", "-o", help="Write here, not stdout."),
+    force: bool = typer.Option(False, "--force", help="Render even if lint finds errors."),
+) -> None:
+    """Render a recipe into the backend's native file (SkyPilot YAML, dstack YAML, sbatch)."""
+    from rlx import launchers
+    from rlx.lint import lint_loaded
+    from rlx.recipe import load_recipe
+
+    loaded = _load_checked(recipe, force, lint_loaded, load_recipe)
+    text = launchers.render(backend.value, loaded.recipe, str(recipe))
+    if output is None:
+        typer.echo(text, nl=False)
+    else:
+        output.write_text(text, encoding="utf-8")
+        if backend is RenderBackend.slurm:
+            output.chmod(0o755)
+        typer.echo(f"wrote {output}", err=True)
+
+
+def _load_checked(
+    path: Path, force: bool, lint_loaded: Callable[..., Any], load_recipe: Callable[..., Any]
+) -> Any:
+    from rlx.errors import RecipeError
+
+    try:
+        loaded = load_recipe(path)
+    except RecipeError as exc:
+        for finding in exc.findings:
+            typer.echo(finding.format(), err=True)
+        fail(f"{path} has {len(exc.findings)} error(s); fix them (see `rlx lint {path}`)")
+    findings = lint_loaded(loaded)
+    errors = [f for f in findings if f.severity == "error"]
+    for finding in findings:
+        typer.echo(finding.format(), err=True)
+    if errors and not force:
+        fail(f"{path} has {len(errors)} lint error(s); fix them or pass --force")
+    return loaded
+
+
+@app.command()
+def schema() -> None:
+    """Print the recipe's JSON Schema (for editor completion and validation)."""
+    import json
+
+    from rlx.recipe import Recipe
+
+    typer.echo(json.dumps(Recipe.model_json_schema(), indent=2))
+
+
+# --------------------------------------------------------------------------- on the nodes
+
+
+@app.command()
+@expected_errors
+def node(
+    backend: NodeBackend = typer.Option(
+        NodeBackend.auto, "--backend", "-b", help="Whose environment to read (auto: detect)."
+    ),
+    recipe: Path | None = typer.Option(
+        None, "--recipe", help="Recipe file (default: the recipe in $RLX_RECIPE_JSON)."
+    ),
+) -> None:
+    """Run on every node of a job: form the Ray cluster, run the trainer on the head, exit
+    with its code. Rendered run blocks call this."""
+    from rlx.launchers import bootstrap
+    from rlx.launchers.nodeenv import node_info
+
+    loaded = _recipe_from(recipe)
+    info = node_info(backend.value, os.environ, loaded.resources.gpus_per_node)
+    raise typer.Exit(bootstrap.main(loaded, info, os.environ))
+
+
+def _recipe_from(path: Path | None) -> Any:
+    """The recipe from a file, or from $RLX_RECIPE_JSON on a node."""
+    from rlx.errors import RlxError
+    from rlx.launchers.common import RECIPE_ENV
+    from rlx.recipe import load_recipe
+    from rlx.recipe.model import Recipe
+
+    if path is not None:
+        return load_recipe(path).recipe
+    raw = os.environ.get(RECIPE_ENV)
+    if not raw:
+        raise RlxError(
+            f"no recipe: pass --recipe FILE, or run inside a rendered job (which sets {RECIPE_ENV})"
+        )
+    from pydantic import ValidationError
+
+    try:
+        return Recipe.model_validate_json(raw)
+    except ValidationError as exc:
+        raise RlxError(
+            f"{RECIPE_ENV} does not hold a valid recipe ({exc.error_count()} "
+            "errors); render the job again with this rlx version"
+        ) from None
+
+
+def main() -> None:
+    app(prog_name="rlx")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,338 @@
+"""`rlx node`: what every node of a rendered job runs.
+
+Head (rank 0): stop any Ray this job left on the node, start the Ray head, wait until every
+node (and GPU) is ALIVE or the join timeout passes (then name the missing nodes), run the
+head command against the explicit head address, watch the nodes while it runs (a lost node
+fails the job fast), then publish the exit code, give the workers a moment to see it, stop
+its Ray and exit with that code.
+
+Worker: stop any Ray this job left on the node, wait for the head's GCS to accept nodes
+(polling with backoff, bounded by the join timeout), join, then follow the head: leave with
+its exit code when it is done, or fail when the head is lost.
+
+Head and workers talk only through the GCS key-value store (namespace "rlx"): the head's
+state goes "waiting" -> "running" -> "done:<code>", and each worker acknowledges "done".
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TextIO
+
+from rlx.errors import RlxError
+from rlx.launchers import raynode
+from rlx.launchers.common import RAY_TOKEN_SECRET
+from rlx.launchers.nodeenv import NodeInfo
+from rlx.recipe.model import Recipe
+
+# Exit code when the cluster itself failed (a node never joined or was lost), as opposed to
+# the trainer failing: EX_TEMPFAIL, worth a retry. Managed-job recovery can key on it.
+CLUSTER_FAILURE = 75
+RAY_START_TIMEOUT = 180.0
+POLL_SECONDS = 1.0
+HEAD_LOST_SECONDS = 15.0  # a worker waits this long without the head before giving up
+ACK_WAIT_SECONDS = 15.0
+TERMINATE_GRACE_SECONDS = 20.0
+
+
+class ClusterError(RlxError):
+    """The cluster itself failed: a node never joined, or a node or the head was lost."""
+
+
+class Stop(Exception):
+    """Raised from a signal handler so clean-up runs on SIGTERM/SIGINT."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.code = 128 + signum
+
+
+@dataclass
+class Bootstrap:
+    recipe: Recipe
+    node: NodeInfo
+    env: Mapping[str, str]
+    out: TextIO = field(default_factory=lambda: sys.stderr)
+    clock: Callable[[], float] = time.monotonic
+
+    def __post_init__(self) -> None:
+        token = None
+        if self.recipe.ray.auth == "token":
+            token = self.env.get(RAY_TOKEN_SECRET, "").strip()
+            if not token:
+                raise RlxError(
+                    f"{RAY_TOKEN_SECRET} is not set: launch with `rlx launch`, which makes a "
+                    f"fresh token per job, or pass it as a secret ({RAY_TOKEN_SECRET}=$(openssl "
+                    "rand -hex 32)); or set ray.auth: none in the recipe"
+                )
+        self.ray_env = raynode.ray_env(self.env, token)
+        # The GCS client in this process reads auth settings from os.environ.
+        for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
+            if key in self.ray_env:
+                os.environ[key] = self.ray_env[key]
+            else:
+                os.environ.pop(key, None)
+        self.address = f"{self.node.head_ip}:{self.recipe.ray.port}"
+
+    def say(self, message: str) -> None:
+        stamp = time.strftime("%H:%M:%S")
+        print(f"rlx node {self.node.rank} {stamp} {message}", file=self.out, flush=True)
+
+    # ------------------------------------------------------------------ entry point
+
+    def run(self) -> int:
+        def handler(signum: int, _frame: object) -> None:
+            raise Stop(signum)
+
+        previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            left = raynode.stop_own_ray(self.address, self.recipe.ray.port)
+            if left:
+                self.say(f"stopped {left} Ray processes left by an earlier attempt")
+            return self.run_head() if self.node.is_head else self.run_worker()
+        except ClusterError as exc:
+            self.say(f"error: {exc}")
+            return CLUSTER_FAILURE
+        except Stop as stop:
+            self.say(f"received {stop}; stopping")
+            return stop.code
+        finally:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
+            raynode.stop_own_ray(self.address, self.recipe.ray.port)
+
+    # ------------------------------------------------------------------ head
+
+    def run_head(self) -> int:
+        node, settings = self.node, self.recipe.ray
+        self.say(
+            f"starting the Ray head on {node.head_ip}:{settings.port} "
+            f"({node.num_nodes} nodes, {node.gpus_per_node} GPUs each)"
+        )
+        raynode.run_ray_start(
+            raynode.head_command(settings, node.head_ip, node.gpus_per_node),
+            self.ray_env,
+            RAY_START_TIMEOUT,
+        )
+        gcs = raynode.Gcs(self.address)
+        gcs.put(raynode.ATTEMPT_KEY, os.urandom(8).hex().encode())
+        gcs.put(raynode.STATE_KEY, b"waiting")
+        try:
+            alive = self.wait_for_nodes(gcs)
+        except ClusterError:
+            gcs.put(raynode.STATE_KEY, f"done:{CLUSTER_FAILURE}".encode())
+            raise
+        gcs.put(raynode.STATE_KEY, b"running")
+        code = self.run_head_command(gcs, alive)
+        gcs.put(raynode.STATE_KEY, f"done:{code}".encode())
+        self.wait_for_acks(gcs)
+        return code
+
+    def wait_for_nodes(self, gcs: raynode.Gcs) -> set[str]:
+        node = self.node
+        want_gpus = node.num_nodes * node.gpus_per_node
+        deadline = self.clock() + self.recipe.ray.join_timeout
+        last_report = 0
+        for delay in raynode.backoff(cap=0.5):
+            states = [s for s in gcs.nodes() if s.alive]
+            alive = {s.ip for s in states}
+            gpus = sum(s.gpus for s in states)
+            if alive >= set(node.node_ips) and gpus >= want_gpus:
+                self.say(f"all {node.num_nodes} nodes joined ({gpus:.0f} GPUs)")
+                return alive
+            if len(alive) != last_report:
+                last_report = len(alive)
+                self.say(f"{len(alive & set(node.node_ips))}/{node.num_nodes} nodes joined")
+            if self.clock() >= deadline:
+                missing = [
+                    node.describe(r) for r, ip in enumerate(node.node_ips) if ip not in alive
+                ]
+                detail = (
+                    f"missing {', '.join(missing)}"
+                    if missing
+                    else f"only {gpus:.0f} of {want_gpus} GPUs registered"
+                )
+                raise ClusterError(
+                    f"the cluster did not form within {self.recipe.ray.join_timeout} s: "
+                    f"{detail}; check those nodes' logs (the trainer was not started)"
+                )
+            time.sleep(delay)
+        raise AssertionError("unreachable")
+
+    def head_command_env(self) -> dict[str, str]:
+        node = self.node
+        env = dict(self.ray_env)
+        env.update(
+            {
+                "RAY_ADDRESS": self.address,
+                "RLX_NUM_NODES": str(node.num_nodes),
+                "RLX_GPUS_PER_NODE": str(node.gpus_per_node),
+                "RLX_NODE_IPS": "\n".join(node.node_ips),
+                "RLX_BACKEND": node.backend,
+            }
+        )
+        if node.run_id:
+            env["RLX_RUN_ID"] = node.run_id
+        for key in raynode.FAST_FAILURE_ENV:
+            env.pop(key, None)  # GCS settings, not meant for the trainer's own processes
+        return env
+
+    def run_head_command(self, gcs: raynode.Gcs, alive: set[str]) -> int:
+        script = "set -e\n" + "\n".join(self.recipe.head_command) + "\n"
+        self.say("running: " + " && ".join(self.recipe.head_command))
+        proc = subprocess.Popen(
+            ["bash", "-c", script], env=self.head_command_env(), start_new_session=True
+        )
+        try:
+            while True:
+                try:
+                    return proc.wait(timeout=POLL_SECONDS)
+                except subprocess.TimeoutExpired:
+                    pass
+                lost = self.lost_nodes(gcs, alive)
+                if lost:
+                    self.say(f"lost {', '.join(lost)}; stopping the job")
+                    self.terminate(proc)
+                    return CLUSTER_FAILURE
+        finally:
+            self.terminate(proc)
+
+    def lost_nodes(self, gcs: raynode.Gcs, alive: set[str]) -> list[str]:
+        try:
+            now = {s.ip for s in gcs.nodes() if s.alive}
+        except Exception:  # a GCS hiccup is not a lost node; the next poll decides
+            return []
+        return [
+            self.node.describe(r)
+            for r, ip in enumerate(self.node.node_ips)
+            if ip in alive and ip not in now
+        ]
+
+    def terminate(self, proc: subprocess.Popen[bytes]) -> None:
+        if proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, TERMINATE_GRACE_SECONDS), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                proc.wait(timeout=wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def wait_for_acks(self, gcs: raynode.Gcs) -> None:
+        workers = self.node.num_nodes - 1
+        if workers == 0:
+            return
+        deadline = self.clock() + ACK_WAIT_SECONDS
+        for delay in raynode.backoff(cap=0.5):
+            try:
+                acks = len(gcs.keys(raynode.ACK_PREFIX))
+            except Exception:
+                return
+            if acks >= workers or self.clock() >= deadline:
+                if acks < workers:
+                    self.say(f"{workers - acks} workers did not confirm the end; stopping anyway")
+                return
+            time.sleep(delay)
+
+    # ------------------------------------------------------------------ worker
+
+    def run_worker(self) -> int:
+        node, settings = self.node, self.recipe.ray
+        deadline = self.clock() + settings.join_timeout
+        while True:
+            gcs, attempt = self.wait_for_head(deadline)
+            self.say(f"joining the head at {self.address}")
+            raynode.run_ray_start(
+                raynode.worker_command(settings, node.head_ip, node.own_ip, node.gpus_per_node),
+                self.ray_env,
+                RAY_START_TIMEOUT,
+            )
+            outcome = self.follow_head(gcs, attempt)
+            if outcome is not None:
+                return outcome
+            # The head went away before the job started: an earlier attempt's head was being
+            # replaced. Leave it and join the new one.
+            raynode.stop_own_ray(self.address, settings.port)
+            self.say("the head restarted before the job began; joining again")
+
+    def wait_for_head(self, deadline: float) -> tuple[raynode.Gcs, bytes]:
+        """Wait until the head's GCS is up and accepting nodes ("waiting"); the GCS and the
+        head attempt it belongs to."""
+        port = self.recipe.ray.port
+        told = False
+        for delay in raynode.backoff():
+            if raynode.port_open(self.node.head_ip, port, timeout=min(1.0, delay * 4)):
+                try:
+                    gcs = raynode.Gcs(self.address)
+                    attempt = gcs.get(raynode.ATTEMPT_KEY)
+                    if attempt and gcs.get(raynode.STATE_KEY) == b"waiting":
+                        return gcs, attempt
+                except Exception:
+                    pass  # a GCS still starting, or an old one being stopped
+            if self.clock() >= deadline:
+                raise ClusterError(
+                    f"the head ({self.node.describe(0)}) did not come up on port {port} within "
+                    f"{self.recipe.ray.join_timeout} s; check the head node's log"
+                )
+            if not told:
+                self.say(f"waiting for the head at {self.address}")
+                told = True
+            time.sleep(delay)
+        raise AssertionError("unreachable")
+
+    def follow_head(self, gcs: raynode.Gcs, attempt: bytes) -> int | None:
+        """Block until the head is done. Its exit code; None if the head vanished or was
+        replaced while still waiting for nodes (a restarted head: join again)."""
+        settings = self.recipe.ray
+        last_state = b"waiting"
+        last_contact = self.clock()
+        while True:
+            time.sleep(POLL_SECONDS)
+            try:
+                state = gcs.get(raynode.STATE_KEY) or b""
+                current = gcs.get(raynode.ATTEMPT_KEY)
+                last_contact = self.clock()
+            except Exception:
+                if self.clock() - last_contact < HEAD_LOST_SECONDS:
+                    continue
+                if last_state == b"waiting":
+                    return None
+                raise ClusterError(
+                    f"lost the head ({self.node.describe(0)}) while the job was "
+                    "running; see the head node's log"
+                ) from None
+            if current != attempt:
+                if last_state == b"waiting":
+                    return None
+                raise ClusterError(
+                    f"the head ({self.node.describe(0)}) restarted while the job "
+                    "was running; this attempt is over"
+                )
+            if state.startswith(b"done:"):
+                code = int(state.split(b":", 1)[1])
+                try:
+                    gcs.put(raynode.ACK_PREFIX + str(self.node.rank).encode(), b"1")
+                except Exception:
+                    pass
+                self.say(f"the head finished with exit code {code}; leaving")
+                return code
+            last_state = state
+            if not raynode.raylet_alive(self.address, settings.port):
+                raise ClusterError(
+                    f"Ray stopped on this node ({self.node.describe(self.node.rank)})"
+                    "; see /tmp/ray/session_latest/logs/raylet.out"
+                )
+
+
+def main(recipe: Recipe, node: NodeInfo, env: Mapping[str, str]) -> int:
+    return Bootstrap(recipe, node, env).run()

@@ -1,0 +1,192 @@
+"""Where am I? Rank, node addresses and GPUs from the environment each backend injects.
+
+Exact variable names (checked against each project's source):
+- SkyPilot: SKYPILOT_NODE_RANK, SKYPILOT_NODE_IPS (one per line, head first),
+  SKYPILOT_NUM_NODES, SKYPILOT_NUM_GPUS_PER_NODE, SKYPILOT_TASK_ID.
+- dstack: DSTACK_NODE_RANK, DSTACK_MASTER_NODE_IP, DSTACK_NODES_IPS (one per line),
+  DSTACK_NODES_NUM, DSTACK_GPUS_PER_NODE, DSTACK_RUN_NAME.
+- Slurm: RLX_NODE_HOSTS (the job's hostnames, head first, set by the rendered sbatch script
+  from `scontrol show hostnames`), SLURMD_NODENAME, SLURM_JOB_ID.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from rlx.errors import RlxError
+
+BACKEND_MARKERS = (
+    ("sky", "SKYPILOT_NODE_RANK"),
+    ("dstack", "DSTACK_NODE_RANK"),
+    ("slurm", "SLURM_JOB_ID"),
+)
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    backend: str
+    rank: int
+    node_ips: tuple[str, ...]  # head first
+    node_names: tuple[str, ...]  # for messages: hostnames where known, else the IPs
+    gpus_per_node: int
+    run_id: str | None
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.node_ips)
+
+    @property
+    def head_ip(self) -> str:
+        return self.node_ips[0]
+
+    @property
+    def own_ip(self) -> str:
+        return self.node_ips[self.rank]
+
+    @property
+    def is_head(self) -> bool:
+        return self.rank == 0
+
+    def describe(self, rank: int) -> str:
+        name, ip = self.node_names[rank], self.node_ips[rank]
+        return f"node {rank} ({name})" if name == ip else f"node {rank} ({name}, {ip})"
+
+
+def detect_backend(env: Mapping[str, str]) -> str:
+    for backend, marker in BACKEND_MARKERS:
+        if marker in env:
+            return backend
+    return "local"
+
+
+def _need(env: Mapping[str, str], name: str, backend: str) -> str:
+    value = env.get(name)
+    if value is None or value.strip() == "":
+        raise RlxError(
+            f"{name} is not set: `rlx node --backend {backend}` runs inside a "
+            f"{backend} job, which sets it"
+        )
+    return value.strip()
+
+
+def _int(env: Mapping[str, str], name: str, backend: str, default: int | None = None) -> int:
+    if default is not None and not env.get(name, "").strip():
+        return default
+    raw = _need(env, name, backend)
+    try:
+        return int(raw)
+    except ValueError:
+        raise RlxError(f"{name}={raw!r} is not a whole number") from None
+
+
+def _lines(raw: str) -> tuple[str, ...]:
+    return tuple(line.strip() for line in raw.splitlines() if line.strip())
+
+
+def _checked(
+    backend: str,
+    rank: int,
+    ips: tuple[str, ...],
+    names: tuple[str, ...],
+    gpus: int,
+    run_id: str | None,
+    expected: int | None = None,
+) -> NodeInfo:
+    if expected is not None and expected != len(ips):
+        raise RlxError(f"{backend}: {expected} nodes announced but {len(ips)} node addresses given")
+    if not 0 <= rank < len(ips):
+        raise RlxError(f"{backend}: node rank {rank} is outside 0..{len(ips) - 1}")
+    if gpus < 0:
+        raise RlxError(f"{backend}: negative GPU count {gpus}")
+    return NodeInfo(backend, rank, ips, names, gpus, run_id)
+
+
+def from_sky(env: Mapping[str, str]) -> NodeInfo:
+    ips = _lines(_need(env, "SKYPILOT_NODE_IPS", "sky"))
+    return _checked(
+        "sky",
+        _int(env, "SKYPILOT_NODE_RANK", "sky"),
+        ips,
+        ips,
+        _int(env, "SKYPILOT_NUM_GPUS_PER_NODE", "sky", default=0),
+        env.get("SKYPILOT_TASK_ID"),
+        _int(env, "SKYPILOT_NUM_NODES", "sky"),
+    )
+
+
+def from_dstack(env: Mapping[str, str]) -> NodeInfo:
+    ips = _lines(env.get("DSTACK_NODES_IPS", ""))
+    master = _need(env, "DSTACK_MASTER_NODE_IP", "dstack")
+    if not ips:
+        raise RlxError(
+            "DSTACK_NODES_IPS is not set: `rlx node --backend dstack` runs inside a "
+            "dstack task, which sets it"
+        )
+    if ips[0] != master:
+        # dstack lists the master first; trust the explicit master address if not.
+        ips = (master, *(ip for ip in ips if ip != master))
+    return _checked(
+        "dstack",
+        _int(env, "DSTACK_NODE_RANK", "dstack"),
+        ips,
+        ips,
+        _int(env, "DSTACK_GPUS_PER_NODE", "dstack", default=0),
+        env.get("DSTACK_RUN_NAME"),
+        _int(env, "DSTACK_NODES_NUM", "dstack"),
+    )
+
+
+def from_slurm(
+    env: Mapping[str, str], gpus_per_node: int, resolve: Callable[[str], str] = socket.gethostbyname
+) -> NodeInfo:
+    hosts = _lines(_need(env, "RLX_NODE_HOSTS", "slurm"))
+    own = env.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
+    if own not in hosts:
+        raise RlxError(
+            f"slurm: this node ({own}) is not in the job's node list ({', '.join(hosts)})"
+        )
+    ips = []
+    for host in hosts:
+        try:
+            ips.append(resolve(host))
+        except OSError:
+            raise RlxError(
+                f"slurm: cannot resolve node {host!r} to an address; check the "
+                "cluster's DNS or /etc/hosts"
+            ) from None
+    return _checked(
+        "slurm", hosts.index(own), tuple(ips), hosts, gpus_per_node, env.get("SLURM_JOB_ID")
+    )
+
+
+def primary_ip() -> str:
+    """The address of the interface holding the default route (what Ray itself picks: it
+    does not accept 127.0.0.1 as a node address when the machine has another)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("8.8.8.8", 53))  # a routing lookup only: UDP connect sends nothing
+            return probe.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+def from_local(gpus_per_node: int) -> NodeInfo:
+    ip = primary_ip()
+    return NodeInfo("local", 0, (ip,), ("localhost",), gpus_per_node, None)
+
+
+def node_info(backend: str, env: Mapping[str, str], gpus_per_node: int) -> NodeInfo:
+    """`gpus_per_node` (from the recipe) is used where the backend does not say."""
+    if backend == "auto":
+        backend = detect_backend(env)
+    if backend == "sky":
+        return from_sky(env)
+    if backend == "dstack":
+        return from_dstack(env)
+    if backend == "slurm":
+        return from_slurm(env, gpus_per_node)
+    if backend == "local":
+        return from_local(gpus_per_node)
+    raise RlxError(f"unknown backend {backend!r}; choose auto, sky, dstack, slurm or local")

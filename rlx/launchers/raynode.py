@@ -1,0 +1,235 @@
+"""The Ray side of the bootstrap: start, watch and stop the job's own Ray on one node.
+
+Everything that touches Ray internals lives here, and the tests exercise it against the
+installed Ray. We never call `ray stop` (it would also stop SkyPilot's own Ray on the node):
+our processes are the ones whose command line names our GCS address, plus their children.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlx.errors import RlxError
+from rlx.recipe.model import RaySettings
+
+NAMESPACE = b"rlx"
+STATE_KEY = b"state"  # "waiting" -> "running" -> "done:<exit code>"
+ATTEMPT_KEY = b"attempt"  # a fresh nonce per head start: tells a restarted head apart
+ACK_PREFIX = b"ack:"  # one per worker once it has seen "done"
+
+# GCS health checks: a killed raylet is declared dead after about period x threshold.
+FAST_FAILURE_ENV = {
+    "RAY_health_check_initial_delay_ms": "2000",
+    "RAY_health_check_period_ms": "1000",
+    "RAY_health_check_timeout_ms": "2000",
+    "RAY_health_check_failure_threshold": "5",
+}
+
+
+@dataclass(frozen=True)
+class NodeState:
+    ip: str
+    alive: bool
+    gpus: float
+
+
+def ray_env(base: Mapping[str, str], token: str | None) -> dict[str, str]:
+    """Environment for Ray processes and clients of this job."""
+    env = dict(base)
+    env.pop("RAY_ADDRESS", None)  # never let a stray address point us at another cluster
+    if token:
+        env["RAY_AUTH_MODE"] = "token"
+        env["RAY_AUTH_TOKEN"] = token
+    env.update(FAST_FAILURE_ENV)
+    return env
+
+
+def head_command(settings: RaySettings, ip: str, gpus: int) -> list[str]:
+    return [
+        "ray",
+        "start",
+        "--head",
+        f"--node-ip-address={ip}",
+        f"--port={settings.port}",
+        f"--dashboard-host={settings.dashboard_host}",
+        f"--dashboard-port={settings.dashboard_port}",
+        f"--ray-client-server-port={settings.client_server_port}",
+        *_shared_flags(settings, gpus),
+    ]
+
+
+def worker_command(settings: RaySettings, head_ip: str, ip: str, gpus: int) -> list[str]:
+    return [
+        "ray",
+        "start",
+        f"--address={head_ip}:{settings.port}",
+        f"--node-ip-address={ip}",
+        *_shared_flags(settings, gpus),
+    ]
+
+
+def _shared_flags(settings: RaySettings, gpus: int) -> list[str]:
+    return [
+        f"--dashboard-agent-listen-port={settings.dashboard_agent_port}",
+        f"--object-manager-port={settings.object_manager_port}",
+        f"--node-manager-port={settings.node_manager_port}",
+        f"--min-worker-port={settings.min_worker_port}",
+        f"--max-worker-port={settings.max_worker_port}",
+        f"--num-gpus={gpus}",
+        "--disable-usage-stats",
+    ]
+
+
+def run_ray_start(argv: list[str], env: Mapping[str, str], timeout: float) -> None:
+    try:
+        proc = subprocess.run(
+            argv, env=dict(env), capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except FileNotFoundError:
+        raise RlxError(
+            "the 'ray' command is not installed on this node; add "
+            "pip install 'rlx[node]' (or ray[default]) to setup"
+        ) from None
+    except subprocess.TimeoutExpired:
+        raise RlxError(f"`{' '.join(argv[:3])}` did not finish within {timeout:.0f} s") from None
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+        raise RlxError(f"`{' '.join(argv[:3])}` failed (exit {proc.returncode}):\n{tail}")
+
+
+def port_open(ip: str, port: int, timeout: float = 1.0) -> bool:
+    try:
+        with socket.create_connection((ip, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+class Gcs:
+    """A thin client of the head's GCS: node table and a small key-value store."""
+
+    def __init__(self, address: str, timeout: float = 5.0):
+        from ray._raylet import GcsClient  # heavy; only on nodes
+
+        self.timeout = timeout
+        self._client: Any = GcsClient(address=address)
+
+    def nodes(self) -> list[NodeState]:
+        info = self._client.get_all_node_info(timeout=self.timeout)
+        return [
+            NodeState(
+                node.node_manager_address,
+                node.state == 0,  # 0 is ALIVE
+                float(node.resources_total.get("GPU", 0.0)),
+            )
+            for node in info.values()
+        ]
+
+    def get(self, key: bytes) -> bytes | None:
+        return self._client.internal_kv_get(key, NAMESPACE, timeout=self.timeout)
+
+    def put(self, key: bytes, value: bytes) -> None:
+        self._client.internal_kv_put(key, value, True, NAMESPACE, timeout=self.timeout)
+
+    def keys(self, prefix: bytes) -> list[bytes]:
+        return list(self._client.internal_kv_keys(prefix, NAMESPACE, timeout=self.timeout))
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return []
+    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
+
+
+def _parents() -> dict[int, int]:
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            # the command name may hold spaces and parentheses: ppid follows the last ')'
+            out[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    return out
+
+
+def _is_ours(argv: list[str], address: str, port: int) -> bool:
+    if not argv:
+        return False
+    program = os.path.basename(argv[0])
+    is_ray = program in ("gcs_server", "raylet") or any(
+        "/ray/" in arg or arg.startswith("ray.") for arg in argv[:3]
+    )
+    if not is_ray:
+        return False
+    return any(address in arg for arg in argv) or (
+        program == "gcs_server" and f"--gcs_server_port={port}" in argv
+    )
+
+
+def own_ray_pids(address: str, port: int) -> list[int]:
+    """Ray processes of the cluster at `address` on this node, with all their descendants."""
+    parents = _parents()
+    roots = {pid for pid in parents if _is_ours(_cmdline(pid), address, port)}
+    found = set(roots)
+    changed = True
+    while changed:
+        changed = False
+        for pid, ppid in parents.items():
+            if ppid in found and pid not in found:
+                found.add(pid)
+                changed = True
+    found.discard(os.getpid())
+    return sorted(found)
+
+
+def raylet_alive(address: str, port: int) -> bool:
+    return any(
+        os.path.basename((_cmdline(pid) or [""])[0]) == "raylet"
+        for pid in own_ray_pids(address, port)
+    )
+
+
+def stop_own_ray(address: str, port: int, grace: float = 5.0) -> int:
+    """Stop this job's Ray processes on this node (never anyone else's). Returns how many."""
+    pids = own_ray_pids(address, port)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(_running(pid) for pid in pids):
+            time.sleep(0.05)
+    return len(pids)
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def backoff(start: float = 0.05, factor: float = 1.5, cap: float = 1.0) -> Iterator[float]:
+    """Poll intervals: fast at first (bring-up is usually quick), then gentler."""
+    delay = start
+    while True:
+        yield delay
+        delay = min(delay * factor, cap)
