@@ -16,6 +16,7 @@ state goes "waiting" -> "running" -> "done:<code>", and each worker acknowledges
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -320,10 +321,8 @@ class Bootstrap:
                 )
             if state.startswith(b"done:"):
                 code = int(state.split(b":", 1)[1])
-                try:
+                with contextlib.suppress(Exception):
                     gcs.put(raynode.ACK_PREFIX + str(self.node.rank).encode(), b"1")
-                except Exception:
-                    pass
                 self.say(f"the head finished with exit code {code}; leaving")
                 return code
             last_state = state

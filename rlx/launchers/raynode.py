@@ -7,6 +7,7 @@ our processes are the ones whose command line names our GCS address, plus their 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -209,10 +210,8 @@ def stop_own_ray(address: str, port: int, grace: float = 5.0) -> int:
     pids = own_ray_pids(address, port)
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and any(_running(pid) for pid in pids):
             time.sleep(0.05)
