@@ -148,6 +148,7 @@ def lint(
             else:
                 typer.echo(finding.format())
     summary = f"{len(files)} recipe(s): {errors} error(s), {warnings} warning(s)"
+    sys.stdout.flush()
     typer.echo(summary, err=True)
     if errors or (strict and warnings):
         raise typer.Exit(1)

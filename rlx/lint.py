@@ -26,9 +26,8 @@ SKYPILOT_PORTS = {
 }
 SKYPILOT_WORKER_PORTS = range(11002, 20000)
 RESERVED_ENV_PREFIXES = ("SKYPILOT_", "DSTACK_", "SLURM_", "RLX_")
-SECRET_LIKE_NAME = re.compile(
-    r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|PRIVATE_KEY)", re.IGNORECASE
-)
+SECRET_WORDS = {"TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIALS", "APIKEY"}
+SECRET_SUFFIXES = ("API_KEY", "ACCESS_KEY", "SECRET_KEY", "PRIVATE_KEY", "AUTH_KEY")
 SECRET_LIKE_VALUE = re.compile(
     r"^(hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|gh[pousr]_[A-Za-z0-9]{20,}"
     r"|AKIA[0-9A-Z]{16}|xox[abp]-[A-Za-z0-9-]{10,})"
@@ -38,6 +37,12 @@ Check = Callable[[LoadedRecipe], Iterable[Finding]]
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _secret_like_name(name: str) -> bool:
+    """HF_TOKEN or WANDB_API_KEY, but not TOKENIZERS_PARALLELISM."""
+    upper = name.upper()
+    return bool(SECRET_WORDS & set(upper.split("_"))) or upper.endswith(SECRET_SUFFIXES)
 
 
 def _ray_ports(recipe: Recipe) -> dict[str, int]:
@@ -119,7 +124,7 @@ def check_batch_divisibility(lr: LoadedRecipe) -> Iterator[Finding]:
             f"prompts_per_step x rollout.n = {step} sequences do not split evenly "
             f"over {ranks} training GPUs; make it a multiple of {ranks}",
         )
-    if step % minibatch:
+    elif step % minibatch:
         yield lr.finding(
             (*where, "minibatch_size"),
             ERROR,
@@ -308,6 +313,11 @@ def check_auth(lr: LoadedRecipe) -> Iterator[Finding]:
 
 def check_secrets_in_env(lr: LoadedRecipe) -> Iterator[Finding]:
     recipe = lr.recipe
+    for i, name in enumerate(recipe.secrets):
+        if SECRET_LIKE_VALUE.match(name):
+            # Never echo it: it is most likely a real credential.
+            yield lr.finding(("secrets", i), ERROR, f"entry {i} looks like a credential, not a "
+                             "name; list secret NAMES only (e.g. HF_TOKEN) and revoke that one")
     for name, value in recipe.env.items():
         where = ("env", name)
         if name in recipe.secrets:
@@ -324,7 +334,7 @@ def check_secrets_in_env(lr: LoadedRecipe) -> Iterator[Finding]:
                 "this value looks like a credential; remove it, "
                 f"list '{name}' under secrets and export it before launch",
             )
-        elif SECRET_LIKE_NAME.search(name) and value:
+        elif _secret_like_name(name) and value:
             yield lr.finding(
                 where,
                 ERROR,

@@ -27,7 +27,11 @@ _SPECIAL_FLOATS = {
 }
 _BOOL = {"true": True, "false": False}
 _NULL = {"", "~", "null"}
-_CORE_TAG = "tag:yaml.org,2002:"
+# Tags PyYAML may resolve plain scalars to; anything else (!!python/..., custom !tags) is
+# refused rather than silently read as text.
+_SCALAR_TAGS = {f"tag:yaml.org,2002:{name}"
+                for name in ("str", "int", "float", "bool", "null", "timestamp", "value")}
+_COLLECTION_TAGS = {"tag:yaml.org,2002:map", "tag:yaml.org,2002:seq"}
 
 
 class YamlError(ValueError):
@@ -55,7 +59,7 @@ class Positions:
 
 
 def _scalar(node: yaml.ScalarNode) -> Any:
-    if not node.tag.startswith(_CORE_TAG):
+    if node.tag not in _SCALAR_TAGS:
         raise YamlError(f"unsupported YAML tag {node.tag!r}", node.start_mark.line + 1)
     value = node.value
     if node.style:  # quoted or block scalars are strings, whatever they look like
@@ -80,6 +84,8 @@ def _convert(node: yaml.Node, path: Path_, pos: Positions) -> Any:
     pos.lines.setdefault(path, node.start_mark.line + 1)
     if isinstance(node, yaml.ScalarNode):
         return _scalar(node)
+    if isinstance(node, yaml.SequenceNode | yaml.MappingNode) and node.tag not in _COLLECTION_TAGS:
+        raise YamlError(f"unsupported YAML tag {node.tag!r}", node.start_mark.line + 1)
     if isinstance(node, yaml.SequenceNode):
         return [_convert(item, (*path, i), pos) for i, item in enumerate(node.value)]
     if isinstance(node, yaml.MappingNode):
