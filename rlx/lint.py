@@ -316,8 +316,12 @@ def check_secrets_in_env(lr: LoadedRecipe) -> Iterator[Finding]:
     for i, name in enumerate(recipe.secrets):
         if SECRET_LIKE_VALUE.match(name):
             # Never echo it: it is most likely a real credential.
-            yield lr.finding(("secrets", i), ERROR, f"entry {i} looks like a credential, not a "
-                             "name; list secret NAMES only (e.g. HF_TOKEN) and revoke that one")
+            yield lr.finding(
+                ("secrets", i),
+                ERROR,
+                f"entry {i} looks like a credential, not a "
+                "name; list secret NAMES only (e.g. HF_TOKEN) and revoke that one",
+            )
     for name, value in recipe.env.items():
         where = ("env", name)
         if name in recipe.secrets:
@@ -533,12 +537,21 @@ def check_dstack(lr: LoadedRecipe) -> Iterator[Finding]:
             "a distributed task needs a fleet with placement: cluster; name it "
             "here so the run does not wait for one that never fits",
         )
-    if recipe.file_mounts:
-        yield lr.finding(
-            ("file_mounts",),
-            WARNING,
-            "dstack copies only local files (files:); bucket mounts are skipped",
-        )
+    for name, value in recipe.env.items():
+        if "\n" in value or "\r" in value:
+            yield lr.finding(
+                ("env", name),
+                ERROR,
+                "dstack cannot pass a value with a line "
+                "break; put it in a file in the workdir instead",
+            )
+    for target, source in recipe.file_mounts.items():
+        if is_bucket(source):
+            yield lr.finding(
+                ("file_mounts", target),
+                WARNING,
+                "dstack copies local files only; this bucket is not mounted there",
+            )
 
 
 def check_checkpoint_cadence(lr: LoadedRecipe) -> Iterator[Finding]:

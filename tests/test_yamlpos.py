@@ -5,8 +5,16 @@ from rlx.recipe.yamlpos import YamlError, load_yaml
 
 def test_yaml_1_2_scalars_keep_strings_strings():
     data, _ = load_yaml("a: no\nb: on\nc: 1:00:00\nd: 0x10\ne: 1e3\nf: '5'\ng: ~\nh: True\n")
-    assert data == {"a": "no", "b": "on", "c": "1:00:00", "d": 16, "e": 1000.0, "f": "5",
-                    "g": None, "h": True}
+    assert data == {
+        "a": "no",
+        "b": "on",
+        "c": "1:00:00",
+        "d": 16,
+        "e": 1000.0,
+        "f": "5",
+        "g": None,
+        "h": True,
+    }
 
 
 def test_positions_of_nested_keys_and_list_items():
@@ -25,7 +33,9 @@ def test_duplicate_keys_are_errors_with_both_lines():
     assert "first written on line 1" in str(exc.value)
 
 
-@pytest.mark.parametrize("text,line", [("a: [1\n", 2), ("a: b\n  c: d\n", 2), ("a: !!python/name:os.system x\n", 1)])
+@pytest.mark.parametrize(
+    "text,line", [("a: [1\n", 2), ("a: b\n  c: d\n", 2), ("a: !!python/name:os.system x\n", 1)]
+)
 def test_invalid_yaml_reports_a_line(text, line):
     with pytest.raises(YamlError) as exc:
         load_yaml(text)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlx.errors import RlxError
 from rlx.launchers.common import (
     RECIPE_ENV,
     drop_empty,
@@ -49,6 +50,12 @@ def run_config(recipe: Recipe) -> dict[str, Any]:
     """The dstack task as a plain dict (what the YAML says)."""
     settings = recipe.dstack
     plain = {**recipe.env, RECIPE_ENV: recipe_json(recipe)}
+    for key, value in plain.items():
+        if "\n" in value or "\r" in value:
+            raise RlxError(
+                f"env.{key}: dstack cannot pass a value with a line break (its env "
+                "list takes one line per variable); put it in a file instead"
+            )
     # Secrets by name only: dstack takes the value from the environment of `dstack apply`
     # (or from a dstack secret of that name).
     env = [*(f"{k}={escape(v)}" for k, v in plain.items()), *secret_names(recipe)]

@@ -29,8 +29,10 @@ _BOOL = {"true": True, "false": False}
 _NULL = {"", "~", "null"}
 # Tags PyYAML may resolve plain scalars to; anything else (!!python/..., custom !tags) is
 # refused rather than silently read as text.
-_SCALAR_TAGS = {f"tag:yaml.org,2002:{name}"
-                for name in ("str", "int", "float", "bool", "null", "timestamp", "value")}
+_SCALAR_TAGS = {
+    f"tag:yaml.org,2002:{name}"
+    for name in ("str", "int", "float", "bool", "null", "timestamp", "value")
+}
 _COLLECTION_TAGS = {"tag:yaml.org,2002:map", "tag:yaml.org,2002:seq"}
 
 
