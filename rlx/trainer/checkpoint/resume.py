@@ -1,0 +1,70 @@
+"""Which run a process belongs to, and which checkpoint it starts from."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from rlx.errors import RlxError
+from rlx.trainer.checkpoint.store import (
+    MARKER,
+    CheckpointManager,
+    newest_complete,
+    read_marker,
+    sanitize_run_id,
+)
+
+# Where a relaunched job's stable name comes from, first match wins. SLURM_JOB_ID is left
+# out on purpose: a resubmitted batch job gets a new id and would not find its checkpoints.
+RUN_ID_ENV_VARS = ("RLX_RUN_ID", "SKYPILOT_TASK_ID", "DSTACK_RUN_NAME")
+
+
+def resolve_run_id(recipe_name: str, env: Mapping[str, str]) -> str:
+    """A run id that stays the same when a managed job is relaunched, so it finds its checkpoints.
+
+    Order, first non-empty wins: RLX_RUN_ID (explicit choice), SKYPILOT_TASK_ID (stable across
+    managed-job recoveries), DSTACK_RUN_NAME (stable across dstack retries), then the recipe
+    name, which makes successive Slurm submissions of one recipe continue each other.
+    """
+    for name in RUN_ID_ENV_VARS:
+        run_id = sanitize_run_id(env.get(name, ""))
+        if run_id:
+            return run_id
+    run_id = sanitize_run_id(recipe_name)
+    if not run_id:
+        raise RlxError(f"cannot make a run id from recipe name {recipe_name!r}; set RLX_RUN_ID")
+    return run_id
+
+
+def resolve_resume(setting: str, manager: CheckpointManager) -> Path | None:
+    """The checkpoint to resume from for checkpoint.resume = 'auto' | 'never' | a path.
+
+    'auto': the newest complete checkpoint of this run, or None for a fresh start. 'never':
+    None, but only if this run has no complete checkpoint yet: starting over in a folder
+    that holds another history would mix two runs (rotation and 'auto' go by step number).
+    A path must be one complete checkpoint.
+    """
+    if setting == "auto":
+        return manager.latest()
+    if setting == "never":
+        newest = manager.latest()
+        if newest is not None:
+            raise RlxError(
+                f"checkpoint.resume: never, but {manager.run_dir} already holds complete "
+                f"checkpoints (newest: {newest.name}); set resume: auto to continue that run, "
+                "or set RLX_RUN_ID to a new id (or delete that folder) to start afresh"
+            )
+        return None
+    path = Path(setting).expanduser()
+    if not path.exists():
+        raise RlxError(f"checkpoint.resume: {path} does not exist; give a step-NNNNNN folder")
+    if not path.is_dir():
+        raise RlxError(f"checkpoint.resume: {path} is not a folder; give a step-NNNNNN folder")
+    if read_marker(path) is None:
+        newest = newest_complete(path)
+        if newest is not None:
+            hint = f"it looks like a run folder; did you mean {newest}?"
+        else:
+            hint = f"it has no valid {MARKER} marker (an interrupted save or not a checkpoint)"
+        raise RlxError(f"checkpoint.resume: {path} is not a complete checkpoint: {hint}")
+    return path

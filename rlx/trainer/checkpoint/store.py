@@ -1,0 +1,242 @@
+"""Atomic, resumable checkpoints: <root>/<run id>/step-000050/, one folder per saved step.
+
+A save writes every part into a hidden temporary sibling (.step-000050.tmp-<random>), fsyncs
+each file and the folder, renames it into place, and only then writes the COMPLETE marker
+(itself written to a temporary name, fsynced and renamed) and fsyncs the parent. A folder
+without the marker is an interrupted save: it is never resumed from and the next save removes
+it, together with stale temporary folders. Older checkpoints are rotated out only once the
+new one is complete, so a save killed at any point leaves the previous checkpoint resumable.
+
+One process saves into a run folder at a time (the single controller on the head node).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import secrets
+import shutil
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from rlx import __version__
+from rlx.errors import RlxError
+from rlx.trainer.checkpoint.parts import (
+    describe_file,
+    fsync_path,
+    read_part,
+    sha256_of,
+    write_part,
+    write_synced,
+)
+
+MARKER = "COMPLETE"
+MARKER_FORMAT = 1
+STEP_DIR = re.compile(r"step-(?P<step>[0-9]{6,})")
+# Leftovers of interrupted saves (.tmp-) and of rotations (.old-); both are safe to delete.
+LEFTOVER_DIR = re.compile(r"\.step-[0-9]{6,}\.(tmp|old)-[0-9a-f]+")
+PART_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")
+RESERVED_PART_NAMES = frozenset({"step", MARKER})
+
+RUN_ID_CHARS = re.compile(r"[^A-Za-z0-9_.-]+")
+MAX_RUN_ID_LENGTH = 128
+
+PhaseHook = Callable[[str], None]
+
+
+def sanitize_run_id(raw: str) -> str:
+    """A folder name from an arbitrary id: safe characters only, no leading dot, bounded."""
+    cleaned = RUN_ID_CHARS.sub("-", raw.strip()).lstrip(".-")[:MAX_RUN_ID_LENGTH]
+    return cleaned.rstrip(".-")
+
+
+def read_marker(folder: Path) -> dict[str, Any] | None:
+    """The COMPLETE marker of a checkpoint folder, or None when the folder is not complete."""
+    folder = Path(folder)
+    match = STEP_DIR.fullmatch(folder.name)
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(marker, dict) or marker.get("format") != MARKER_FORMAT:
+        return None
+    if match is None or marker.get("step") != int(match["step"]):
+        return None
+    return marker
+
+
+def newest_complete(run_dir: Path) -> Path | None:
+    complete = complete_checkpoints(run_dir)
+    return complete[-1][1] if complete else None
+
+
+def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every complete checkpoint in run_dir, oldest step first."""
+    if not run_dir.is_dir():
+        return []
+    found = []
+    for child in run_dir.iterdir():
+        match = STEP_DIR.fullmatch(child.name)
+        if match and child.is_dir() and read_marker(child) is not None:
+            found.append((int(match["step"]), child))
+    return sorted(found)
+
+
+# --------------------------------------------------------------------------- the manager
+
+
+class CheckpointManager:
+    """Saves, finds and loads the checkpoints of one run under root/run_id/."""
+
+    def __init__(self, root: Path, run_id: str, keep: int):
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, got {keep}")
+        if sanitize_run_id(run_id) != run_id or not run_id:
+            raise ValueError(f"run id {run_id!r} is not a safe folder name; see resolve_run_id")
+        self.root = Path(root)
+        self.run_id = run_id
+        self.keep = keep
+
+    @property
+    def run_dir(self) -> Path:
+        return self.root / self.run_id
+
+    def checkpoints(self) -> list[Path]:
+        """Every complete checkpoint of this run, oldest step first."""
+        return [path for _, path in complete_checkpoints(self.run_dir)]
+
+    def latest(self) -> Path | None:
+        """The complete checkpoint with the highest step, or None."""
+        return newest_complete(self.run_dir)
+
+    def save(
+        self, step: int, parts: Mapping[str, Any], *, _after_phase: PhaseHook | None = None
+    ) -> Path:
+        """Write parts as the checkpoint of step, atomically, and return its folder.
+
+        Each part becomes one file: a non-empty flat dict of str -> tensor goes to safetensors,
+        a value JSON stores unchanged (str-keyed dicts, lists, numbers, strings) to JSON so it
+        can be read by eye, anything else through torch.save (checked first to load back with
+        weights_only=True). A complete checkpoint of the same step is replaced; complete
+        checkpoints of later steps are removed once this one is complete, since a run saving
+        step N has abandoned whatever came after N (it was resumed from an earlier step).
+
+        _after_phase is for crash tests: called with "part:<name>" after each part file,
+        "written" once the temporary folder is synced, "renamed" once it is in place,
+        "marked" once the marker is durable, and "rotated" at the end.
+        """
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        for name in parts:
+            if not PART_NAME.fullmatch(name) or name in RESERVED_PART_NAMES:
+                raise ValueError(
+                    f"checkpoint part name {name!r} must match {PART_NAME.pattern} "
+                    f"and not be one of {sorted(RESERVED_PART_NAMES)}"
+                )
+        hook = _after_phase or (lambda phase: None)
+        self.root.mkdir(parents=True, exist_ok=True)
+        if not self.run_dir.is_dir():
+            self.run_dir.mkdir(exist_ok=True)
+            fsync_path(self.root)
+        self._remove_leftovers()
+
+        final = self.run_dir / f"step-{step:06d}"
+        temporary = self._fresh_sibling(final, "tmp")
+        try:
+            entries = {}
+            for name, value in parts.items():
+                entries[name] = write_part(temporary, name, value)
+                hook(f"part:{name}")
+            fsync_path(temporary)
+            files = [describe_file(temporary / entry["file"]) for entry in entries.values()]
+        except BaseException:
+            shutil.rmtree(temporary, ignore_errors=True)
+            raise
+        hook("written")
+
+        replaced = None
+        if final.exists():
+            # An older save of this step (complete or not): move it aside, drop it below.
+            replaced = self._fresh_sibling(final, "old", create=False)
+            final.rename(replaced)
+        temporary.rename(final)
+        fsync_path(self.run_dir)
+        hook("renamed")
+
+        marker = {
+            "format": MARKER_FORMAT,
+            "step": step,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "unix_time": time.time(),
+            "rlx_version": __version__,
+            "parts": entries,
+            "files": files,
+        }
+        write_synced(final / f".{MARKER}.tmp", json.dumps(marker, indent=1).encode())
+        (final / f".{MARKER}.tmp").rename(final / MARKER)
+        fsync_path(final)
+        fsync_path(self.run_dir)
+        hook("marked")
+
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
+        self._rotate(step)
+        hook("rotated")
+        return final
+
+    def load(self, path: Path, *, verify: bool = True) -> dict[str, Any]:
+        """The parts saved in a complete checkpoint, plus "step". Tensors come back on the CPU.
+
+        verify checks every file against the marker's sizes and sha256 digests first, so a
+        damaged checkpoint is reported as such instead of failing somewhere inside a loader.
+        """
+        path = Path(path)
+        marker = read_marker(path)
+        if marker is None:
+            raise RlxError(f"{path} is not a complete checkpoint (no valid {MARKER} marker)")
+        if verify:
+            for file in marker["files"]:
+                target = path / file["name"]
+                if not target.is_file() or target.stat().st_size != file["bytes"]:
+                    raise RlxError(f"checkpoint {path}: {file['name']} is missing or truncated")
+                if sha256_of(target) != file["sha256"]:
+                    raise RlxError(f"checkpoint {path}: {file['name']} does not match its checksum")
+        loaded: dict[str, Any] = {"step": marker["step"]}
+        for name, entry in marker["parts"].items():
+            loaded[name] = read_part(path, entry)
+        return loaded
+
+    # ----------------------------------------------------------------------- internals
+
+    def _fresh_sibling(self, final: Path, kind: str, *, create: bool = True) -> Path:
+        while True:
+            candidate = final.with_name(f".{final.name}.{kind}-{secrets.token_hex(4)}")
+            if not create:
+                if not candidate.exists():
+                    return candidate
+                continue
+            with contextlib.suppress(FileExistsError):
+                candidate.mkdir()
+                return candidate
+
+    def _remove_leftovers(self) -> None:
+        """Delete temporary folders and step folders without a marker (interrupted saves)."""
+        for child in self.run_dir.iterdir():
+            interrupted = STEP_DIR.fullmatch(child.name) and read_marker(child) is None
+            if child.is_dir() and (LEFTOVER_DIR.fullmatch(child.name) or interrupted):
+                shutil.rmtree(child, ignore_errors=True)
+
+    def _rotate(self, newest_step: int) -> None:
+        complete = complete_checkpoints(self.run_dir)
+        abandoned = [path for step, path in complete if step > newest_step]
+        current = [path for step, path in complete if step <= newest_step]
+        for path in abandoned + current[: -self.keep]:
+            # Rename first: a deletion killed halfway must not leave a marker on a partial
+            # folder; the renamed leftover is cleared by the next save.
+            doomed = self._fresh_sibling(path, "old", create=False)
+            path.rename(doomed)
+            fsync_path(self.run_dir)
+            shutil.rmtree(doomed, ignore_errors=True)

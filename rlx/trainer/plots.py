@@ -1,0 +1,105 @@
+"""End-of-run views of a metrics file: a two-panel PNG and a short summary for the CLI."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from rlx.trainer.metrics import APPROX_KL, KL, REWARD_MEAN, REWARD_STD, STEP_TIME, read_metrics
+
+
+def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) where key holds a finite number; missing, null and NaN are skipped."""
+    steps, values = [], []
+    for record in records:
+        value = record.get(key)
+        if isinstance(value, int | float) and math.isfinite(value):
+            steps.append(record["step"])
+            values.append(float(value))
+    return steps, values
+
+
+def write_plot(jsonl_path: Path, png_path: Path) -> Path:
+    """Reward mean (with a ±std band when logged) and KL per step, as two stacked panels."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    records = read_metrics(Path(jsonl_path))
+    figure = Figure(figsize=(8, 6), layout="constrained")
+    FigureCanvasAgg(figure)  # Agg directly: no pyplot, no global backend switch
+    reward_axes, kl_axes = figure.subplots(2, 1, sharex=True)
+
+    # Markers keep a run of one or two steps visible, where a line alone would not be.
+    steps, means = _series(records, REWARD_MEAN)
+    if steps:
+        reward_axes.plot(steps, means, marker="o", markersize=3, label="reward mean")
+        std_by_step = dict(zip(*_series(records, REWARD_STD), strict=True))
+        band = [
+            (s, m, std_by_step[s]) for s, m in zip(steps, means, strict=True) if s in std_by_step
+        ]
+        if band:
+            reward_axes.fill_between(
+                [s for s, _, _ in band],
+                [m - d for _, m, d in band],
+                [m + d for _, m, d in band],
+                alpha=0.25,
+                label="±1 std",
+            )
+        reward_axes.legend(loc="best")
+    else:
+        _no_data(reward_axes)
+    reward_axes.set_ylabel("reward")
+    reward_axes.grid(alpha=0.3)
+
+    plotted = False
+    for key, label in ((KL, "KL to reference"), (APPROX_KL, "approx KL (policy update)")):
+        steps, values = _series(records, key)
+        if steps:
+            kl_axes.plot(steps, values, marker="o", markersize=3, label=label)
+            plotted = True
+    if plotted:
+        kl_axes.legend(loc="best")
+    else:
+        _no_data(kl_axes)
+    kl_axes.set_ylabel("KL")
+    kl_axes.set_xlabel("step")
+    kl_axes.grid(alpha=0.3)
+
+    png_path = Path(png_path)
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = png_path.with_name(f".{png_path.name}.tmp")
+    figure.savefig(temporary, format="png", dpi=100)
+    temporary.replace(png_path)
+    return png_path
+
+
+def _no_data(axes: Any) -> None:
+    axes.text(0.5, 0.5, "no data", transform=axes.transAxes, ha="center", va="center")
+
+
+def summary(jsonl_path: Path) -> dict[str, Any]:
+    """Steps logged, first/last step, first/last reward mean and wall time (None if unknown).
+
+    Wall time runs from the start of the first logged step (its end minus its step_time,
+    when logged) to the end of the last, so a resumed run's pause is included.
+    """
+    records = read_metrics(Path(jsonl_path))
+    result: dict[str, Any] = {
+        "steps": len(records),
+        "first_step": records[0]["step"] if records else None,
+        "last_step": records[-1]["step"] if records else None,
+        "first_reward_mean": None,
+        "last_reward_mean": None,
+        "wall_time_s": None,
+    }
+    _, rewards = _series(records, REWARD_MEAN)
+    if rewards:
+        result["first_reward_mean"] = rewards[0]
+        result["last_reward_mean"] = rewards[-1]
+    times = [r["time"] for r in records if isinstance(r.get("time"), int | float)]
+    if times:
+        first_step_time = records[0].get(STEP_TIME)
+        lead = first_step_time if isinstance(first_step_time, int | float) else 0.0
+        result["wall_time_s"] = max(times) - min(times) + lead
+    return result
