@@ -208,6 +208,112 @@ def schema() -> None:
     typer.echo(json.dumps(Recipe.model_json_schema(), indent=2))
 
 
+# --------------------------------------------------------------------------- launch and operate
+
+
+@app.command()
+@expected_errors
+def launch(
+    recipe: Path = typer.Argument(..., help="Recipe file."),
+    backend: Backend = typer.Option(Backend.local, "--backend", "-b", help="Where to run."),
+    name: str | None = typer.Option(None, "--name", "-n", help="Job name (default: recipe's)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print what would be submitted."),
+    managed: bool = typer.Option(
+        False, "--managed", help="SkyPilot: a managed job (recovers from preemption)."
+    ),
+) -> None:
+    """Submit a recipe to a backend (default: run it here) and remember the job."""
+    from rlx.launchers import get_backend
+    from rlx.launchers.base import LaunchRequest, collect_secrets, remember
+    from rlx.lint import lint_loaded
+    from rlx.recipe import load_recipe
+    from rlx.recipe.model import RECIPE_NAME
+
+    loaded = _load_checked(recipe, False, lint_loaded, load_recipe)
+    job_recipe = loaded.recipe
+    if name is not None:
+        if not RECIPE_NAME.fullmatch(name):
+            fail(
+                f"--name {name!r}: use lowercase letters, digits and '-', start with a letter, "
+                "2 to 40 characters"
+            )
+        job_recipe = job_recipe.model_copy(update={"name": name})
+    if managed and backend is not Backend.sky:
+        fail("--managed is for SkyPilot managed jobs; use it with --backend sky")
+    module = get_backend(backend.value)
+    rendered = module.render(job_recipe, str(recipe)) if hasattr(module, "render") else ""
+    if dry_run:
+        typer.echo(rendered or module.describe(job_recipe, str(recipe)), nl=False)
+        return
+    request = LaunchRequest(
+        recipe=job_recipe,
+        source=str(recipe),
+        name=job_recipe.name,
+        rendered=rendered,
+        secrets=collect_secrets(job_recipe, os.environ),
+        workdir=Path.cwd(),
+        managed=managed,
+    )
+    job = module.launch(request)
+    remember(job, Path.cwd())
+    code = int(job.extra.get("exit_code", "0"))
+    if backend is not Backend.local:
+        typer.echo(
+            f"launched {job.name} on {job.backend} ({job.handle}); follow it with: "
+            f"rlx logs {job.name} --follow",
+            err=True,
+        )
+    raise typer.Exit(code)
+
+
+@app.command()
+@expected_errors
+def status(name: str | None = typer.Argument(None, help="Job name (default: all).")) -> None:
+    """Show the state of launched jobs."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from rlx.launchers import get_backend
+    from rlx.launchers.base import recall, recall_all
+
+    jobs = [recall(name, Path.cwd())] if name else recall_all(Path.cwd())
+    if not jobs:
+        typer.echo("no jobs launched from this folder yet (rlx launch RECIPE)", err=True)
+        return
+    table = Table("name", "backend", "id", "state", "detail")
+    for job in jobs:
+        state = get_backend(job.backend).status(job)
+        table.add_row(job.name, job.backend, job.handle, state.state, state.detail)
+    Console(soft_wrap=True).print(table)
+
+
+@app.command()
+@expected_errors
+def logs(
+    name: str = typer.Argument(..., help="Job name."),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new lines."),
+    node: int | None = typer.Option(None, "--node", help="Only this node (0 is the head)."),
+) -> None:
+    """Print a job's logs (the head's by default where the backend keeps them apart)."""
+    from rlx.launchers import get_backend
+    from rlx.launchers.base import recall
+
+    job = recall(name, Path.cwd())
+    raise typer.Exit(get_backend(job.backend).logs(job, follow=follow, node=node))
+
+
+@app.command()
+@expected_errors
+def down(name: str = typer.Argument(..., help="Job name.")) -> None:
+    """Stop a job and release what it holds."""
+    from rlx.launchers import get_backend
+    from rlx.launchers.base import recall
+
+    job = recall(name, Path.cwd())
+    get_backend(job.backend).down(job)
+    typer.echo(f"stopped {name}", err=True)
+
+
 # --------------------------------------------------------------------------- on the nodes
 
 

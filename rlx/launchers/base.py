@@ -1,0 +1,109 @@
+"""What every backend's launcher offers, and what `rlx launch` hands it.
+
+Request first (TorchX style): `render` (pure) builds the native file; `launch` writes it and
+submits it, and is a thin step on top. Every backend module provides:
+
+    NAME: str
+    SUFFIX: str                                    # file suffix of the rendered file
+    render(recipe, source) -> str                  # sky, dstack, slurm
+    launch(request: LaunchRequest) -> Job
+    status(job: Job) -> JobStatus
+    logs(job: Job, *, follow: bool, node: int | None) -> int     # exit code for the CLI
+    down(job: Job) -> None
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from rlx.errors import RlxError
+from rlx.launchers.common import RAY_TOKEN_SECRET
+from rlx.recipe import Recipe
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    recipe: Recipe
+    source: str  # the recipe's path as the user gave it
+    name: str  # job name (recipe name unless --name)
+    rendered: str  # the native file's text ("" for local)
+    secrets: Mapping[str, str]  # secret values, from the environment; never written
+    workdir: Path  # where rendered files and logs go (.rlx/ under the current folder)
+    managed: bool = False  # SkyPilot managed job
+    dry_run: bool = False
+
+
+@dataclass
+class Job:
+    """A launched job, as remembered in .rlx/jobs/<name>.json (no secrets in it)."""
+
+    name: str
+    backend: str
+    handle: str  # backend's id: cluster/run name, Slurm job id, local pid
+    source: str
+    rendered_file: str
+    launched_at: float = field(default_factory=time.time)
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    name: str
+    backend: str
+    state: str  # PENDING | RUNNING | SUCCEEDED | FAILED | CANCELLED | UNKNOWN
+    detail: str = ""
+    exit_code: int | None = None
+
+
+def collect_secrets(recipe: Recipe, env: Mapping[str, str]) -> dict[str, str]:
+    """Secret values for launch: the recipe's secrets from the user's environment, plus a
+    fresh Ray token for this job. Missing ones are an error naming them all."""
+    missing = [name for name in recipe.secrets if not env.get(name)]
+    if missing:
+        raise RlxError(
+            f"secret(s) {', '.join(missing)} not set in your environment; export "
+            "them before launching (values are never written to any file)"
+        )
+    values = {name: env[name] for name in recipe.secrets}
+    if recipe.ray.auth == "token":
+        values[RAY_TOKEN_SECRET] = secrets.token_hex(32)
+    return values
+
+
+# --------------------------------------------------------------------------- job registry
+
+
+def state_dir(workdir: Path) -> Path:
+    return workdir / ".rlx"
+
+
+def remember(job: Job, workdir: Path) -> Path:
+    folder = state_dir(workdir) / "jobs"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{job.name}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(job), indent=2))
+    os.replace(tmp, path)
+    return path
+
+
+def recall(name: str, workdir: Path) -> Job:
+    path = state_dir(workdir) / "jobs" / f"{name}.json"
+    if not path.exists():
+        known = ", ".join(j.name for j in recall_all(workdir)) or "none"
+        raise RlxError(f"no job named {name!r} was launched from {workdir} (known: {known})")
+    return Job(**json.loads(path.read_text()))
+
+
+def recall_all(workdir: Path) -> list[Job]:
+    folder = state_dir(workdir) / "jobs"
+    if not folder.is_dir():
+        return []
+    jobs = [Job(**json.loads(p.read_text())) for p in sorted(folder.glob("*.json"))]
+    return sorted(jobs, key=lambda j: j.launched_at)
