@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import math
+import os
 import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
 
+from rlx.errors import RlxError
+from rlx.launchers.base import Job, JobStatus, LaunchRequest, state_dir
 from rlx.launchers.common import (
     NOT_INSTALLED,
     RAY_TOKEN_SECRET,
@@ -188,3 +196,169 @@ def render(recipe: Recipe, source: str) -> str:
         *script(recipe),
     ]
     return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- operate
+# sbatch submits; the job id is the handle. State comes from squeue while the job is known
+# to the controller, then from sacct (or scontrol while it still remembers the job).
+
+TERMINAL = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
+STATE_NAMES = {
+    "COMPLETED": "SUCCEEDED",
+    "PENDING": "PENDING",
+    "CONFIGURING": "PENDING",
+    "RUNNING": "RUNNING",
+    "COMPLETING": "RUNNING",
+    "CANCELLED": "CANCELLED",
+}
+
+
+def _slurm(
+    argv: list[str],
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+    check: bool = True,
+) -> subprocess.CompletedProcess[str]:
+    try:
+        proc = subprocess.run(
+            argv,
+            capture_output=True,
+            text=True,
+            env=None if env is None else dict(env),
+            cwd=cwd,
+            timeout=120,
+            check=False,
+        )
+    except FileNotFoundError:
+        raise RlxError(
+            f"`{argv[0]}` is not installed here; run rlx on a Slurm login node"
+        ) from None
+    except subprocess.TimeoutExpired:
+        raise RlxError(
+            f"`{' '.join(argv[:2])}` did not answer within 120 s; is slurmctld up? (try `sinfo`)"
+        ) from None
+    if check and proc.returncode != 0:
+        message = (proc.stderr or proc.stdout).strip().splitlines()
+        raise RlxError(f"{argv[0]} failed: {message[-1] if message else proc.returncode}")
+    return proc
+
+
+def launch(request: LaunchRequest) -> Job:
+    folder = state_dir(request.workdir) / "rendered"
+    folder.mkdir(parents=True, exist_ok=True)
+    script = folder / f"{request.name}{SUFFIX}"
+    script.write_text(request.rendered, encoding="utf-8")
+    script.chmod(0o755)
+    logs_root = request.workdir / log_dir(request.recipe)
+    logs_root.mkdir(parents=True, exist_ok=True)
+    # Secrets reach the job through sbatch's environment (exported to the job), never a file.
+    env = {**os.environ, **request.secrets}
+    proc = _slurm(["sbatch", "--parsable", str(script)], env=env, cwd=request.workdir)
+    job_id = proc.stdout.strip().split(";")[0]
+    if not job_id.isdigit():
+        raise RlxError(f"sbatch answered {proc.stdout.strip()!r}, not a job id")
+    return Job(
+        request.name,
+        NAME,
+        job_id,
+        request.source,
+        str(script),
+        extra={"logs": str(logs_root / f"{request.name}-{job_id}")},
+    )
+
+
+def _state(job: Job) -> tuple[str, int | None, str]:
+    """(Slurm state, exit code if known, reason)."""
+    proc = _slurm(["squeue", "-h", "-j", job.handle, "-o", "%T|%r"], check=False)
+    line = proc.stdout.strip()
+    if proc.returncode == 0 and line:
+        state, _, reason = line.partition("|")
+        return state, None, "" if reason in ("None", "") else reason
+    proc = _slurm(
+        ["sacct", "-n", "-X", "-P", "-j", job.handle, "-o", "State,ExitCode"], check=False
+    )
+    line = proc.stdout.strip().splitlines()[0] if proc.stdout.strip() else ""
+    if proc.returncode == 0 and line:
+        state, _, code = line.partition("|")
+        return state.split()[0], int(code.split(":")[0] or 0), ""
+    proc = _slurm(["scontrol", "show", "job", job.handle, "-o"], check=False)
+    fields = dict(kv.split("=", 1) for kv in proc.stdout.split() if "=" in kv)
+    if proc.returncode == 0 and "JobState" in fields:
+        code = fields.get("ExitCode", "0:0").split(":")[0]
+        return fields["JobState"], int(code) if code.isdigit() else None, fields.get("Reason", "")
+    return "UNKNOWN", None, "the controller no longer knows this job (see its logs)"
+
+
+def status(job: Job) -> JobStatus:
+    state, code, reason = _state(job)
+    shown = STATE_NAMES.get(state, "FAILED" if state in TERMINAL else state)
+    if state == "COMPLETED" and code not in (None, 0):
+        shown = "FAILED"
+    detail = ", ".join(
+        x for x in (state.lower(), reason, f"exit code {code}" if code is not None else "") if x
+    )
+    return JobStatus(job.name, NAME, shown, detail, code)
+
+
+def _log_files(job: Job, node: int | None) -> list[Path]:
+    folder = Path(job.extra["logs"])
+    if node is None or node == 0:
+        return [folder / "head.log"]
+    hosts = _job_hosts(folder)
+    if not 0 < node < len(hosts):
+        raise RlxError(f"node {node} is not in job {job.name} (nodes 0..{max(len(hosts) - 1, 0)})")
+    return [folder / f"worker-{hosts[node]}.log"]
+
+
+def _job_hosts(folder: Path) -> list[str]:
+    driver = folder / "driver.log"
+    if driver.exists():
+        for line in driver.read_text(errors="replace").splitlines():
+            if line.startswith("rlx: head ") and ", nodes: " in line:
+                return line.split(", nodes: ", 1)[1].split()
+    return []
+
+
+def logs(job: Job, *, follow: bool, node: int | None) -> int:
+    files = _log_files(job, node)
+    offsets = dict.fromkeys(files, 0)
+
+    def drain() -> None:
+        for path in files:
+            if path.exists():
+                with path.open("rb") as f:
+                    f.seek(offsets[path])
+                    chunk = f.read()
+                offsets[path] += len(chunk)
+                sys.stdout.write(chunk.decode(errors="replace"))
+        sys.stdout.flush()
+
+    drain()
+    if follow:
+        while _state(job)[0] not in (*TERMINAL, "UNKNOWN"):
+            time.sleep(1.0)
+            drain()
+        drain()  # what arrived while the job finished
+    if not any(path.exists() for path in files):
+        raise RlxError(
+            f"no log yet at {files[0]} (the job may still be pending: rlx status {job.name})"
+        )
+    return 0
+
+
+def down(job: Job) -> None:
+    _slurm(["scancel", job.handle])
+    for _ in range(120):  # wait until the controller has let go of it
+        if _state(job)[0] not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+            return
+        time.sleep(0.5)
