@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["tests.hosts.fixtures"]
+
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = REPO / "recipes"
 
