@@ -218,11 +218,12 @@ class _SamplingDistribution:
 class HFEngine(RolloutEngine):
     """Rollouts with transformers' `generate`; works on CPU and as a GPU fallback.
 
-    `model` is a loaded causal LM (used as is, not copied: load_weights writes into it)
-    or a folder/hub name to load. The engine replaces the model's generation config, so
-    sampling defaults shipped with a checkpoint (temperature, top_k, repetition penalty)
-    never apply: only the arguments of `generate` do. Prompts are left-padded into batches
-    of at most max_batch_size rows (all rows at once when None).
+    `model` is a loaded causal LM (used as is, not copied: load_weights writes into it;
+    the engine puts it in eval mode once) or a folder/hub name to load. The engine
+    replaces the model's generation config, so sampling defaults shipped with a checkpoint
+    (temperature, top_k, repetition penalty) never apply: only the arguments of `generate`
+    do. Prompts are left-padded into batches of at most max_batch_size rows (all rows at
+    once when None).
     """
 
     def __init__(
@@ -237,9 +238,11 @@ class HFEngine(RolloutEngine):
     ):
         from transformers import AutoModelForCausalLM, GenerationConfig
 
+        if isinstance(dtype, str) and dtype != "auto":
+            dtype = getattr(torch, dtype)  # "bfloat16" -> torch.bfloat16
         if isinstance(model, (str, Path)):
             model = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype or "auto")
-        elif dtype is not None:
+        elif isinstance(dtype, torch.dtype):
             model = model.to(dtype=dtype)
         if device is not None:
             model = model.to(device)
@@ -247,7 +250,9 @@ class HFEngine(RolloutEngine):
         self.device = next(model.parameters()).device
         eos = eos_token_id
         if eos is None:
-            eos = model.generation_config.eos_token_id or model.config.eos_token_id
+            eos = model.generation_config.eos_token_id
+        if eos is None:
+            eos = model.config.eos_token_id
         if eos is None:
             raise ValueError("the model names no EOS token; pass eos_token_id")
         self.eos_ids: list[int] = [eos] if isinstance(eos, int) else list(eos)

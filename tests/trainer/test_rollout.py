@@ -70,6 +70,13 @@ def _assert_well_formed(batch: RolloutBatch, n: int, max_new_tokens: int) -> Non
     assert torch.equal(batch.response_mask, positions[None, :] < lengths[:, None])
 
 
+def _assert_logprobs_match_teacher_forcing(model, batch: RolloutBatch) -> None:
+    for row, response in enumerate(batch.response_lists()):
+        expected = _teacher_forced(model, batch.prompt_ids[row], response)
+        taken = expected.gather(1, torch.tensor(response)[:, None]).squeeze(1)
+        assert torch.allclose(batch.logprobs[row, : len(response)], taken, atol=1e-4), row
+
+
 # ----------------------------------------------------------------------------- helpers
 
 
@@ -109,20 +116,14 @@ def test_shapes_grouping_and_logprobs_match_a_teacher_forced_pass(tiny_model_dir
     engine = HFEngine(tiny_model_dir)
     batch = engine.generate(PROMPTS, 4, max_new_tokens=12, seed=0)
     _assert_well_formed(batch, n=4, max_new_tokens=12)
-    reference = _load(tiny_model_dir)
-    worst = 0.0
-    for row, response in enumerate(batch.response_lists()):
-        expected = _teacher_forced(reference, batch.prompt_ids[row], response)
-        got = batch.logprobs[row, : len(response)]
-        expected_taken = expected.gather(1, torch.tensor(response)[:, None]).squeeze(1)
-        worst = max(worst, (got - expected_taken).abs().max().item())
-    assert worst < 1e-4
+    _assert_logprobs_match_teacher_forcing(_load(tiny_model_dir), batch)
     # samples of one prompt differ from each other (it is sampling, not greedy)
     assert len({tuple(r) for r in batch.response_lists()[:4]}) > 1
 
 
 def test_eos_ends_responses_and_everything_after_is_masked(tiny_model_dir: Path) -> None:
-    engine = HFEngine(_eos_heavy_model(tiny_model_dir))
+    model = _eos_heavy_model(tiny_model_dir)
+    engine = HFEngine(model)
     batch = engine.generate(PROMPTS, 8, max_new_tokens=24, seed=1)
     _assert_well_formed(batch, n=8, max_new_tokens=24)
     lengths = batch.response_lengths.tolist()
@@ -134,6 +135,16 @@ def test_eos_ends_responses_and_everything_after_is_masked(tiny_model_dir: Path)
             assert eos_positions == [len(response) - 1]  # exactly one EOS, and it is last
         else:
             assert eos_positions == [] and len(response) == batch.response_ids.shape[1]
+    _assert_logprobs_match_teacher_forcing(model, batch)
+
+
+def test_generation_that_stops_early_keeps_logprobs_aligned(tiny_model_dir: Path) -> None:
+    model = _eos_heavy_model(tiny_model_dir, eos_bias=6.0)
+    batch = HFEngine(model).generate(PROMPTS, 6, max_new_tokens=64, seed=4)
+    assert batch.finished.all()
+    assert batch.response_ids.shape[1] < 64  # every row ended, so generate stopped early
+    assert batch.response_ids.shape[1] == int(batch.response_lengths.max())
+    _assert_logprobs_match_teacher_forcing(model, batch)
 
 
 def test_min_new_tokens_holds_eos_back(tiny_model_dir: Path) -> None:
@@ -275,7 +286,6 @@ def test_make_engine(tiny_model_dir: Path) -> None:
 
 
 def test_vllm_engine_says_how_to_install_it(tiny_model_dir: Path) -> None:
-    pytest.importorskip("torch")
     try:
         import vllm  # noqa: F401
     except ImportError:
