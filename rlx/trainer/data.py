@@ -16,7 +16,10 @@ import logging
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +168,9 @@ def _answer_text(value: Any) -> str | None:
     return str(value)
 
 
-def render_prompt(tokenizer: Any, value: Any, *, chat_template_for_strings: bool) -> str:
+def render_prompt(
+    tokenizer: PreTrainedTokenizerBase, value: Any, *, chat_template_for_strings: bool
+) -> str:
     """The text a prompt value stands for: chat messages go through the chat template
     (with the generation prompt); plain strings only when asked to."""
     if isinstance(value, str) and not chat_template_for_strings:
@@ -189,7 +194,7 @@ def render_prompt(tokenizer: Any, value: Any, *, chat_template_for_strings: bool
 
 def load_prompt_dataset(
     path: str | Path,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     *,
     prompt_key: str = "prompt",
     answer_key: str | None = None,

@@ -20,7 +20,6 @@ import importlib.util
 import math
 import re
 from collections.abc import Callable, Sequence
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 from rlx.trainer.synthetic import letters_or_digits_reward
@@ -43,22 +42,29 @@ _LEADING_NUMBER = re.compile(r"\s*(" + _NUMBER + ")")
 _MARKER = "####"
 
 
+_PLAIN_NUMBER = re.compile(r"([-+]?)(\d*)(?:\.(\d*))?")
+
+
 def normalize_number(text: str) -> str | None:
     """Canonical form of a written number, or None if `text` is not one.
 
     "1,234" -> "1234", "$5" -> "5", "+3" -> "3", "7.0" -> "7", "2.50" -> "2.5", "-0" -> "0".
+    Pure string work, exact at any length (responses are untrusted and may be huge).
     """
     cleaned = text.strip().replace(",", "").replace("$", "").replace(" ", "")
     cleaned = cleaned.rstrip(".")  # a sentence-final period: "#### 12."
-    try:
-        value = Decimal(cleaned)
-    except InvalidOperation:
+    match = _PLAIN_NUMBER.fullmatch(cleaned)
+    if match is None:
         return None
-    if not value.is_finite():
+    sign, whole, fraction = match.group(1), match.group(2), match.group(3) or ""
+    if not whole and not fraction:
         return None
-    if value == value.to_integral_value():
-        return str(int(value))
-    return format(value.normalize(), "f")
+    whole = whole.lstrip("0") or "0"
+    fraction = fraction.rstrip("0")
+    if whole == "0" and not fraction:
+        return "0"  # -0 is 0
+    body = f"{whole}.{fraction}" if fraction else whole
+    return f"-{body}" if sign == "-" else body
 
 
 def _after_last_marker(text: str) -> str | None:

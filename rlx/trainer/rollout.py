@@ -18,9 +18,12 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 ENGINE_NAMES: tuple[str, ...] = ("hf", "vllm", "auto")
@@ -228,7 +231,7 @@ class HFEngine(RolloutEngine):
 
     def __init__(
         self,
-        model: Any,
+        model: PreTrainedModel | str | Path,
         *,
         eos_token_id: int | Sequence[int] | None = None,
         pad_token_id: int | None = None,

@@ -1,9 +1,11 @@
 """Small tasks generated locally, for the quickstart and the learning tests.
 
 `letters_or_digits`: the prompt asks for digits or for letters and the reward is the share
-of the response made of the requested kind. A random byte-level policy scores about 0.07;
-a tiny random model trained with plain GRPO learns to read the prompt and reaches about 0.9
-within ~150 steps on two CPU cores (figures in docs and tests).
+of the response made of the requested kind. A random byte-level policy scores about 0.07.
+Plain GRPO on the default tiny model (4 prompts x 16 samples x 32 tokens per step, Adam at
+2e-3) lifts it to about 0.4 by step 60 and 0.75-1.0 by step 150, a few tenths of a second
+per step on two CPU cores; to pass 0.5 the model must read the prompt, since one kind
+scores 0 on the other's prompts.
 
 `arithmetic`: GSM8K-style sums and differences whose answer follows `#### `; it exercises
 the gsm8k reward and the verl parquet layout, and is not meant to be learnable by a tiny model.

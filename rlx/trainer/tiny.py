@@ -9,6 +9,10 @@ follow them.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 # Byte b has token id b; the special tokens come right after the 256 byte tokens.
 SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
@@ -53,7 +57,7 @@ def _byte_to_char() -> dict[int, str]:
     return table
 
 
-def build_tokenizer():  # -> transformers.PreTrainedTokenizerFast
+def build_tokenizer() -> PreTrainedTokenizerFast:
     """A byte-level tokenizer: 256 byte tokens (id == byte value), then SPECIAL_TOKENS.
 
     No merges, so every byte is one token: encoding never fails and decoding is exact.

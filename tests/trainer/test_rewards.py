@@ -39,6 +39,13 @@ from rlx.trainer.synthetic import arithmetic_rows
         ("twelve", None),
         ("", None),
         ("nan", None),
+        ("1e3", None),
+        ("007", "7"),
+        ("-.50", "-0.5"),
+        ("12345678901234567890123456789.5", "12345678901234567890123456789.5"),
+        ("9" * 10_000, "9" * 10_000),  # no int() conversion limit, no rounding
+        ("1.2.3", None),
+        ("-", None),
     ],
 )
 def test_normalize_number(text: str, expected: str | None) -> None:
