@@ -402,8 +402,14 @@ class HFEngine(RolloutEngine):
 
 
 def vllm_usable() -> bool:
-    """True when a GPU is visible and vllm is installed."""
-    return torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
+    """True when a GPU is visible and vllm imports (tried only when there is a GPU)."""
+    if not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None:
+        return False
+    try:
+        import vllm  # noqa: F401 - a broken install fails here, not mid-run
+    except (ImportError, OSError, RuntimeError):  # missing libs, CUDA/driver mismatch
+        return False
+    return True
 
 
 def make_engine(
