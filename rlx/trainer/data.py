@@ -1,0 +1,348 @@
+"""Prompt datasets (jsonl, parquet incl. verl's GSM8K layout) and a resumable sampler.
+
+verl's layout, which `rlx` reads as is:
+
+    data_source: str
+    prompt: list of {"role": str, "content": str}   (chat messages)
+    reward_model: {"ground_truth": str, "style": str}
+
+Select the answer with the dotted key `reward_model.ground_truth`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+FORMATS: dict[str, tuple[str, ...]] = {
+    "jsonl": (".jsonl", ".ndjson"),
+    "parquet": (".parquet",),
+}
+OVERLONG_POLICIES: tuple[str, ...] = ("filter", "truncate", "error")
+
+
+class DataError(ValueError):
+    """A dataset that cannot be read as prompts; the message names the file and the fix."""
+
+
+# ---------------------------------------------------------------------------------------
+# Reading rows
+
+
+def detect_format(path: Path, data_format: str | None = None) -> str:
+    """The format named explicitly, or the one the file suffix implies."""
+    if data_format is not None:
+        if data_format not in FORMATS:
+            raise DataError(f"unknown data format {data_format!r}; valid: {', '.join(FORMATS)}")
+        return data_format
+    for name, suffixes in FORMATS.items():
+        if path.suffix.lower() in suffixes:
+            return name
+    known = ", ".join(suffix for suffixes in FORMATS.values() for suffix in suffixes)
+    raise DataError(
+        f"{path}: cannot tell the format from the suffix {path.suffix!r}; "
+        f"use one of {known} or name the format ({', '.join(FORMATS)})"
+    )
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}:{line_no}: invalid JSON: {exc.msg}") from exc
+            if not isinstance(row, dict):
+                raise DataError(
+                    f"{path}:{line_no}: each line must be a JSON object, got {type(row).__name__}"
+                )
+            rows.append(row)
+    return rows
+
+
+def _read_parquet(path: Path) -> list[dict[str, Any]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise DataError(f"{path}: not a readable parquet file: {exc}") from exc
+    return table.to_pylist()
+
+
+def read_rows(path: str | Path, data_format: str | None = None) -> list[dict[str, Any]]:
+    """All rows of a jsonl or parquet file as dicts (structs become nested dicts)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data file {str(path)!r} does not exist")
+    fmt = detect_format(path, data_format)
+    rows = _read_jsonl(path) if fmt == "jsonl" else _read_parquet(path)
+    if not rows:
+        raise DataError(f"{path}: the file holds no rows")
+    return rows
+
+
+def get_field(row: Mapping[str, Any], key: str) -> Any:
+    """row[key], where a dotted key walks into nested dicts ("reward_model.ground_truth").
+
+    A key that exists literally (a column named "a.b") wins over the nested reading.
+    Raises KeyError whose message names the missing part and the keys that exist there.
+    """
+    if key in row:
+        return row[key]
+    node: Any = row
+    walked: list[str] = []
+    for part in key.split("."):
+        if not isinstance(node, Mapping):
+            raise KeyError(
+                f"key {key!r}: {'.'.join(walked)!r} is a {type(node).__name__}, not a mapping"
+            )
+        if part not in node:
+            where = f"under {'.'.join(walked)!r}" if walked else "in the row"
+            raise KeyError(
+                f"key {key!r}: no {part!r} {where}; keys there: {', '.join(map(str, node))}"
+            )
+        node = node[part]
+        walked.append(part)
+    return node
+
+
+# ---------------------------------------------------------------------------------------
+# Prompts
+
+
+@dataclass(frozen=True)
+class PromptDataset:
+    """Prompts ready for generation, aligned by position.
+
+    prompts: the text the policy sees (after the chat template, after any truncation).
+    prompt_token_ids: its token ids. answers: reference answers (None where absent).
+    row_indices: the row of the file each prompt came from (rows may be filtered out).
+    """
+
+    source: str
+    prompts: list[str]
+    prompt_token_ids: list[list[int]]
+    answers: list[str | None]
+    row_indices: list[int]
+    n_filtered: int = 0
+    n_truncated: int = 0
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def summary(self) -> str:
+        return (
+            f"{self.source}: {len(self)} prompts "
+            f"({self.n_filtered} filtered, {self.n_truncated} truncated as overlong)"
+        )
+
+
+def _is_messages(value: Any) -> bool:
+    return (
+        isinstance(value, Sequence)
+        and not isinstance(value, str)
+        and len(value) > 0
+        and all(isinstance(m, Mapping) and "role" in m and "content" in m for m in value)
+    )
+
+
+def _answer_text(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def render_prompt(
+    tokenizer: PreTrainedTokenizerBase, value: Any, *, chat_template_for_strings: bool
+) -> str:
+    """The text a prompt value stands for: chat messages go through the chat template
+    (with the generation prompt); plain strings only when asked to."""
+    if isinstance(value, str) and not chat_template_for_strings:
+        return value
+    if isinstance(value, str):
+        messages = [{"role": "user", "content": value}]
+    elif _is_messages(value):
+        messages = [{"role": m["role"], "content": m["content"]} for m in value]
+    else:
+        raise DataError(
+            "a prompt must be a string or a list of {'role', 'content'} messages, "
+            f"got {type(value).__name__}: {str(value)[:80]!r}"
+        )
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(
+            "the tokenizer has no chat template, so chat-message prompts cannot be rendered; "
+            "use a tokenizer with one, or plain string prompts without the chat template"
+        )
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def load_prompt_dataset(
+    path: str | Path,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    prompt_key: str = "prompt",
+    answer_key: str | None = None,
+    max_prompt_length: int | None = None,
+    overlong: str = "filter",
+    chat_template_for_strings: bool = False,
+    data_format: str | None = None,
+) -> PromptDataset:
+    """Read prompts (and answers) from a jsonl or parquet file and tokenize them.
+
+    overlong: what to do with prompts longer than max_prompt_length tokens: "filter" drops
+    them, "truncate" keeps their last max_prompt_length tokens (the end, where the
+    generation prompt is), "error" raises. The counts are on the result and logged.
+    """
+    if overlong not in OVERLONG_POLICIES:
+        raise DataError(
+            f"unknown overlong policy {overlong!r}; valid: {', '.join(OVERLONG_POLICIES)}"
+        )
+    if max_prompt_length is not None and max_prompt_length < 1:
+        raise DataError(f"max_prompt_length must be at least 1, got {max_prompt_length}")
+    source = str(path)
+    rows = read_rows(path, data_format)
+    prompts: list[str] = []
+    token_ids: list[list[int]] = []
+    answers: list[str | None] = []
+    kept_rows: list[int] = []
+    n_filtered = n_truncated = 0
+    for index, row in enumerate(rows):
+        try:
+            value = get_field(row, prompt_key)
+            answer = _answer_text(get_field(row, answer_key)) if answer_key else None
+        except KeyError as exc:
+            raise DataError(f"{source}: row {index}: {exc.args[0]}") from exc
+        templated = not isinstance(value, str) or chat_template_for_strings
+        try:
+            text = render_prompt(
+                tokenizer, value, chat_template_for_strings=chat_template_for_strings
+            )
+        except DataError as exc:
+            raise DataError(f"{source}: row {index}: {exc}") from exc
+        # The template already wrote any BOS it wants; plain text gets the tokenizer's own.
+        ids = list(tokenizer(text, add_special_tokens=not templated)["input_ids"])
+        if max_prompt_length is not None and len(ids) > max_prompt_length:
+            if overlong == "error":
+                raise DataError(
+                    f"{source}: row {index}: prompt has {len(ids)} tokens, more than "
+                    f"max_prompt_length {max_prompt_length}; raise the limit or filter/truncate"
+                )
+            if overlong == "filter":
+                n_filtered += 1
+                continue
+            ids = ids[-max_prompt_length:]
+            text = tokenizer.decode(ids, skip_special_tokens=False)
+            n_truncated += 1
+        prompts.append(text)
+        token_ids.append(ids)
+        answers.append(answer)
+        kept_rows.append(index)
+    if not prompts:
+        raise DataError(
+            f"{source}: all {len(rows)} prompts are longer than max_prompt_length "
+            f"{max_prompt_length} tokens"
+        )
+    dataset = PromptDataset(
+        source=source,
+        prompts=prompts,
+        prompt_token_ids=token_ids,
+        answers=answers,
+        row_indices=kept_rows,
+        n_filtered=n_filtered,
+        n_truncated=n_truncated,
+    )
+    if n_filtered or n_truncated:
+        logger.warning("%s", dataset.summary())
+    return dataset
+
+
+# ---------------------------------------------------------------------------------------
+# Sampling
+
+
+class PromptSampler:
+    """Batches of row indices, epoch after epoch, deterministic and resumable.
+
+    Each epoch is a permutation drawn from `seed + epoch` (or 0..n-1 without shuffling),
+    cut into full batches; the rows of an incomplete last batch wait for the next epoch's
+    permutation instead (every batch has exactly `batch_size` rows). state_dict() taken
+    between batches and loaded into a fresh sampler continues with exactly the batches an
+    uninterrupted run would have produced.
+    """
+
+    def __init__(self, n_rows: int, batch_size: int, seed: int, shuffle: bool = True):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        if n_rows < batch_size:
+            raise ValueError(
+                f"the dataset has {n_rows} prompts, fewer than one batch of {batch_size}"
+            )
+        self.n_rows = n_rows
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.batch_in_epoch = 0
+        self._order = self._epoch_order(0)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.n_rows // self.batch_size
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        import numpy as np
+
+        if not self.shuffle:
+            return list(range(self.n_rows))
+        return np.random.default_rng(self.seed + epoch).permutation(self.n_rows).tolist()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return self
+
+    def __next__(self) -> list[int]:
+        if self.batch_in_epoch == self.batches_per_epoch:
+            self.epoch += 1
+            self.batch_in_epoch = 0
+            self._order = self._epoch_order(self.epoch)
+        start = self.batch_in_epoch * self.batch_size
+        self.batch_in_epoch += 1
+        return self._order[start : start + self.batch_size]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "n_rows": self.n_rows,
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from `state`; the dataset size, batch size, seed and shuffle must match,
+        or the resumed run would not see the batches the original one would have."""
+        for name in ("n_rows", "batch_size", "seed", "shuffle"):
+            if state[name] != getattr(self, name):
+                raise ValueError(
+                    f"sampler state has {name}={state[name]!r} but this sampler has "
+                    f"{getattr(self, name)!r}; resume with the same data and settings"
+                )
+        self.epoch = int(state["epoch"])
+        self.batch_in_epoch = int(state["batch_in_epoch"])
+        self._order = self._epoch_order(self.epoch)

@@ -1,0 +1,235 @@
+"""Reward functions: a name -> function table plus user functions loaded by spec.
+
+Every reward function has the signature
+
+    fn(prompt: str, response: str, answer: str | None) -> float
+
+`prompt` is the text the policy saw (after any chat template), `response` the decoded
+completion (special tokens removed), `answer` the row's reference answer or None when the
+dataset has none. It returns a finite number, usually in [0, 1]; it must not mutate state
+it shares with other calls, because batches may be scored in any order.
+
+A spec names a built-in (`gsm8k`, `gsm8k_flexible`, `math_exact`, `letters_or_digits`) or a
+user function: `package.module:function` (importable) or `path/to/file.py:function`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from rlx.trainer.synthetic import letters_or_digits_reward
+
+RewardFn = Callable[[str, str, str | None], float]
+
+
+class RewardSpecError(ValueError):
+    """A reward spec that names nothing usable."""
+
+
+class RewardError(RuntimeError):
+    """A reward function that raised or returned something other than a finite number."""
+
+
+# A number as people write it in answers: sign, $ sign, thousands commas, decimals.
+_NUMBER = r"[-+]?\$?\s?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\$?\s?\.\d+"
+_ANY_NUMBER = re.compile(_NUMBER)
+_LEADING_NUMBER = re.compile(r"\s*(" + _NUMBER + ")")
+_MARKER = "####"
+
+
+_PLAIN_NUMBER = re.compile(r"([-+]?)(\d*)(?:\.(\d*))?")
+
+
+def normalize_number(text: str) -> str | None:
+    """Canonical form of a written number, or None if `text` is not one.
+
+    "1,234" -> "1234", "$5" -> "5", "+3" -> "3", "7.0" -> "7", "2.50" -> "2.5", "-0" -> "0".
+    Pure string work, exact at any length (responses are untrusted and may be huge).
+    """
+    cleaned = text.strip().replace(",", "").replace("$", "").replace(" ", "")
+    cleaned = cleaned.rstrip(".")  # a sentence-final period: "#### 12."
+    match = _PLAIN_NUMBER.fullmatch(cleaned)
+    if match is None:
+        return None
+    sign, whole, fraction = match.group(1), match.group(2), match.group(3) or ""
+    if not whole and not fraction:
+        return None
+    whole = whole.lstrip("0") or "0"
+    fraction = fraction.rstrip("0")
+    if whole == "0" and not fraction:
+        return "0"  # -0 is 0
+    body = f"{whole}.{fraction}" if fraction else whole
+    return f"-{body}" if sign == "-" else body
+
+
+def _after_last_marker(text: str) -> str | None:
+    """The number right after the last `####` in `text`, or None."""
+    position = text.rfind(_MARKER)
+    if position < 0:
+        return None
+    match = _LEADING_NUMBER.match(text, position + len(_MARKER))
+    return match.group(1) if match else None
+
+
+def _reference_number(answer: str | None, reward: str) -> str:
+    """The number a reference answer stands for; a full GSM8K solution uses its `####`."""
+    if answer is None:
+        raise ValueError(f"{reward} needs a reference answer; the dataset gave none")
+    marked = _after_last_marker(answer)
+    number = normalize_number(marked if marked is not None else answer)
+    if number is None:
+        raise ValueError(f"{reward}: reference answer {answer!r} is not a number")
+    return number
+
+
+def gsm8k_strict(prompt: str, response: str, answer: str | None) -> float:
+    """1.0 if the number right after the last `####` in the response equals the answer.
+
+    A response without `####`, or with no number after its last one, scores 0.
+    """
+    expected = _reference_number(answer, "gsm8k")
+    found = _after_last_marker(response)
+    return float(found is not None and normalize_number(found) == expected)
+
+
+def gsm8k_flexible(prompt: str, response: str, answer: str | None) -> float:
+    """1.0 if the last number anywhere in the response equals the answer, else 0."""
+    expected = _reference_number(answer, "gsm8k_flexible")
+    found = _ANY_NUMBER.findall(response)
+    return float(bool(found) and normalize_number(found[-1]) == expected)
+
+
+def _normalize_text(text: str) -> str:
+    collapsed = " ".join(text.split())
+    number = normalize_number(collapsed)
+    return number if number is not None else collapsed
+
+
+def math_exact(prompt: str, response: str, answer: str | None) -> float:
+    """1.0 if response and answer are equal after collapsing whitespace (and, when both are
+    numbers, after normalising them: "1,000.0" equals "1000"), else 0."""
+    if answer is None:
+        raise ValueError("math_exact needs a reference answer; the dataset gave none")
+    return float(_normalize_text(response) == _normalize_text(answer))
+
+
+REWARD_FUNCTIONS: dict[str, RewardFn] = {
+    "gsm8k": gsm8k_strict,
+    "gsm8k_flexible": gsm8k_flexible,
+    "math_exact": math_exact,
+    "letters_or_digits": letters_or_digits_reward,
+}
+
+_SPEC_HELP = "a built-in name or 'package.module:function' or 'path/to/file.py:function'"
+
+
+def _valid_names() -> str:
+    return ", ".join(sorted(REWARD_FUNCTIONS))
+
+
+def _load_module_from_file(path: Path, spec: str):
+    if not path.is_file():
+        raise RewardSpecError(f"reward {spec!r}: file {str(path)!r} does not exist")
+    # A name derived from the path keeps two reward files with the same stem apart.
+    module_name = "rlx_reward_" + re.sub(r"\W", "_", str(path.resolve()))
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise RewardSpecError(f"reward {spec!r}: cannot load {str(path)!r} as Python")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def resolve_reward(spec: str) -> RewardFn:
+    """The reward function `spec` names; user modules are imported only now.
+
+    Raises RewardSpecError (a ValueError) naming the spec and what would be valid.
+    """
+    if spec in REWARD_FUNCTIONS:
+        return REWARD_FUNCTIONS[spec]
+    if ":" not in spec:
+        raise RewardSpecError(
+            f"unknown reward {spec!r}; valid: {_valid_names()}, "
+            "or a user function as 'package.module:function' or 'path/to/file.py:function'"
+        )
+    target, _, func_name = spec.rpartition(":")
+    if not target or not func_name.isidentifier():
+        raise RewardSpecError(f"bad reward spec {spec!r}; expected {_SPEC_HELP}")
+    if target.endswith(".py"):
+        module = _load_module_from_file(Path(target), spec)
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as exc:
+            raise RewardSpecError(
+                f"reward {spec!r}: cannot import module {target!r} ({exc}); "
+                "is it installed or on PYTHONPATH? A file path must end in .py"
+            ) from exc
+    fn = getattr(module, func_name, None)
+    if fn is None:
+        public = sorted(
+            name for name, value in vars(module).items() if callable(value) and name[0] != "_"
+        )
+        raise RewardSpecError(
+            f"reward {spec!r}: {target!r} has no attribute {func_name!r}; "
+            f"its functions: {', '.join(public) or '(none)'}"
+        )
+    if not callable(fn):
+        raise RewardSpecError(f"reward {spec!r}: {func_name!r} is not callable")
+    return fn
+
+
+def _reward_name(fn: RewardFn) -> str:
+    module = getattr(fn, "__module__", None) or "?"
+    return f"{module}:{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _as_float(value: object) -> float | None:
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+
+
+def score(
+    fn: RewardFn,
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    answers: Sequence[str | None] | None = None,
+) -> list[float]:
+    """Apply `fn` to each sample; answers=None means no sample has a reference answer.
+
+    A reward that raises, or returns anything but a finite real number, becomes a
+    RewardError naming the function and the sample index.
+    """
+    if answers is None:
+        answers = [None] * len(prompts)
+    if not len(prompts) == len(responses) == len(answers):
+        raise ValueError(
+            f"score: {len(prompts)} prompts, {len(responses)} responses and "
+            f"{len(answers)} answers; they must be equally many"
+        )
+    scores: list[float] = []
+    for index, (prompt, response, answer) in enumerate(
+        zip(prompts, responses, answers, strict=True)
+    ):
+        try:
+            value = fn(prompt, response, answer)
+        except Exception as exc:
+            raise RewardError(
+                f"reward {_reward_name(fn)} failed on sample {index}: {type(exc).__name__}: {exc}"
+            ) from exc
+        # numpy and torch scalars convert; text or None means a bug in the reward.
+        number = None if isinstance(value, (str, bytes)) or value is None else _as_float(value)
+        if number is None or not math.isfinite(number):
+            raise RewardError(
+                f"reward {_reward_name(fn)} returned {value!r} for sample {index}; "
+                "it must return a finite float"
+            )
+        scores.append(number)
+    return scores

@@ -1,0 +1,435 @@
+"""Rollout engines: sample n responses per prompt and report their sampling log-probs.
+
+Two engines share one interface (RolloutEngine): HFEngine (transformers `generate`, CPU or
+GPU, the fallback) and VLLMEngine (vLLM, GPU; in rollout_vllm.py, imported only when
+chosen). `make_engine` picks one by name.
+
+Log-probs are those of the distribution the token was actually drawn from: logits divided
+by the temperature, restricted to the top-p nucleus and renormalised, with EOS forbidden
+before min_new_tokens. At temperature 1 and top_p 1 that is the model's own distribution,
+so they equal a teacher-forced forward pass of the same weights.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib.util
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+ENGINE_NAMES: tuple[str, ...] = ("hf", "vllm", "auto")
+
+
+@dataclass
+class RolloutBatch:
+    """Samples of one generate call: len(prompts) * n rows, grouped by prompt
+    (rows i*n .. i*n+n-1 answer prompt i).
+
+    response_ids are right-padded with pad_token_id; response_mask is True on real tokens,
+    the terminating EOS included; logprobs are float32 sampling log-probs, 0 where masked.
+    finished is True where the response ended with EOS (False: cut at max_new_tokens).
+    """
+
+    prompt_ids: list[list[int]]
+    response_ids: torch.Tensor  # (N, R) long
+    response_mask: torch.Tensor  # (N, R) bool
+    logprobs: torch.Tensor  # (N, R) float32
+    finished: torch.Tensor  # (N,) bool
+    n: int
+    pad_token_id: int
+    weight_version: int
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        return self.response_mask.sum(dim=1)  # (N,)
+
+    def response_lists(self) -> list[list[int]]:
+        """Each response's tokens without padding (EOS kept where it was generated)."""
+        lengths = self.response_lengths.tolist()
+        return [
+            row[:length] for row, length in zip(self.response_ids.tolist(), lengths, strict=True)
+        ]
+
+
+def pad_responses(
+    responses: Sequence[Sequence[int]],
+    logprobs: Sequence[Sequence[float]],
+    pad_token_id: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-pad ragged responses: (ids, mask, logprobs), each (N, max length)."""
+    width = max((len(r) for r in responses), default=0)
+    ids = torch.full((len(responses), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(responses), width), dtype=torch.bool)
+    values = torch.zeros((len(responses), width), dtype=torch.float32)
+    for row, (tokens, lps) in enumerate(zip(responses, logprobs, strict=True)):
+        if len(tokens) != len(lps):
+            raise ValueError(f"response {row}: {len(tokens)} tokens but {len(lps)} log-probs")
+        ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        mask[row, : len(tokens)] = True
+        values[row, : len(tokens)] = torch.tensor(lps, dtype=torch.float32)
+    return ids, mask, values
+
+
+def mask_after_eos(response_ids: torch.Tensor, eos_ids: Sequence[int]) -> torch.Tensor:
+    """True up to and including each row's first EOS, False after it."""
+    is_eos = torch.isin(response_ids, torch.tensor(eos_ids, device=response_ids.device))
+    eos_before = is_eos.long().cumsum(dim=1) - is_eos.long()  # (N, R) EOS strictly earlier
+    return eos_before == 0
+
+
+def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Set to -inf every token outside the smallest set whose probability reaches top_p."""
+    if top_p >= 1.0:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_above = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
+    drop_sorted = mass_above >= top_p  # the most likely token always stays (mass_above = 0)
+    drop = drop_sorted.scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, -math.inf)
+
+
+class RolloutEngine(abc.ABC):
+    """What the trainer needs from a generator of rollouts."""
+
+    @abc.abstractmethod
+    def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        n: int,
+        *,
+        max_new_tokens: int,
+        min_new_tokens: int = 0,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> RolloutBatch:
+        """n samples per prompt; the same seed and inputs give the same samples."""
+
+    @abc.abstractmethod
+    def load_weights(self, weights: NamedTensors, version: int) -> None:
+        """Copy named tensors (HF parameter names) into the engine's model."""
+
+    @property
+    @abc.abstractmethod
+    def weight_version(self) -> int:
+        """The version passed to the last load_weights (0 before any)."""
+
+    @abc.abstractmethod
+    def logprob_probe(self, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> float:
+        """Sum of log-probs (temperature 1) of response_ids following prompt_ids.
+
+        Two engines holding the same weights agree on it; the trainer compares it with the
+        policy's own value to prove a weight push arrived.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the engine's model and memory; the engine is unusable afterwards."""
+
+
+def check_sampling_args(
+    prompt_token_ids: Sequence[Sequence[int]],
+    n: int,
+    max_new_tokens: int,
+    min_new_tokens: int,
+    temperature: float,
+    top_p: float,
+) -> None:
+    if not prompt_token_ids:
+        raise ValueError("generate needs at least one prompt")
+    for index, ids in enumerate(prompt_token_ids):
+        if len(ids) == 0:
+            raise ValueError(f"prompt {index} is empty; every prompt needs at least one token")
+    if n < 1:
+        raise ValueError(f"n must be at least 1, got {n}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if not 0 <= min_new_tokens <= max_new_tokens:
+        raise ValueError(
+            f"min_new_tokens must be in [0, max_new_tokens={max_new_tokens}], got {min_new_tokens}"
+        )
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+# ---------------------------------------------------------------------------------------
+# HF generate
+
+
+class _SamplingDistribution:
+    """The logits processor that defines what `generate` samples from, and records it.
+
+    transformers runs its own warpers after user processors, so the engine turns all of
+    them off and does min-new-tokens, temperature and top-p here, last in the chain. The
+    token drawn at step t is known only at step t+1 (it is then input_ids[:, -1]), so the
+    log-softmax of one step is kept until the next call gathers the drawn token from it.
+    """
+
+    def __init__(
+        self,
+        prompt_width: int,
+        eos_ids: Sequence[int],
+        min_new_tokens: int,
+        temperature: float,
+        top_p: float,
+    ):
+        self.prompt_width = prompt_width
+        self.eos_ids = list(eos_ids)
+        self.min_new_tokens = min_new_tokens
+        self.temperature = temperature
+        self.top_p = top_p
+        self.sampled_logprobs: list[torch.Tensor] = []  # one (B,) per step
+        self._pending: torch.Tensor | None = None  # (B, V) log-probs of the last step
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self._pending is not None:
+            drawn = input_ids[:, -1:]  # (B, 1)
+            self.sampled_logprobs.append(self._pending.gather(1, drawn).squeeze(1))
+        step = input_ids.shape[1] - self.prompt_width
+        scores = scores.float()
+        if step < self.min_new_tokens:
+            scores = scores.clone()  # (B, V) never write into generate's own buffer
+            scores[:, self.eos_ids] = -math.inf
+        scores = top_p_filter(scores / self.temperature, self.top_p)  # (B, V)
+        self._pending = torch.log_softmax(scores, dim=-1)
+        return scores
+
+    def logprobs_of(self, response_ids: torch.Tensor) -> torch.Tensor:
+        """(B, R) log-probs of the drawn tokens, once generation is over."""
+        width = response_ids.shape[1]
+        values = self.sampled_logprobs[:width]
+        if len(values) < width and self._pending is not None:
+            values.append(self._pending.gather(1, response_ids[:, -1:]).squeeze(1))
+        return torch.stack(values, dim=1)
+
+
+class HFEngine(RolloutEngine):
+    """Rollouts with transformers' `generate`; works on CPU and as a GPU fallback.
+
+    `model` is a loaded causal LM (used as is, not copied: load_weights writes into it;
+    the engine puts it in eval mode once) or a folder/hub name to load. The engine
+    replaces the model's generation config, so sampling defaults shipped with a checkpoint
+    (temperature, top_k, repetition penalty) never apply: only the arguments of `generate`
+    do. Prompts are left-padded into batches of at most max_batch_size rows (all rows at
+    once when None).
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel | str | Path,
+        *,
+        eos_token_id: int | Sequence[int] | None = None,
+        pad_token_id: int | None = None,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | str | None = None,
+        max_batch_size: int | None = None,
+    ):
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
+        if isinstance(dtype, str) and dtype != "auto":
+            dtype = getattr(torch, dtype)  # "bfloat16" -> torch.bfloat16
+        if isinstance(model, (str, Path)):
+            model = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype or "auto")
+        elif isinstance(dtype, torch.dtype):
+            model = model.to(dtype=dtype)
+        if device is not None:
+            model = model.to(device)
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        eos = eos_token_id
+        if eos is None:
+            eos = model.generation_config.eos_token_id
+        if eos is None:
+            eos = model.config.eos_token_id
+        if eos is None:
+            raise ValueError("the model names no EOS token; pass eos_token_id")
+        self.eos_ids: list[int] = [eos] if isinstance(eos, int) else list(eos)
+        if pad_token_id is None:
+            pad_token_id = model.generation_config.pad_token_id
+        if pad_token_id is None:
+            pad_token_id = getattr(model.config, "pad_token_id", None)
+        # Without a pad token, EOS pads: masks come from positions, never from token values.
+        self.pad_token_id: int = self.eos_ids[0] if pad_token_id is None else int(pad_token_id)
+        self.max_batch_size = max_batch_size
+        self.model.generation_config = GenerationConfig(
+            eos_token_id=self.eos_ids, pad_token_id=self.pad_token_id
+        )
+        self._version = 0
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def _left_pad(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, ids in enumerate(prompts):
+            input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[row, width - len(ids) :] = 1
+        return input_ids.to(self.device), attention_mask.to(self.device)
+
+    @torch.no_grad()
+    def _generate_chunk(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        min_new_tokens: int,
+        temperature: float,
+        top_p: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        from transformers import LogitsProcessorList
+
+        input_ids, attention_mask = self._left_pad(prompts)  # (B, P)
+        distribution = _SamplingDistribution(
+            input_ids.shape[1], self.eos_ids, min_new_tokens, temperature, top_p
+        )
+        sequences = self.model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=max_new_tokens,
+            logits_processor=LogitsProcessorList([distribution]),
+        )
+        response = sequences[:, input_ids.shape[1] :]  # (B, R)
+        return response.cpu(), distribution.logprobs_of(response).float().cpu()
+
+    def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        n: int,
+        *,
+        max_new_tokens: int,
+        min_new_tokens: int = 0,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> RolloutBatch:
+        check_sampling_args(prompt_token_ids, n, max_new_tokens, min_new_tokens, temperature, top_p)
+        rows = [list(ids) for ids in prompt_token_ids for _ in range(n)]
+        chunk = self.max_batch_size or len(rows)
+        responses: list[list[int]] = []
+        logprobs: list[list[float]] = []
+        finished: list[bool] = []
+        devices = [self.device] if self.device.type == "cuda" else []
+        # A private RNG stream, so a seeded call neither depends on nor moves global state.
+        with torch.random.fork_rng(devices=devices, enabled=seed is not None):
+            if seed is not None:
+                torch.manual_seed(seed)
+            for start in range(0, len(rows), chunk):
+                ids, lps = self._generate_chunk(
+                    rows[start : start + chunk], max_new_tokens, min_new_tokens, temperature, top_p
+                )
+                mask = mask_after_eos(ids, self.eos_ids)  # (B, R)
+                lengths = mask.sum(dim=1).tolist()
+                for row, length in enumerate(lengths):
+                    responses.append(ids[row, :length].tolist())
+                    logprobs.append(lps[row, :length].tolist())
+                    finished.append(length > 0 and responses[-1][-1] in self.eos_ids)
+        response_ids, response_mask, values = pad_responses(responses, logprobs, self.pad_token_id)
+        return RolloutBatch(
+            prompt_ids=rows,
+            response_ids=response_ids,
+            response_mask=response_mask,
+            logprobs=values,
+            finished=torch.tensor(finished, dtype=torch.bool),
+            n=n,
+            pad_token_id=self.pad_token_id,
+            weight_version=self._version,
+        )
+
+    @torch.no_grad()
+    def load_weights(self, weights: NamedTensors, version: int) -> None:
+        items = weights.items() if isinstance(weights, Mapping) else weights
+        targets = self.model.state_dict(keep_vars=True)
+        loaded = 0
+        for name, tensor in items:
+            if name not in targets:
+                known = ", ".join(list(targets)[:5])
+                raise KeyError(
+                    f"load_weights: the model has no tensor {name!r} (it has {known}, ...)"
+                )
+            target = targets[name]
+            if target.shape != tensor.shape:
+                raise ValueError(
+                    f"load_weights: {name!r} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(target.shape)}"
+                )
+            target.data.copy_(tensor.to(device=target.device, dtype=target.dtype))
+            loaded += 1
+        if loaded == 0:
+            raise ValueError("load_weights: no tensors given")
+        self._version = int(version)
+
+    def close(self) -> None:
+        del self.model
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @torch.no_grad()
+    def logprob_probe(self, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> float:
+        if not prompt_ids or not response_ids:
+            raise ValueError("logprob_probe needs a non-empty prompt and response")
+        ids = torch.tensor([list(prompt_ids) + list(response_ids)], device=self.device)
+        logits = self.model(input_ids=ids).logits.float()  # (1, T, V)
+        # The logit at position t predicts token t+1: the response starts at len(prompt).
+        predicting = logits[0, len(prompt_ids) - 1 : -1]  # (R, V)
+        logprobs = torch.log_softmax(predicting, dim=-1)
+        target = ids[0, len(prompt_ids) :]
+        return float(logprobs.gather(1, target[:, None]).sum().item())
+
+
+# ---------------------------------------------------------------------------------------
+# Choosing an engine
+
+
+def vllm_usable() -> bool:
+    """True when a GPU is visible and vllm imports (tried only when there is a GPU)."""
+    if not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None:
+        return False
+    try:
+        import vllm  # noqa: F401 - a broken install fails here, not mid-run
+    except (ImportError, OSError, RuntimeError):  # missing libs, CUDA/driver mismatch
+        return False
+    return True
+
+
+def make_engine(
+    name: str,
+    model_path: str | Path,
+    *,
+    dtype: str | None = None,
+    device: str | None = None,
+    max_batch_size: int | None = None,
+    vllm_options: Mapping[str, Any] | None = None,
+) -> RolloutEngine:
+    """The engine `name` names: "hf", "vllm", or "auto" (vllm when a GPU is visible and
+    vllm is installed, else hf). vllm_options go to vllm.LLM (tensor_parallel_size,
+    gpu_memory_utilization, max_model_len, ...)."""
+    if name not in ENGINE_NAMES:
+        raise ValueError(f"unknown rollout engine {name!r}; valid: {', '.join(ENGINE_NAMES)}")
+    if name == "auto":
+        name = "vllm" if vllm_usable() else "hf"
+    if name == "vllm":
+        from rlx.trainer.rollout_vllm import VLLMEngine
+
+        return VLLMEngine(model_path, dtype=dtype or "auto", **dict(vllm_options or {}))
+    return HFEngine(model_path, dtype=dtype, device=device, max_batch_size=max_batch_size)

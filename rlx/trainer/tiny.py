@@ -1,0 +1,136 @@
+"""Tiny random causal LMs with a byte-level tokenizer, built locally.
+
+Nothing can be downloaded in tests or in the quickstart, so this module writes a complete
+model folder (config, weights, generation config, tokenizer, chat template) from scratch.
+Token ids 0..255 are the raw bytes, so any UTF-8 text round-trips, and the special tokens
+follow them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+# Byte b has token id b; the special tokens come right after the 256 byte tokens.
+SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
+BOS_TOKEN = "<|endoftext|>"
+EOS_TOKEN = "<|im_end|>"
+PAD_TOKEN = "<|pad|>"
+VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
+
+# ChatML, the layout Qwen2 instruct models use; generation stops at <|im_end|>.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+ARCHS: tuple[str, ...] = ("qwen2", "llama")
+
+
+def token_id(token: str) -> int:
+    """Id of a special token of the tiny tokenizer."""
+    return 256 + SPECIAL_TOKENS.index(token)
+
+
+def _byte_to_char() -> dict[int, str]:
+    """The byte -> printable character table byte-level BPE uses (GPT-2's convention).
+
+    Printable Latin-1 bytes stand for themselves; the others (controls, space, ...) are
+    shifted to code points from 256 up so every byte has a visible, unique character.
+    """
+    printable = (
+        set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAC + 1)) | set(range(0xAE, 0xFF + 1))
+    )
+    table: dict[int, str] = {}
+    shifted = 0
+    for byte in range(256):
+        if byte in printable:
+            table[byte] = chr(byte)
+        else:
+            table[byte] = chr(256 + shifted)
+            shifted += 1
+    return table
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer: 256 byte tokens (id == byte value), then SPECIAL_TOKENS.
+
+    No merges, so every byte is one token: encoding never fails and decoding is exact.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {char: byte for byte, char in _byte_to_char().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_tiny_model(
+    out_dir: str | Path,
+    *,
+    arch: str = "qwen2",
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int | None = None,
+    intermediate_size: int | None = None,
+    max_position_embeddings: int = 2048,
+    seed: int = 0,
+) -> Path:
+    """Write a random causal LM and its tokenizer to `out_dir`; return the folder.
+
+    The folder loads with `AutoModelForCausalLM.from_pretrained` and
+    `AutoTokenizer.from_pretrained`. The same arguments give byte-identical files.
+    `num_kv_heads` defaults to `num_heads` (no grouped-query attention);
+    `intermediate_size` defaults to 4 * hidden_size.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config
+
+    config_classes = {"qwen2": Qwen2Config, "llama": LlamaConfig}
+    if arch not in config_classes:
+        raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
+    if hidden_size % num_heads:
+        raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
+    kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    if num_heads % kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not divisible by num_kv_heads {kv_heads}")
+
+    special = {
+        "bos_token_id": token_id(BOS_TOKEN),
+        "eos_token_id": token_id(EOS_TOKEN),
+        "pad_token_id": token_id(PAD_TOKEN),
+    }
+    config = config_classes[arch](
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=intermediate_size or 4 * hidden_size,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        **special,
+    )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    # A private RNG stream: building a model must not move the caller's global torch RNG.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(**special)
+    model.save_pretrained(out)
+    build_tokenizer().save_pretrained(out)
+    return out
