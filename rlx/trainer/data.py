@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rlx.errors import RlxError
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -30,7 +32,7 @@ FORMATS: dict[str, tuple[str, ...]] = {
 OVERLONG_POLICIES: tuple[str, ...] = ("filter", "truncate", "error")
 
 
-class DataError(ValueError):
+class DataError(RlxError, ValueError):
     """A dataset that cannot be read as prompts; the message names the file and the fix."""
 
 

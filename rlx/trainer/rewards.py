@@ -22,16 +22,17 @@ import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from rlx.errors import RlxError
 from rlx.trainer.synthetic import letters_or_digits_reward
 
 RewardFn = Callable[[str, str, str | None], float]
 
 
-class RewardSpecError(ValueError):
+class RewardSpecError(RlxError, ValueError):
     """A reward spec that names nothing usable."""
 
 
-class RewardError(RuntimeError):
+class RewardError(RlxError, RuntimeError):
     """A reward function that raised or returned something other than a finite number."""
 
 
