@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["tests.hosts.fixtures"]
+pytest_plugins = ["tests.hosts.fixtures", "tests.dstack_server"]
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = REPO / "recipes"
