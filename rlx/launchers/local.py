@@ -129,26 +129,34 @@ def _run_command(recipe: Recipe, values: Mapping[str, str], job: Job, workdir: P
     return bootstrap.main(recipe, node_info(NAME, env, recipe.resources.gpus_per_node), env)
 
 
+def _shown(path: str | None) -> str:
+    """A path relative to the current folder when it is below it (shorter to read)."""
+    if not path:
+        return "-"
+    with contextlib.suppress(ValueError):
+        return str(Path(path).relative_to(Path.cwd()))
+    return path
+
+
 def print_summary(record: RunResult) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from rlx.trainer.main import reward_summary
+
     table = Table(title=f"run {record.run_id}: {record.state.lower()}", show_header=False)
-    table.add_column(style="bold")
-    table.add_column()
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(overflow="fold")
     table.add_row("steps", f"{record.last_step} of {record.steps}")
-    if record.first_reward is not None and record.last_reward is not None:
-        table.add_row(
-            "reward (step mean)", f"{record.first_reward:.3f} -> {record.last_reward:.3f}"
-        )
+    table.add_row("reward", reward_summary(record))
     if record.wall_time_s is not None:
         table.add_row("training time", f"{record.wall_time_s:.1f} s")
     if record.started is not None and record.finished is not None:
         table.add_row("wall time", f"{record.finished - record.started:.1f} s (start-up included)")
-    table.add_row("checkpoints", record.checkpoints or "off (set checkpoint.dir)")
-    table.add_row("reward plot", str(record.plot))
-    table.add_row("metrics", str(record.metrics))
-    table.add_row("log", str(record.log))
+    table.add_row("checkpoints", _shown(record.checkpoints) if record.checkpoints else "off")
+    table.add_row("reward plot", _shown(record.plot))
+    table.add_row("metrics", _shown(record.metrics))
+    table.add_row("log", _shown(record.log))
     Console(soft_wrap=True).print(table)
 
 
@@ -189,8 +197,9 @@ def status(job: Job) -> JobStatus:
         return JobStatus(job.name, NAME, "RUNNING", f"step {step} of {record.steps}")
     if record.state == "SUCCEEDED":
         detail = f"{record.last_step} steps"
-        if record.first_reward is not None and record.last_reward is not None:
-            detail += f", reward {record.first_reward:.3f} -> {record.last_reward:.3f}"
+        if record.first_reward_window is not None and record.last_reward_window is not None:
+            first, last = record.first_reward_window, record.last_reward_window
+            detail += f", reward {first:.3f} -> {last:.3f}"
         return JobStatus(job.name, NAME, "SUCCEEDED", detail, 0)
     return JobStatus(job.name, NAME, record.state, record.error or "", record.exit_code)
 

@@ -124,8 +124,13 @@ class Cluster:
                 )
                 groups.append(rollout_group)
             everyone = train_ips + rollout_ips
-            # Ranks follow the nodes (head's first as Ray lists them): local ranks stay together.
-            order = sorted(range(len(train_ips)), key=lambda i: (everyone.index(train_ips[i]), i))
+            # Rank 0 on this (the head) node when it trains, where the checkpoint is written
+            # from; then node by node, so the ranks of one node are neighbours.
+            here = ray.util.get_node_ip_address()
+            order = sorted(
+                range(len(train_ips)),
+                key=lambda i: (train_ips[i] != here, everyone.index(train_ips[i]), i),
+            )
             base = WorkerSpec(
                 settings=settings,
                 policy_path=policy_path,

@@ -26,6 +26,8 @@ from rlx.errors import RlxError
 from rlx.recipe.model import Recipe
 from rlx.trainer.resolve import RunPaths, run_paths, trainer_settings
 
+# Steps averaged for the start and end reward of the summary (one step alone is noisy).
+SUMMARY_WINDOW = 10
 # The fixed probe response every engine and the policy score after each weight push.
 PROBE_TEXT = "0123456789 abcdefghij"
 
@@ -44,8 +46,11 @@ class RunResult:
     started: float | None = None
     finished: float | None = None
     wall_time_s: float | None = None
-    first_reward: float | None = None
-    last_reward: float | None = None
+    first_reward: float | None = None  # reward/mean of the first step logged
+    last_reward: float | None = None  # ... and of the last
+    first_reward_window: float | None = None  # mean over the first SUMMARY_WINDOW steps
+    last_reward_window: float | None = None  # ... and over the last ones: less noisy
+    reward_window: int | None = None  # how many steps each of those means covers
     metrics: str | None = None
     plot: str | None = None
     log: str | None = None
@@ -89,12 +94,16 @@ class _Tee(io.TextIOBase):
 
     def write(self, text: str) -> int:
         self._stream.write(text)
-        self._log.write(text)
+        # Libraries imported during the run (Ray's colorama) keep this object as their
+        # stdout and write to it at exit, after the log is closed: the console only, then.
+        if not self._log.closed:
+            self._log.write(text)
         return len(text)
 
     def flush(self) -> None:
         self._stream.flush()
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
 
     def isatty(self) -> bool:
         return self._stream.isatty()
@@ -376,6 +385,7 @@ def run_training(
 
 def finish(result: RunResult, paths: RunPaths) -> None:
     """The plot and the summary figures, from the metrics file."""
+    from rlx.trainer.metrics import REWARD_MEAN, read_metrics
     from rlx.trainer.plots import summary, write_plot
 
     if paths.metrics.is_file():
@@ -384,15 +394,31 @@ def finish(result: RunResult, paths: RunPaths) -> None:
     result.first_reward = figures["first_reward_mean"]
     result.last_reward = figures["last_reward_mean"]
     result.wall_time_s = figures["wall_time_s"]
+    rewards = [
+        r[REWARD_MEAN] for r in read_metrics(paths.metrics) if r.get(REWARD_MEAN) is not None
+    ]
+    if rewards:
+        # Windows that never overlap: a short run compares its two halves.
+        window = max(1, min(SUMMARY_WINDOW, len(rewards) // 2))
+        result.reward_window = window
+        result.first_reward_window = sum(rewards[:window]) / window
+        result.last_reward_window = sum(rewards[-window:]) / window
+
+
+def reward_summary(result: RunResult) -> str:
+    """'0.080 -> 0.470 (mean of the first and last 10 steps)', or 'n/a'."""
+    if result.first_reward_window is None or result.last_reward_window is None:
+        return "n/a"
+    window = result.reward_window or 1
+    what = "first and last step" if window == 1 else f"mean of the first and last {window} steps"
+    return f"{result.first_reward_window:.3f} -> {result.last_reward_window:.3f} ({what})"
 
 
 def summary_lines(result: RunResult) -> list[str]:
-    reward = "n/a"
-    if result.first_reward is not None and result.last_reward is not None:
-        reward = f"{result.first_reward:.3f} -> {result.last_reward:.3f}"
     wall = "n/a" if result.wall_time_s is None else f"{result.wall_time_s:.1f} s"
     lines = [
-        f"done: {result.last_step} of {result.steps} steps, reward {reward}, {wall} training",
+        f"done: {result.last_step} of {result.steps} steps in {wall}",
+        f"reward: {reward_summary(result)}",
         f"metrics: {result.metrics}",
         f"reward plot: {result.plot}",
         f"log: {result.log}",

@@ -20,7 +20,7 @@ from rlx.trainer.checkpoint import CheckpointManager, capture_rng_state, restore
 from rlx.trainer.checkpointing import LEARNER_PARTS, WORKER_RNG, kill_hook_for_save, load_parts
 from rlx.trainer.engines import ColocatedEngine, EngineReport, Probe, make_colocated_engine
 from rlx.trainer.learner import Learner, UpdateStats
-from rlx.trainer.models import compute_dtype
+from rlx.trainer.models import autocast, compute_dtype
 from rlx.trainer.placement import threads_for
 from rlx.trainer.rollout import RolloutBatch, RolloutEngine, make_engine
 from rlx.trainer.seeding import derive_seed
@@ -174,7 +174,10 @@ class TrainWorker:
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingArgs, seed: int) -> Any:
         if self.engine is None:
             raise RuntimeError("this worker holds no engine (layout: split)")
-        return _generate(self.engine.engine, prompt_ids, sampling, seed)
+        learner = self._learner()
+        # HF generate over the float32 master weights on GPU: bf16 compute, as training.
+        with autocast(self.device, learner.dtype):
+            return _generate(self.engine.engine, prompt_ids, sampling, seed)
 
     def prepare(self, batch: SequenceBatch, old_logprobs: bool) -> dict[str, torch.Tensor]:
         if self.engine is not None:

@@ -37,7 +37,7 @@ def test_launch_trains_and_the_job_can_be_inspected(tmp_path: Path) -> None:
 
     result = run_rlx(["launch", str(recipe)], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "succeeded" in result.stdout and "reward (step mean)" in result.stdout
+    assert "succeeded" in result.stdout and "mean of the first and last" in result.stdout
     runs = [p for p in (tmp_path / "runs").iterdir() if p.name.startswith("quickstart-")]
     assert len(runs) == 1
     run_dir = runs[0]
