@@ -24,7 +24,7 @@ from rlx.launchers.base import Job, JobStatus, LaunchRequest, remember
 from rlx.recipe import Recipe
 
 if TYPE_CHECKING:
-    from rlx.trainer.main import RunResult
+    from rlx.trainer.record import RunResult
 
 NAME = "local"
 SUFFIX = ""
@@ -107,7 +107,9 @@ def launch(request: LaunchRequest) -> Job:
 
 
 def _train(recipe: Recipe, run_dir: Path) -> int:
-    from rlx.trainer.main import Stopped, read_result, run_training
+    from rlx.trainer.console import Stopped
+    from rlx.trainer.main import run_training
+    from rlx.trainer.record import read_result
 
     try:
         result = run_training(recipe, print_summary=False)
@@ -142,7 +144,7 @@ def print_summary(record: RunResult) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from rlx.trainer.main import reward_summary
+    from rlx.trainer.record import reward_summary
 
     table = Table(title=f"run {record.run_id}: {record.state.lower()}", show_header=False)
     table.add_column(style="bold", no_wrap=True)
@@ -174,8 +176,8 @@ def _pid_running(job: Job) -> bool:
 
 
 def status(job: Job) -> JobStatus:
-    from rlx.trainer.main import read_result
     from rlx.trainer.metrics import read_metrics
+    from rlx.trainer.record import read_result
 
     running = _pid_running(job)
     run_dir = job.extra.get("run_dir")

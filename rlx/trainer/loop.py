@@ -36,6 +36,7 @@ from rlx.trainer.checkpointing import (
     load_parts,
 )
 from rlx.trainer.cluster import Cluster
+from rlx.trainer.console import StopRequest
 from rlx.trainer.data import PromptDataset, PromptSampler
 from rlx.trainer.engines import Probe
 from rlx.trainer.learner import (
@@ -92,6 +93,7 @@ class Trainer:
         out: TextIO,
         err: TextIO,
         memory_of: Callable[[], int],
+        stop: StopRequest | None = None,
     ):
         assert inputs.recipe.trainer is not None
         self.inputs = inputs
@@ -100,6 +102,7 @@ class Trainer:
         self.out = out
         self.err = err
         self.memory_of = memory_of
+        self.stop = stop or StopRequest()
         settings = self.settings
         self.sampler = PromptSampler(
             len(inputs.data), settings.batch.prompts_per_step, settings.seed, settings.data.shuffle
@@ -144,6 +147,7 @@ class Trainer:
         try:
             with Progress(max(settings.steps - start, 0), "steps", stream=self.err) as bar:
                 for step in range(start + 1, settings.steps + 1):
+                    self.stop.check()
                     metrics = self.step(step)
                     self.logger.log(step, metrics)
                     bar.update()
@@ -175,6 +179,7 @@ class Trainer:
         prompt_ids = [inputs.data.prompt_token_ids[i] for i in rows]
         rollout = self.cluster.generate(prompt_ids, step, show_progress=True)  # B = P * n
         timer.lap("generate")
+        self.stop.check()  # a step stopped here is redone on resume, like any unsaved step
 
         responses = inputs.tokenizer.batch_decode(
             rollout.response_lists(), skip_special_tokens=True

@@ -10,166 +10,20 @@ result.json, the record `rlx status` reads.
 from __future__ import annotations
 
 import contextlib
-import io
-import json
 import logging
 import os
-import signal
-import sys
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, TextIO
 
 from rlx.errors import RlxError
 from rlx.recipe.model import Recipe
+from rlx.trainer.console import Stopped, StopRequest, console_to_log, handle_signals
+from rlx.trainer.record import RunResult, finish, summary_lines, write_result
 from rlx.trainer.resolve import RunPaths, run_paths, trainer_settings
 
-# Steps averaged for the start and end reward of the summary (one step alone is noisy).
-SUMMARY_WINDOW = 10
 # The fixed probe response every engine and the policy score after each weight push.
 PROBE_TEXT = "0123456789 abcdefghij"
-
-
-@dataclass
-class RunResult:
-    """What a finished (or failed) run leaves behind; also written as result.json."""
-
-    state: str  # RUNNING | SUCCEEDED | FAILED | CANCELLED
-    run_id: str
-    run_dir: str
-    steps: int
-    last_step: int | None = None
-    exit_code: int | None = None
-    pid: int | None = None
-    started: float | None = None
-    finished: float | None = None
-    wall_time_s: float | None = None
-    first_reward: float | None = None  # reward/mean of the first step logged
-    last_reward: float | None = None  # ... and of the last
-    first_reward_window: float | None = None  # mean over the first SUMMARY_WINDOW steps
-    last_reward_window: float | None = None  # ... and over the last ones: less noisy
-    reward_window: int | None = None  # how many steps each of those means covers
-    metrics: str | None = None
-    plot: str | None = None
-    log: str | None = None
-    checkpoints: str | None = None
-    error: str | None = None
-
-
-def write_result(paths: RunPaths, result: RunResult) -> None:
-    paths.run_dir.mkdir(parents=True, exist_ok=True)
-    temporary = paths.result.with_name(f".{paths.result.name}.tmp")
-    temporary.write_text(json.dumps(asdict(result), indent=1))
-    temporary.replace(paths.result)
-
-
-def read_result(run_dir: Path) -> RunResult | None:
-    from rlx.trainer.resolve import RESULT_FILE
-
-    try:
-        return RunResult(**json.loads((run_dir / RESULT_FILE).read_text()))
-    except (OSError, ValueError, TypeError):
-        return None
-
-
-class Stopped(Exception):
-    """SIGTERM or SIGINT arrived: stop, release the actors, exit 128 + signal."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.code = 128 + signum
-
-
-# --------------------------------------------------------------------------- console
-
-
-class _Tee(io.TextIOBase):
-    """Writes to the console stream and to the run's log file."""
-
-    def __init__(self, stream: TextIO, log: TextIO):
-        self._stream = stream
-        self._log = log
-
-    def write(self, text: str) -> int:
-        self._stream.write(text)
-        # Libraries imported during the run (Ray's colorama) keep this object as their
-        # stdout and write to it at exit, after the log is closed: the console only, then.
-        if not self._log.closed:
-            self._log.write(text)
-        return len(text)
-
-    def flush(self) -> None:
-        self._stream.flush()
-        if not self._log.closed:
-            self._log.flush()
-
-    def isatty(self) -> bool:
-        return self._stream.isatty()
-
-
-class _AboveBars(io.TextIOBase):
-    """Lines printed while a progress bar is on the terminal go above it, not through it."""
-
-    def __init__(self, stream: TextIO, bar_stream: TextIO):
-        self._stream = stream
-        self._bar_stream = bar_stream
-
-    def write(self, text: str) -> int:
-        from tqdm import tqdm
-
-        with tqdm.external_write_mode(file=self._bar_stream):
-            self._stream.write(text)
-            self._stream.flush()
-        return len(text)
-
-    def flush(self) -> None:
-        self._stream.flush()
-
-    def isatty(self) -> bool:
-        return self._stream.isatty()
-
-
-@contextlib.contextmanager
-def console_to_log(log_path: Path) -> Iterator[tuple[TextIO, TextIO]]:
-    """(out, err) for the run: both copied to log_path. Progress bars (err on a terminal)
-    stay on the terminal only."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    real_out, real_err = sys.stdout, sys.stderr
-    with open(log_path, "a", encoding="utf-8", buffering=1) as log:
-        out: TextIO = _Tee(real_out, log)  # type: ignore[assignment]
-        tee_err: TextIO = _Tee(real_err, log)  # type: ignore[assignment]
-        sys.stdout, sys.stderr = out, tee_err
-        try:
-            if real_err.isatty():
-                yield _AboveBars(out, real_err), real_err  # type: ignore[misc]
-            else:
-                yield out, tee_err
-        finally:
-            sys.stdout, sys.stderr = real_out, real_err
-
-
-@contextlib.contextmanager
-def stop_on_signals() -> Iterator[None]:
-    def handler(signum: int, _frame: object) -> None:
-        raise Stopped(signum)
-
-    if _in_main_thread():
-        previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            yield
-        finally:
-            for sig, old in previous.items():
-                signal.signal(sig, old)
-    else:
-        yield
-
-
-def _in_main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
 
 
 # --------------------------------------------------------------------------- Ray
@@ -292,7 +146,12 @@ def engine_choice(recipe: Recipe) -> tuple[str, str]:
 
 @contextlib.contextmanager
 def training_session(
-    recipe: Recipe, env: Mapping[str, str], paths: RunPaths, out: TextIO, err: TextIO
+    recipe: Recipe,
+    env: Mapping[str, str],
+    paths: RunPaths,
+    out: TextIO,
+    err: TextIO,
+    stop: StopRequest | None = None,
 ) -> Iterator[Any]:
     """A Trainer whose actors are up (and torn down again on exit)."""
     import ray
@@ -310,7 +169,7 @@ def training_session(
         if started_ray:
             stack.callback(ray.shutdown)
         # ray.init put in a SIGTERM handler that exits at once; ours releases the actors.
-        stack.enter_context(stop_on_signals())
+        stop = stack.enter_context(handle_signals(stop or StopRequest()))
         nodes = alive_nodes()
         check_resources(recipe, nodes, where)
         cluster = Cluster.start(recipe, nodes, policy_path, critic_path, kind, engine_dtype)
@@ -318,7 +177,7 @@ def training_session(
         # A private Ray's processes are this process's children; a joined cluster's workers
         # belong to the raylets `ray start` began, so they are asked for their own figure.
         memory = host_memory_bytes if started_ray else _cluster_memory(cluster, host_memory_bytes)
-        yield Trainer(inputs, cluster, out=out, err=err, memory_of=memory)
+        yield Trainer(inputs, cluster, out=out, err=err, memory_of=memory, stop=stop)
 
 
 def _cluster_memory(cluster: Any, own: Any) -> Any:
@@ -357,10 +216,11 @@ def run_training(
         checkpoints=None if paths.checkpoints is None else str(paths.checkpoints),
     )
     write_result(paths, result)
-    with console_to_log(paths.log) as (out, err), stop_on_signals():
+    stop = StopRequest()
+    with console_to_log(paths.log) as (out, err), handle_signals(stop):
         print(f"rlx train: run {paths.run_id}, outputs in {paths.run_dir}", file=out, flush=True)
         try:
-            with training_session(recipe, env, paths, out, err) as trainer:
+            with training_session(recipe, env, paths, out, err, stop) as trainer:
                 result.last_step = trainer.run()
             finish(result, paths)
             result.state, result.exit_code = "SUCCEEDED", 0
@@ -381,51 +241,6 @@ def run_training(
             for line in summary_lines(result):
                 print(line, file=out, flush=True)
     return result
-
-
-def finish(result: RunResult, paths: RunPaths) -> None:
-    """The plot and the summary figures, from the metrics file."""
-    from rlx.trainer.metrics import REWARD_MEAN, read_metrics
-    from rlx.trainer.plots import summary, write_plot
-
-    if paths.metrics.is_file():
-        write_plot(paths.metrics, paths.plot)
-    figures = summary(paths.metrics)
-    result.first_reward = figures["first_reward_mean"]
-    result.last_reward = figures["last_reward_mean"]
-    result.wall_time_s = figures["wall_time_s"]
-    rewards = [
-        r[REWARD_MEAN] for r in read_metrics(paths.metrics) if r.get(REWARD_MEAN) is not None
-    ]
-    if rewards:
-        # Windows that never overlap: a short run compares its two halves.
-        window = max(1, min(SUMMARY_WINDOW, len(rewards) // 2))
-        result.reward_window = window
-        result.first_reward_window = sum(rewards[:window]) / window
-        result.last_reward_window = sum(rewards[-window:]) / window
-
-
-def reward_summary(result: RunResult) -> str:
-    """'0.080 -> 0.470 (mean of the first and last 10 steps)', or 'n/a'."""
-    if result.first_reward_window is None or result.last_reward_window is None:
-        return "n/a"
-    window = result.reward_window or 1
-    what = "first and last step" if window == 1 else f"mean of the first and last {window} steps"
-    return f"{result.first_reward_window:.3f} -> {result.last_reward_window:.3f} ({what})"
-
-
-def summary_lines(result: RunResult) -> list[str]:
-    wall = "n/a" if result.wall_time_s is None else f"{result.wall_time_s:.1f} s"
-    lines = [
-        f"done: {result.last_step} of {result.steps} steps in {wall}",
-        f"reward: {reward_summary(result)}",
-        f"metrics: {result.metrics}",
-        f"reward plot: {result.plot}",
-        f"log: {result.log}",
-    ]
-    if result.checkpoints:
-        lines.append(f"checkpoints: {result.checkpoints}")
-    return lines
 
 
 def main(recipe: Recipe, env: Mapping[str, str] | None = None) -> int:
