@@ -18,7 +18,7 @@ from typing import Any
 from rlx.errors import RlxError
 from rlx.recipe.model import Recipe
 from rlx.trainer.batching import SequenceBatch, concat_rollouts, split_evenly
-from rlx.trainer.engines import EngineReport, Probe, check_engines
+from rlx.trainer.engines import Probe, check_engines
 from rlx.trainer.learner import UpdateStats, merge_update_stats
 from rlx.trainer.placement import (
     ActorPlan,
@@ -273,21 +273,23 @@ class Cluster:
         largest probe difference. Raises StaleEngineError on any engine that is behind.
         push=False only checks (split engines fresh from the policy's own starting point)."""
         train = self.train.handles
-        policy_ref = train[0].policy_probe.remote(probe)
-        if self.rollout.handles:
+        if not self.rollout.handles:
+            results = gather(
+                [w.refresh_engine.remote(version, probe) for w in train], "training worker"
+            )
+            reports = [report for report, _ in results]
+            policy_logprob = results[0][1]  # rank 0's policy
+        else:
+            policy_ref = train[0].policy_probe.remote(probe)
             if push:
                 weights = train[0].publish_weights.remote(self.engine_dtype)  # one object
-                report_refs = [
+                refs = [
                     r.load_weights.remote(weights, version, probe) for r in self.rollout.handles
                 ]
             else:
-                report_refs = [r.report.remote(probe) for r in self.rollout.handles]
-            what = "rollout worker"
-        else:
-            report_refs = [w.refresh_engine.remote(version, probe) for w in train]
-            what = "training worker"
-        reports: list[EngineReport] = gather(report_refs, what)
-        policy_logprob = gather([policy_ref], "training worker")[0]
+                refs = [r.report.remote(probe) for r in self.rollout.handles]
+            reports = gather(refs, "rollout worker")
+            policy_logprob = gather([policy_ref], "training worker")[0]
         return check_engines(reports, version, policy_logprob, probe.tolerance(self.engine_dtype))
 
 

@@ -100,6 +100,10 @@ def _vllm_options(settings: TrainerSettings, tensor_parallel: int) -> dict[str, 
     }
 
 
+def _probe_ids(probe: Probe) -> tuple[list[int], list[int]]:
+    return probe.prompt_ids, probe.response_ids
+
+
 def _generate(
     engine: RolloutEngine, prompt_ids: list[list[int]], sampling: SamplingArgs, seed: int
 ) -> RolloutBatch:
@@ -189,18 +193,23 @@ class TrainWorker:
             self.engine.release()
         return self._learner().update(batch, step)
 
-    def refresh_engine(self, version: int, probe: Probe) -> EngineReport:
-        """Colocated: bring this worker's engine to the policy's weights, then report."""
+    def refresh_engine(self, version: int, probe: Probe) -> tuple[EngineReport, float]:
+        """Colocated: bring this worker's engine to the policy's weights; report it, with
+        this rank's policy probe value. An engine sharing the policy module scores the very
+        tensors the policy would, so its value stands for both (one forward, not two); the
+        check then compares every rank's engine with rank 0's policy."""
         if self.engine is None:
             raise RuntimeError("this worker holds no engine (layout: split)")
-        self.engine.refresh(self._learner().policy, version)
+        learner = self._learner()
+        self.engine.refresh(learner.policy, version)
         engine = self.engine.engine
         with torch.inference_mode():
             value = engine.logprob_probe(probe.prompt_ids, probe.response_ids)
-        return EngineReport(self.spec.rank, _node_ip(), engine.weight_version, value)
+        own = value if self.engine.shares_policy else learner.probe(*_probe_ids(probe))
+        return EngineReport(self.spec.rank, _node_ip(), engine.weight_version, value), own
 
     def policy_probe(self, probe: Probe) -> float:
-        return self._learner().probe(probe.prompt_ids, probe.response_ids)
+        return self._learner().probe(*_probe_ids(probe))
 
     def publish_weights(self, dtype: str | None) -> dict[str, torch.Tensor]:
         """The policy's tensors for split engines, on the CPU (in the engines' dtype when
