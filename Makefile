@@ -1,5 +1,5 @@
 # Two commands set up everything on a fresh machine:
-#   make demo   - run the quickstart job on this machine (local backend, tiny model, CPU)
+#   make demo   - train the quickstart on this machine (local backend, tiny model, CPU)
 #   make test   - run the whole test suite
 # Each builds its own virtualenv in .venv (torch is installed first, pinned, so nothing pulls
 # a different build).
@@ -25,8 +25,7 @@ $(VENV)/.dev: $(VENV)/.train
 	touch $@
 
 demo: $(VENV)/.train
-	$(BIN)/rlx lint recipes
-	$(BIN)/rlx render recipes/quickstart.yaml --backend slurm
+	$(BIN)/rlx launch recipes/quickstart.yaml
 
 test: $(VENV)/.dev
 	@if [ "$$(id -u)" = 0 ] && [ -x .ci/setup-system ]; then .ci/setup-system; fi

@@ -337,6 +337,21 @@ def node(
     raise typer.Exit(bootstrap.main(loaded, info, os.environ))
 
 
+@app.command()
+@expected_errors
+def train(
+    recipe: Path | None = typer.Argument(
+        None, help="Recipe file (default: the recipe in $RLX_RECIPE_JSON, as on a job's head)."
+    ),
+) -> None:
+    """Run the PPO/GRPO trainer of a recipe here: against $RAY_ADDRESS when set (a job's
+    head node), else on a private Ray on this machine. Resumes from the newest checkpoint
+    of the run when there is one."""
+    from rlx.trainer.main import main as train_main
+
+    raise typer.Exit(train_main(_recipe_from(recipe)))
+
+
 def _recipe_from(path: Path | None) -> Any:
     """The recipe from a file, or from $RLX_RECIPE_JSON on a node."""
     from rlx.errors import RlxError
@@ -349,7 +364,8 @@ def _recipe_from(path: Path | None) -> Any:
     raw = os.environ.get(RECIPE_ENV)
     if not raw:
         raise RlxError(
-            f"no recipe: pass --recipe FILE, or run inside a rendered job (which sets {RECIPE_ENV})"
+            "no recipe: give the recipe file, or run inside a rendered job (which sets "
+            f"{RECIPE_ENV})"
         )
     from pydantic import ValidationError
 

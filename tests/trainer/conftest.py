@@ -19,3 +19,20 @@ def tiny_tokenizer(tiny_model_dir: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A private Ray for the tests of one module, with room for a few actors."""
+    ray = pytest.importorskip("ray")
+    import logging
+
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        logging_level=logging.ERROR,
+        log_to_driver=False,
+    )
+    yield ray
+    ray.shutdown()

@@ -1,0 +1,258 @@
+"""Local: run the whole job on this machine, in the foreground, with a private Ray.
+
+`rlx launch RECIPE` (the default backend) trains in this process: progress bars, then a
+summary table. Each launch is a new run, `<name>-<date>-<time>`, unless RLX_RUN_ID names
+one (set it to an earlier run's id to continue that run from its checkpoints). The job is
+remembered as soon as it starts, so `rlx status`, `rlx logs` and `rlx down` work from
+another terminal while it runs; they read the run folder (result.json, metrics.jsonl,
+train.log) and stop the launching process by its pid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rlx.errors import RlxError
+from rlx.launchers.base import Job, JobStatus, LaunchRequest, remember
+from rlx.recipe import Recipe
+
+if TYPE_CHECKING:
+    from rlx.trainer.record import RunResult
+
+NAME = "local"
+SUFFIX = ""
+STOP_GRACE_SECONDS = 60.0
+POLL_SECONDS = 0.5
+
+
+def run_id_for(name: str, env: Mapping[str, str]) -> str:
+    explicit = env.get("RLX_RUN_ID", "").strip()
+    return explicit or f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def describe(recipe: Recipe, source: str) -> str:
+    """What `rlx launch --dry-run` prints for the local backend."""
+    trainer = recipe.trainer
+    lines = [f"# rlx launch {source}: local backend (this machine, a private Ray)"]
+    if trainer is None or recipe.command is not None:
+        command = " && ".join(recipe.head_command)
+        lines.append(f"would run on this machine, with a Ray head started for it: {command}")
+        return "\n".join(lines) + "\n"
+    run_dir = Path(trainer.logging.dir) / f"{recipe.name}-<date>-<time>"
+    ckpt = trainer.checkpoint
+    rollout, batch = trainer.rollout, trainer.batch
+    rows = [
+        ("algorithm", trainer.algorithm),
+        ("model", f"{trainer.model.path} ({trainer.model.dtype})"),
+        ("data", trainer.data.train),
+        ("reward", trainer.reward.function),
+        (
+            "rollout",
+            f"{rollout.engine}, {rollout.n} per prompt, <= {rollout.max_new_tokens} tokens",
+        ),
+        ("steps", f"{trainer.steps} x {batch.prompts_per_step} prompts (seed {trainer.seed})"),
+        ("run folder", f"{run_dir} (metrics.jsonl, train.log, reward.png)"),
+        (
+            "checkpoints",
+            "off (checkpoint.dir unset)"
+            if ckpt.dir is None
+            else f"{Path(ckpt.dir) / '<run id>'} every {ckpt.every} steps, keep {ckpt.keep}",
+        ),
+    ]
+    width = max(len(key) for key, _ in rows)
+    lines += [f"{key.ljust(width)}  {value}" for key, value in rows]
+    lines.append("set RLX_RUN_ID to an earlier run's id to continue it")
+    return "\n".join(lines) + "\n"
+
+
+@contextlib.contextmanager
+def _environment(values: Mapping[str, str]) -> Iterator[None]:
+    """The recipe's env (and secrets) in os.environ for the run: Ray's workers inherit it."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+
+
+def launch(request: LaunchRequest) -> Job:
+    from rlx.trainer.resolve import run_paths
+
+    recipe = request.recipe
+    run_id = run_id_for(request.name, os.environ)
+    values = {**recipe.env, **request.secrets, "RLX_RUN_ID": run_id}
+    job = Job(request.name, NAME, str(os.getpid()), request.source, "", extra={"run_id": run_id})
+    if recipe.trainer is None or recipe.command is not None:
+        job.extra["exit_code"] = str(_run_command(recipe, values, job, request.workdir))
+        return job
+    paths = run_paths(recipe, {**os.environ, **values})
+    job.extra["run_dir"] = str(paths.run_dir)
+    remember(job, request.workdir)  # visible to status/logs/down while it runs
+    with _environment(values):
+        code = _train(recipe, paths.run_dir)
+    job.extra["exit_code"] = str(code)
+    return job
+
+
+def _train(recipe: Recipe, run_dir: Path) -> int:
+    from rlx.trainer.console import Stopped
+    from rlx.trainer.main import run_training
+    from rlx.trainer.record import read_result
+
+    try:
+        result = run_training(recipe, print_summary=False)
+    except Stopped as stop:
+        print(f"stopped ({stop}); `rlx launch` again with RLX_RUN_ID to continue", file=sys.stderr)
+        return stop.code
+    record = read_result(run_dir) or result
+    print_summary(record)
+    return 0
+
+
+def _run_command(recipe: Recipe, values: Mapping[str, str], job: Job, workdir: Path) -> int:
+    """A recipe whose head runs its own `command`: the node bootstrap, on this one node."""
+    from rlx.launchers import bootstrap
+    from rlx.launchers.nodeenv import node_info
+
+    remember(job, workdir)
+    env = {**os.environ, **values}
+    return bootstrap.main(recipe, node_info(NAME, env, recipe.resources.gpus_per_node), env)
+
+
+def _shown(path: str | None) -> str:
+    """A path relative to the current folder when it is below it (shorter to read)."""
+    if not path:
+        return "-"
+    with contextlib.suppress(ValueError):
+        return str(Path(path).relative_to(Path.cwd()))
+    return path
+
+
+def print_summary(record: RunResult) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from rlx.trainer.record import reward_summary
+
+    table = Table(title=f"run {record.run_id}: {record.state.lower()}", show_header=False)
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(overflow="fold")
+    table.add_row("steps", f"{record.last_step} of {record.steps}")
+    table.add_row("reward", reward_summary(record))
+    if record.wall_time_s is not None:
+        table.add_row("training time", f"{record.wall_time_s:.1f} s")
+    if record.started is not None and record.finished is not None:
+        table.add_row("wall time", f"{record.finished - record.started:.1f} s (start-up included)")
+    table.add_row("checkpoints", _shown(record.checkpoints) if record.checkpoints else "off")
+    table.add_row("reward plot", _shown(record.plot))
+    table.add_row("metrics", _shown(record.metrics))
+    table.add_row("log", _shown(record.log))
+    Console(soft_wrap=True).print(table)
+
+
+# --------------------------------------------------------------------------- operate
+
+
+def _pid_running(job: Job) -> bool:
+    """The launching process is alive, and is an rlx process (not a reused pid)."""
+    try:
+        raw = Path(f"/proc/{int(job.handle)}/cmdline").read_bytes()
+        state = Path(f"/proc/{int(job.handle)}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, ValueError):
+        return False
+    return state != "Z" and b"rlx" in raw
+
+
+def status(job: Job) -> JobStatus:
+    from rlx.trainer.metrics import read_metrics
+    from rlx.trainer.record import read_result
+
+    running = _pid_running(job)
+    run_dir = job.extra.get("run_dir")
+    record = read_result(Path(run_dir)) if run_dir else None
+    if record is None:
+        if "exit_code" in job.extra:
+            code = int(job.extra["exit_code"])
+            state = "SUCCEEDED" if code == 0 else "FAILED"
+            return JobStatus(job.name, NAME, state, f"exit code {code}", code)
+        state = "RUNNING" if running else "UNKNOWN"
+        return JobStatus(job.name, NAME, state, "starting" if running else "no record")
+    if record.state == "RUNNING":
+        if not running:
+            return JobStatus(
+                job.name, NAME, "FAILED", f"stopped without finishing (pid {job.handle} is gone)"
+            )
+        done = read_metrics(Path(run_dir) / "metrics.jsonl") if run_dir else []
+        step = done[-1]["step"] if done else 0
+        return JobStatus(job.name, NAME, "RUNNING", f"step {step} of {record.steps}")
+    if record.state == "SUCCEEDED":
+        detail = f"{record.last_step} steps"
+        if record.first_reward_window is not None and record.last_reward_window is not None:
+            first, last = record.first_reward_window, record.last_reward_window
+            detail += f", reward {first:.3f} -> {last:.3f}"
+        return JobStatus(job.name, NAME, "SUCCEEDED", detail, 0)
+    return JobStatus(job.name, NAME, record.state, record.error or "", record.exit_code)
+
+
+def _log_path(job: Job) -> Path:
+    from rlx.trainer.resolve import LOG_FILE
+
+    run_dir = job.extra.get("run_dir")
+    if not run_dir:
+        raise RlxError(f"job {job.name} ran a command, not the trainer: it keeps no log file")
+    return Path(run_dir) / LOG_FILE
+
+
+def logs(job: Job, *, follow: bool, node: int | None) -> int:
+    if node not in (None, 0):
+        raise RlxError(f"a local job has one node (0); there is no node {node}")
+    path = _log_path(job)
+    if not path.exists():
+        raise RlxError(f"no log yet at {path} (rlx status {job.name})")
+    offset = 0
+
+    def drain() -> None:
+        nonlocal offset
+        with path.open("rb") as f:
+            f.seek(offset)
+            chunk = f.read()
+        offset += len(chunk)
+        sys.stdout.write(chunk.decode(errors="replace"))
+        sys.stdout.flush()
+
+    drain()
+    while follow and _pid_running(job):
+        time.sleep(POLL_SECONDS)
+        drain()
+    if follow:
+        drain()
+    return 0
+
+
+def down(job: Job) -> None:
+    if not _pid_running(job):
+        state = status(job)
+        raise RlxError(f"{job.name} is not running ({state.state.lower()}); nothing to stop")
+    pid = int(job.handle)
+    # SIGTERM: the trainer stops between operations and releases its Ray; then SIGKILL.
+    for sig, wait in ((signal.SIGTERM, STOP_GRACE_SECONDS), (signal.SIGKILL, 10.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if not _pid_running(job):
+                return
+            time.sleep(POLL_SECONDS)
+    raise RlxError(f"process {pid} of {job.name} did not stop")

@@ -1,0 +1,166 @@
+"""One step's samples as the trainer's forward passes take them, and how they are cut up.
+
+A SequenceBatch holds B rows of prompt + response: prompts left-padded to width P, responses
+right-padded to width R, so every response starts at column P and the logit at column P - 1
+predicts its first token. Per-token tensors computed along the step (old and reference
+log-probs, values, advantages, returns) ride along in `fields`, each (B, R).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import Tensor
+
+from rlx.trainer.rollout import RolloutBatch, pad_responses
+
+
+@dataclass(frozen=True)
+class SequenceBatch:
+    input_ids: Tensor  # (B, P + R) long
+    attention_mask: Tensor  # (B, P + R) long, 0 on padding
+    response_mask: Tensor  # (B, R) bool, True on real response tokens
+    prompt_width: int  # P
+    fields: Mapping[str, Tensor] = field(default_factory=dict)  # name -> (B, R)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def response_ids(self) -> Tensor:
+        return self.input_ids[:, self.prompt_width :]  # (B, R)
+
+    @property
+    def position_ids(self) -> Tensor:
+        # What generate used: positions count real tokens only, so left padding is invisible.
+        return (self.attention_mask.cumsum(dim=-1) - 1).clamp(min=0)  # (B, P + R)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt and response tokens actually processed (padding excluded)."""
+        return int(self.attention_mask.sum())
+
+    def with_fields(self, **tensors: Tensor) -> SequenceBatch:
+        for name, tensor in tensors.items():
+            if tensor.shape != self.response_mask.shape:
+                raise ValueError(
+                    f"field {name!r} has shape {tuple(tensor.shape)}, the responses are "
+                    f"{tuple(self.response_mask.shape)}"
+                )
+        return replace(self, fields={**self.fields, **tensors})
+
+    def select(self, rows: Tensor | Sequence[int]) -> SequenceBatch:
+        index = torch.as_tensor(rows, dtype=torch.long)
+        return SequenceBatch(
+            input_ids=self.input_ids[index],
+            attention_mask=self.attention_mask[index],
+            response_mask=self.response_mask[index],
+            prompt_width=self.prompt_width,
+            fields={name: tensor[index] for name, tensor in self.fields.items()},
+        )
+
+    def chunks(self, size: int) -> list[SequenceBatch]:
+        """Consecutive pieces of at most `size` rows."""
+        return [self.select(range(s, min(s + size, len(self)))) for s in range(0, len(self), size)]
+
+    def trimmed(self) -> SequenceBatch:
+        """The same rows without columns that are padding in every row: a micro-batch of
+        short prompts or responses then costs only what it holds."""
+        prompt_real = self.attention_mask[:, : self.prompt_width].any(dim=0)  # (P,)
+        response_real = self.response_mask.any(dim=0)  # (R,)
+        first = int(prompt_real.long().argmax()) if bool(prompt_real.any()) else self.prompt_width
+        width = int(response_real.nonzero().max()) + 1 if bool(response_real.any()) else 0
+        if first == 0 and width == self.response_mask.shape[1]:
+            return self
+        end = self.prompt_width + width
+        return SequenceBatch(
+            input_ids=self.input_ids[:, first:end],
+            attention_mask=self.attention_mask[:, first:end],
+            response_mask=self.response_mask[:, :width],
+            prompt_width=self.prompt_width - first,
+            fields={name: tensor[:, :width] for name, tensor in self.fields.items()},
+        )
+
+    def to(self, device: torch.device | str) -> SequenceBatch:
+        return SequenceBatch(
+            input_ids=self.input_ids.to(device),
+            attention_mask=self.attention_mask.to(device),
+            response_mask=self.response_mask.to(device),
+            prompt_width=self.prompt_width,
+            fields={name: tensor.to(device) for name, tensor in self.fields.items()},
+        )
+
+
+def concat_rollouts(batches: Sequence[RolloutBatch]) -> RolloutBatch:
+    """Join the batches of several engines, in the order given (each keeps its prompt groups)."""
+    if not batches:
+        raise ValueError("concat_rollouts needs at least one batch")
+    if len(batches) == 1:
+        return batches[0]
+    first = batches[0]
+    responses, logprobs, finished, prompts = [], [], [], []
+    for batch in batches:
+        if batch.n != first.n or batch.pad_token_id != first.pad_token_id:
+            raise ValueError("rollout batches disagree on n or on the pad token")
+        lengths = batch.response_lengths.tolist()
+        for row, length in enumerate(lengths):
+            responses.append(batch.response_ids[row, :length].tolist())
+            logprobs.append(batch.logprobs[row, :length].tolist())
+        finished.append(batch.finished)
+        prompts.extend(batch.prompt_ids)
+    ids, mask, values = pad_responses(responses, logprobs, first.pad_token_id)
+    return RolloutBatch(
+        prompt_ids=prompts,
+        response_ids=ids,
+        response_mask=mask,
+        logprobs=values,
+        finished=torch.cat(finished),
+        n=first.n,
+        pad_token_id=first.pad_token_id,
+        weight_version=min(batch.weight_version for batch in batches),
+    )
+
+
+def pack_rollout(batch: RolloutBatch) -> SequenceBatch:
+    """Prompt and response rows side by side: prompts left-padded, responses as generated."""
+    rows = len(batch)
+    width = max(len(ids) for ids in batch.prompt_ids)
+    prompt_ids = torch.full((rows, width), batch.pad_token_id, dtype=torch.long)  # (B, P)
+    prompt_mask = torch.zeros((rows, width), dtype=torch.long)  # (B, P)
+    for row, ids in enumerate(batch.prompt_ids):
+        prompt_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+        prompt_mask[row, width - len(ids) :] = 1
+    return SequenceBatch(
+        input_ids=torch.cat([prompt_ids, batch.response_ids], dim=1),  # (B, P + R)
+        attention_mask=torch.cat([prompt_mask, batch.response_mask.long()], dim=1),
+        response_mask=batch.response_mask,
+        prompt_width=width,
+    )
+
+
+def outcome_token_rewards(scores: Tensor, response_mask: Tensor) -> Tensor:
+    """Each response's score on its last real token, 0 elsewhere: (B,), (B, R) -> (B, R).
+
+    A response with no tokens at all has nowhere to put its score; it carries none (and,
+    with no tokens, contributes nothing to any loss either)."""
+    lengths = response_mask.long().sum(dim=1)  # (B,)
+    last = (lengths - 1).clamp(min=0)  # (B,)
+    rewards = torch.zeros(response_mask.shape, dtype=torch.float32)  # (B, R)
+    if rewards.shape[1] == 0:
+        return rewards
+    rewards.scatter_(1, last.unsqueeze(1), scores.float().unsqueeze(1))
+    return torch.where(response_mask, rewards, 0.0)
+
+
+def split_evenly(count: int, parts: int) -> list[range]:
+    """Consecutive ranges covering 0..count-1 in `parts` pieces whose sizes differ by at most 1
+    (the first ones get the extra items)."""
+    base, extra = divmod(count, parts)
+    ranges, start = [], 0
+    for part in range(parts):
+        size = base + (1 if part < extra else 0)
+        ranges.append(range(start, start + size))
+        start += size
+    return ranges

@@ -1,0 +1,311 @@
+"""The controller's view of the job's actors: it places and starts them, forms the DDP group,
+calls them in parallel, and runs the rollout engines (generate, push weights, verify).
+
+Every Ray call goes through `gather`, which turns a failure inside an actor into one line: an
+RlxError raised there keeps its message, a dead actor names its kind, rank and node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rlx.errors import RlxError
+from rlx.recipe.model import Recipe
+from rlx.trainer.batching import SequenceBatch, concat_rollouts, split_evenly
+from rlx.trainer.engines import Probe, check_engines
+from rlx.trainer.learner import UpdateStats, merge_update_stats
+from rlx.trainer.placement import (
+    ActorPlan,
+    NodeView,
+    plan_actors,
+    reserve,
+    thread_override,
+)
+from rlx.trainer.progress import Progress
+from rlx.trainer.rollout import RolloutBatch
+from rlx.trainer.seeding import derive_seed
+from rlx.trainer.workers import RolloutWorker, SamplingArgs, TrainWorker, WorkerSpec
+
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def gather(refs: Sequence[Any], what: str) -> list[Any]:
+    """ray.get, with failures as one-line RlxErrors (see the module docstring)."""
+    import ray
+
+    try:
+        return ray.get(list(refs))
+    except ray.exceptions.RayTaskError as exc:
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, RlxError):
+            raise RlxError(str(cause)) from None
+        raise
+    except ray.exceptions.RayActorError as exc:
+        raise RlxError(f"a {what} {_actor_failure(exc)}") from None
+
+
+def _actor_failure(exc: Exception) -> str:
+    """One line on why an actor is gone: the error of a failed start, else Ray's reason."""
+    text = ANSI_ESCAPE.sub("", getattr(exc, "error_msg", "") or str(exc))
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if getattr(exc, "_actor_init_failed", False) and lines:
+        last = lines[-1].removeprefix("rlx.errors.RlxError: ")
+        return f"failed to start: {last}"
+    first = lines[0] if lines else type(exc).__name__
+    return (
+        f"died ({first}); the run stops here, resume it from its last checkpoint (see the "
+        "Ray logs of that node for why it died)"
+    )
+
+
+@dataclass(frozen=True)
+class WorkerSet:
+    handles: list[Any]
+    ips: list[str]
+
+
+class Cluster:
+    """Training workers (ranks 0..N-1) and, in layout: split, rollout workers."""
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        plan: ActorPlan,
+        train: WorkerSet,
+        rollout: WorkerSet,
+        groups: list[Any],
+        engine_dtype: str,
+    ):
+        assert recipe.trainer is not None
+        self.recipe = recipe
+        self.settings = recipe.trainer
+        self.plan = plan
+        self.train = train
+        self.rollout = rollout
+        self._groups = groups
+        self.engine_dtype = engine_dtype
+        self.sampling = SamplingArgs.from_settings(self.settings)
+
+    # ------------------------------------------------------------------ start and stop
+
+    @classmethod
+    def start(
+        cls,
+        recipe: Recipe,
+        nodes: Sequence[NodeView],
+        policy_path: str,
+        critic_path: str | None,
+        engine_kind: str,
+        engine_dtype: str,
+    ) -> Cluster:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        settings = recipe.trainer
+        assert settings is not None
+        plan = plan_actors(recipe)
+        groups: list[Any] = []
+        try:
+            strategy = "STRICT_SPREAD" if plan.spread_training else "PACK"
+            train_group, train_ips = reserve(
+                plan.train_workers, plan.train_gpus, strategy, "training workers", nodes
+            )
+            groups.append(train_group)
+            rollout_ips: list[str] = []
+            if plan.rollout_workers:
+                rollout_group, rollout_ips = reserve(
+                    plan.rollout_workers, plan.rollout_gpus, "PACK", "rollout workers", nodes
+                )
+                groups.append(rollout_group)
+            everyone = train_ips + rollout_ips
+            # Rank 0 on this (the head) node when it trains, where the checkpoint is written
+            # from; then node by node, so the ranks of one node are neighbours.
+            here = ray.util.get_node_ip_address()
+            order = sorted(
+                range(len(train_ips)),
+                key=lambda i: (train_ips[i] != here, everyone.index(train_ips[i]), i),
+            )
+            base = WorkerSpec(
+                settings=settings,
+                policy_path=policy_path,
+                critic_path=critic_path,
+                rank=0,
+                world_size=plan.train_workers,
+                node_share=1,
+                num_threads=thread_override(),
+                engine_kind=engine_kind,
+                colocated=settings.layout == "colocated",
+                use_gpu=plan.train_gpus > 0,
+            )
+            train_handles = []
+            for rank, bundle in enumerate(order):
+                spec = dataclasses.replace(
+                    base, rank=rank, node_share=everyone.count(train_ips[bundle])
+                )
+                actor = ray.remote(TrainWorker).options(
+                    num_cpus=1,
+                    num_gpus=plan.train_gpus,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=train_group, placement_group_bundle_index=bundle
+                    ),
+                    name=None,
+                )
+                train_handles.append(actor.remote(spec))
+            rollout_handles = []
+            for index, ip in enumerate(rollout_ips):
+                spec = dataclasses.replace(
+                    base, rank=index, node_share=everyone.count(ip), use_gpu=plan.rollout_gpus > 0
+                )
+                actor = ray.remote(RolloutWorker).options(
+                    num_cpus=1,
+                    num_gpus=plan.rollout_gpus,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=groups[1], placement_group_bundle_index=index
+                    ),
+                )
+                rollout_handles.append(actor.remote(spec, index, max(plan.rollout_gpus, 1)))
+            train = WorkerSet(train_handles, [train_ips[b] for b in order])
+            rollout = WorkerSet(rollout_handles, rollout_ips)
+            cluster = cls(recipe, plan, train, rollout, groups, engine_dtype)
+            cluster._setup_training()
+            return cluster
+        except BaseException:
+            for group in groups:
+                ray.util.remove_placement_group(group)
+            raise
+
+    def _setup_training(self) -> None:
+        train = self.train.handles
+        master_addr = self.train.ips[0]
+        master_port = gather([train[0].free_port.remote()], "training worker")[0]
+        gather([w.setup.remote(master_addr, master_port) for w in train], "training worker")
+        if self.rollout.handles:  # the engines load at construction; wait for them here
+            gather([r.node_ip.remote() for r in self.rollout.handles], "rollout worker")
+
+    def shutdown(self) -> None:
+        import ray
+
+        for handle in self.train.handles + self.rollout.handles:
+            with contextlib.suppress(Exception):  # a dead or stuck actor is killed below
+                ray.get(handle.close.remote(), timeout=30)
+            ray.kill(handle)
+        for group in self._groups:
+            ray.util.remove_placement_group(group)
+        self._groups = []
+
+    # ------------------------------------------------------------------ training calls
+
+    def shard(self, batch: SequenceBatch) -> list[SequenceBatch]:
+        """Rank r's samples: the r-th of N equal consecutive slices."""
+        ranges = split_evenly(len(batch), self.plan.train_workers)
+        return [batch.select(rows) for rows in ranges]
+
+    def prepare(self, batch: SequenceBatch, old_logprobs: bool) -> dict[str, Any]:
+        """Reference log-probs, values, old log-probs of the whole batch, (B, R) each."""
+        import torch
+
+        shards = self.shard(batch)
+        outs = gather(
+            [
+                w.prepare.remote(s, old_logprobs)
+                for w, s in zip(self.train.handles, shards, strict=True)
+            ],
+            "training worker",
+        )
+        return {name: torch.cat([out[name] for out in outs]) for name in outs[0]}
+
+    def update(self, batch: SequenceBatch, step: int) -> dict[str, float]:
+        shards = self.shard(batch)
+        stats: list[UpdateStats] = gather(
+            [w.update.remote(s, step) for w, s in zip(self.train.handles, shards, strict=True)],
+            "training worker",
+        )
+        return merge_update_stats(stats)
+
+    def call_all(self, method: str, *args: Any) -> list[Any]:
+        refs = [getattr(w, method).remote(*args) for w in self.train.handles]
+        return gather(refs, "training worker")
+
+    def call_rank0(self, method: str, *args: Any) -> Any:
+        return gather([getattr(self.train.handles[0], method).remote(*args)], "training worker")[0]
+
+    def worker_memory(self) -> list[tuple[str, int, int]]:
+        refs = [h.host_memory.remote() for h in self.train.handles + self.rollout.handles]
+        return gather(refs, "worker")
+
+    # ------------------------------------------------------------------ rollout engines
+
+    @property
+    def engines(self) -> list[Any]:
+        return self.rollout.handles or self.train.handles
+
+    def generate(self, prompt_ids: list[list[int]], step: int, show_progress: bool) -> RolloutBatch:
+        """n samples per prompt, prompts split over the engines, results in prompt order."""
+        import ray
+
+        engines = self.engines
+        ranges = split_evenly(len(prompt_ids), len(engines))
+        refs = {}
+        for index, (engine, rows) in enumerate(zip(engines, ranges, strict=True)):
+            if len(rows):
+                seed = derive_seed(self.settings.seed, "generate", step, index)
+                chunk = [prompt_ids[i] for i in rows]
+                refs[index] = engine.generate.remote(chunk, self.sampling, seed)
+        pending = list(refs.values())
+        total = len(prompt_ids) * self.sampling.n
+        with _maybe_progress(show_progress, total, "rollout") as progress:
+            while pending:
+                done, pending = ray.wait(pending, num_returns=1)
+                rows_done = [len(ranges[i]) for i, r in refs.items() if r in done]
+                progress.update(sum(rows_done) * self.sampling.n)
+        what = "rollout worker" if self.rollout.handles else "training worker"
+        batches = gather([refs[i] for i in sorted(refs)], what)
+        return concat_rollouts(batches)
+
+    def sync_weights(self, version: int, probe: Probe, *, push: bool = True) -> float:
+        """Bring every engine to the policy's weights `version` and prove it; returns the
+        largest probe difference. Raises StaleEngineError on any engine that is behind.
+        push=False only checks (split engines fresh from the policy's own starting point)."""
+        train = self.train.handles
+        if not self.rollout.handles:
+            results = gather(
+                [w.refresh_engine.remote(version, probe) for w in train], "training worker"
+            )
+            reports = [report for report, _ in results]
+            policy_logprob = results[0][1]  # rank 0's policy
+        else:
+            policy_ref = train[0].policy_probe.remote(probe)
+            if push:
+                weights = train[0].publish_weights.remote(self.engine_dtype)  # one object
+                refs = [
+                    r.load_weights.remote(weights, version, probe) for r in self.rollout.handles
+                ]
+            else:
+                refs = [r.report.remote(probe) for r in self.rollout.handles]
+            reports = gather(refs, "rollout worker")
+            policy_logprob = gather([policy_ref], "training worker")[0]
+        return check_engines(reports, version, policy_logprob, probe.tolerance(self.engine_dtype))
+
+
+class _NoProgress:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def __enter__(self) -> _NoProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def _maybe_progress(show: bool, total: int, desc: str) -> Progress | _NoProgress:
+    # A bar per step is useful on a terminal; in a log file it would be noise every step.
+    if show and sys.stderr.isatty():
+        return Progress(total, desc, stream=sys.stderr)
+    return _NoProgress()

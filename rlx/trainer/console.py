@@ -1,0 +1,124 @@
+"""The run's console: everything printed is copied to the run's log file (progress bars stay
+on the terminal); and SIGTERM/SIGINT, which stop the run at the next safe point so the
+actors are released and the run's record says it was stopped."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TextIO
+
+
+class Stopped(Exception):
+    """SIGTERM or SIGINT arrived: stop, release the actors, exit 128 + signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.code = 128 + signum
+
+
+# --------------------------------------------------------------------------- console
+
+
+class _Tee(io.TextIOBase):
+    """Writes to the console stream and to the run's log file."""
+
+    def __init__(self, stream: TextIO, log: TextIO):
+        self._stream = stream
+        self._log = log
+
+    def write(self, text: str) -> int:
+        self._stream.write(text)
+        # Libraries imported during the run (Ray's colorama) keep this object as their
+        # stdout and write to it at exit, after the log is closed: the console only, then.
+        if not self._log.closed:
+            self._log.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+        if not self._log.closed:
+            self._log.flush()
+
+    def isatty(self) -> bool:
+        return self._stream.isatty()
+
+
+class _AboveBars(io.TextIOBase):
+    """Lines printed while a progress bar is on the terminal go above it, not through it."""
+
+    def __init__(self, stream: TextIO, bar_stream: TextIO):
+        self._stream = stream
+        self._bar_stream = bar_stream
+
+    def write(self, text: str) -> int:
+        from tqdm import tqdm
+
+        with tqdm.external_write_mode(file=self._bar_stream):
+            self._stream.write(text)
+            self._stream.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def isatty(self) -> bool:
+        return self._stream.isatty()
+
+
+@contextlib.contextmanager
+def console_to_log(log_path: Path) -> Iterator[tuple[TextIO, TextIO]]:
+    """(out, err) for the run: both copied to log_path. Progress bars (err on a terminal)
+    stay on the terminal only."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    real_out, real_err = sys.stdout, sys.stderr
+    with open(log_path, "a", encoding="utf-8", buffering=1) as log:
+        out: TextIO = _Tee(real_out, log)  # type: ignore[assignment]
+        tee_err: TextIO = _Tee(real_err, log)  # type: ignore[assignment]
+        sys.stdout, sys.stderr = out, tee_err
+        try:
+            if real_err.isatty():
+                yield _AboveBars(out, real_err), real_err  # type: ignore[misc]
+            else:
+                yield out, tee_err
+        finally:
+            sys.stdout, sys.stderr = real_out, real_err
+
+
+class StopRequest:
+    """Set by SIGTERM or SIGINT; the loop calls check() between phases and stops there.
+
+    The handler does not raise: an exception thrown from inside Ray's C++ calls (ray.wait,
+    ray.get) comes out mangled. A second signal does stop at once, for a start-up that hangs.
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def handler(self, signum: int, _frame: object) -> None:
+        if self.signum is not None:
+            raise Stopped(signum)
+        self.signum = signum
+
+    def check(self) -> None:
+        if self.signum is not None:
+            raise Stopped(self.signum)
+
+
+@contextlib.contextmanager
+def handle_signals(request: StopRequest) -> Iterator[StopRequest]:
+    """Route SIGTERM and SIGINT to `request` (main thread only; elsewhere a no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield request
+        return
+    previous = {s: signal.signal(s, request.handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield request
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)

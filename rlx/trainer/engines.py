@@ -1,0 +1,138 @@
+"""Rollout engines as the trainer runs them, and the proof that they hold the policy's weights.
+
+layout: colocated - every training worker holds an engine over its own policy: HF generate
+on the very nn.Module being trained (no copy, nothing to push), or a vLLM engine on the same
+GPU that sleeps while the policy trains and is woken and reloaded after each update.
+layout: split - engines live in their own actors (and GPUs); after each update rank 0
+publishes its weights once into Ray's object store and every engine loads them from there.
+
+Either way the controller then checks every engine: its weight version must equal the
+policy's, and its log-prob of a fixed probe sequence must match the policy's own within a
+tolerance suited to the dtype. A mismatch is a StaleEngineError, never a warning: training on
+samples from other weights than the ones being updated silently breaks the algorithm.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from rlx.errors import RlxError
+from rlx.trainer.rollout import HFEngine, RolloutEngine
+
+# Log-prob agreement per probe token: float32 copies of the same weights agree to rounding;
+# half precision (and vLLM's kernels against torch's) only to about a hundredth.
+PROBE_TOLERANCE_PER_TOKEN = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 2e-2}
+PROBE_TOLERANCE_FLOOR = 1e-3
+
+
+class StaleEngineError(RlxError):
+    """A rollout engine does not hold the policy's current weights."""
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A fixed prompt and response every engine and the policy score after each update."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+
+    def tolerance(self, dtype: str) -> float:
+        per_token = PROBE_TOLERANCE_PER_TOKEN.get(dtype, PROBE_TOLERANCE_PER_TOKEN["bfloat16"])
+        return max(per_token * len(self.response_ids), PROBE_TOLERANCE_FLOOR)
+
+
+@dataclass(frozen=True)
+class EngineReport:
+    """What an engine says after a weight push: the version it holds and its probe value."""
+
+    index: int
+    node: str
+    version: int
+    probe_logprob: float
+
+
+def check_engines(
+    reports: Sequence[EngineReport], version: int, policy_logprob: float, tolerance: float
+) -> float:
+    """Raise StaleEngineError unless every engine holds `version` and scores the probe like
+    the policy. Returns the largest probe difference seen (a metric worth watching)."""
+    worst = 0.0
+    for report in reports:
+        where = f"rollout engine {report.index} (node {report.node})"
+        if report.version != version:
+            raise StaleEngineError(
+                f"{where} holds weights version {report.version} but the policy is at "
+                f"version {version}: the weight push did not arrive; stopping rather than "
+                "training on samples from old weights"
+            )
+        diff = abs(report.probe_logprob - policy_logprob)
+        if not math.isfinite(diff) or diff > tolerance:
+            raise StaleEngineError(
+                f"{where} scores the probe sequence {report.probe_logprob:.6g} but the policy "
+                f"scores it {policy_logprob:.6g} (difference {diff:.3g}, tolerance "
+                f"{tolerance:.3g}): its weights are not the policy's although it reports "
+                f"version {version}"
+            )
+        worst = max(worst, diff)
+    return worst
+
+
+# --------------------------------------------------------------------------- in a worker
+
+
+class SharedModuleEngine(HFEngine):
+    """HF generate over the policy module itself (colocated on CPU, or GPU without vLLM):
+    the update writes the engine's weights, so a "push" only records the version."""
+
+    def mark_version(self, version: int) -> None:
+        self._version = int(version)
+
+
+class ColocatedEngine:
+    """The engine a training worker holds, and what it needs around an update."""
+
+    def __init__(self, engine: RolloutEngine, shares_policy: bool):
+        self.engine = engine
+        self.shares_policy = shares_policy
+        self._asleep = False
+
+    def release(self) -> None:
+        """Before forwards and the update: a vLLM engine gives back its GPU memory."""
+        if not self.shares_policy and not self._asleep:
+            llm = getattr(self.engine, "llm", None)
+            if llm is not None and hasattr(llm, "sleep"):
+                llm.sleep(level=1)
+                self._asleep = True
+
+    def refresh(self, policy: nn.Module, version: int) -> None:
+        """After the update: make the engine generate with the policy's new weights."""
+        if self.shares_policy:
+            assert isinstance(self.engine, SharedModuleEngine)
+            self.engine.mark_version(version)
+            return
+        if self._asleep:
+            self.engine.llm.wake_up()  # type: ignore[attr-defined]
+            self._asleep = False
+        self.engine.load_weights(policy.state_dict(), version)
+
+
+def make_colocated_engine(
+    kind: str,
+    policy: nn.Module,
+    model_path: str,
+    *,
+    dtype: str,
+    vllm_options: Mapping[str, Any],
+) -> ColocatedEngine:
+    """kind is 'hf' or 'vllm' (already resolved from 'auto')."""
+    if kind == "hf":
+        return ColocatedEngine(SharedModuleEngine(policy), shares_policy=True)
+    from rlx.trainer.rollout_vllm import VLLMEngine
+
+    options = {"enable_sleep_mode": True, **vllm_options}
+    return ColocatedEngine(VLLMEngine(model_path, dtype=dtype, **options), shares_policy=False)

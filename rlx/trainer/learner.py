@@ -1,0 +1,362 @@
+"""One data-parallel rank of the trainer: its models, the per-sample forwards that precede an
+update, and the update itself. Plain torch (and torch.distributed when there are several
+ranks); the Ray actor in workers.py only moves batches in and numbers out.
+
+The update, per step: ppo_epochs passes over this rank's share of the samples, each cut into
+minibatches (one optimiser step each) and those into micro-batches (one forward/backward
+each). Every micro-batch loss is divided by the token and sequence counts of the WHOLE
+minibatch across all ranks (algos.loss_denominators, summed over ranks), and multiplied by
+the world size because DDP averages gradients: the gradient is then the same however the
+minibatch is split over ranks and micro-batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from rlx.recipe.model import TrainerSettings
+from rlx.trainer import algos
+from rlx.trainer.batching import SequenceBatch
+from rlx.trainer.models import (
+    autocast,
+    compute_dtype,
+    load_causal_lm,
+    load_value_model,
+    make_optimizer,
+    response_logits,
+    response_values,
+    sequence_logprob,
+)
+from rlx.trainer.seeding import derive_seed
+
+# Per-token inputs an update may read from SequenceBatch.fields.
+OLD_LOGP, REF_LOGP, VALUES, ADVANTAGES, RETURNS = (
+    "old_logp",
+    "ref_logp",
+    "values",
+    "advantages",
+    "returns",
+)
+
+
+def minibatches_per_epoch(settings: TrainerSettings) -> int:
+    samples = settings.batch.prompts_per_step * settings.rollout.n
+    return samples // (settings.batch.minibatch_size or samples)
+
+
+def needs_old_logprobs(settings: TrainerSettings) -> bool:
+    """Old log-probs need their own forward only when the policy moves before some samples
+    are used (several epochs or minibatches), or when the KL penalty enters the reward.
+    Otherwise the update's own log-probs, detached, are exactly the old ones."""
+    several_updates = settings.batch.ppo_epochs > 1 or minibatches_per_epoch(settings) > 1
+    kl_in_reward = settings.algo.kl.coef > 0 and settings.algo.kl.mode == "reward"
+    return several_updates or kl_in_reward
+
+
+@dataclass
+class UpdateStats:
+    """Numbers from one rank's update, ready to be merged over ranks (merge_update_stats).
+
+    weighted/weights: token-weighted means (value x tokens, tokens). sums: losses already
+    divided by the global counts, so adding them over micro-batches and ranks gives the
+    minibatch loss; divided by `updates` at the end. same: equal on every rank (grad norms).
+    """
+
+    weighted: dict[str, float] = field(default_factory=dict)
+    weights: dict[str, float] = field(default_factory=dict)
+    sums: dict[str, float] = field(default_factory=dict)
+    same: dict[str, float] = field(default_factory=dict)
+    updates: int = 0
+
+    def mean(self, name: str, value: Tensor | float, tokens: int) -> None:
+        self.weighted[name] = self.weighted.get(name, 0.0) + float(value) * tokens
+        self.weights[name] = self.weights.get(name, 0.0) + tokens
+
+    def add(self, name: str, value: Tensor | float, into: str = "sums") -> None:
+        table = self.sums if into == "sums" else self.same
+        table[name] = table.get(name, 0.0) + float(value)
+
+
+def merge_update_stats(per_rank: Sequence[UpdateStats]) -> dict[str, float]:
+    """One set of step metrics from every rank's UpdateStats."""
+    merged: dict[str, float] = {}
+    first = per_rank[0]
+    for name in first.weighted:
+        total = sum(stats.weighted[name] for stats in per_rank)
+        weight = sum(stats.weights[name] for stats in per_rank)
+        merged[name] = total / max(weight, 1.0)
+    updates = max(first.updates, 1)
+    for name in first.sums:
+        merged[name] = sum(stats.sums[name] for stats in per_rank) / updates
+    for name, value in first.same.items():
+        merged[name] = value / updates
+    return merged
+
+
+class Learner:
+    """Policy (+ optimiser, schedule), reference (KL), critic (PPO) of one rank."""
+
+    def __init__(
+        self,
+        settings: TrainerSettings,
+        policy_path: str,
+        critic_path: str | None,
+        device: torch.device,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        self.settings = settings
+        self.device = device
+        self.rank = rank
+        self.world_size = world_size
+        self.dtype = compute_dtype(settings.model.dtype, device)
+        self.temperature = settings.rollout.temperature
+        algo = settings.algo
+
+        self.policy = load_causal_lm(settings.model, policy_path, device, trainable=True)
+        self.optimizer, self.scheduler = make_optimizer(
+            self.policy, settings.optim, settings.optim.lr, settings.steps
+        )
+        self.reference = None
+        if algo.kl.coef > 0:
+            self.reference = load_causal_lm(settings.model, policy_path, device, trainable=False)
+        self.critic = self.critic_optimizer = self.critic_scheduler = None
+        if settings.algorithm == "ppo":
+            if critic_path is None:
+                raise ValueError("ppo needs a critic model path")
+            critic_settings = settings.critic_model or settings.model
+            self.critic = load_value_model(critic_settings, critic_path, device)
+            self.critic_optimizer, self.critic_scheduler = make_optimizer(
+                self.critic, settings.optim, settings.optim.critic_lr, settings.steps
+            )
+        self.policy_ddp = self._data_parallel(self.policy)
+        self.critic_ddp = self._data_parallel(self.critic) if self.critic is not None else None
+        self.kl_estimator = algos.get_kl_estimator(algo.kl.estimator)
+        self.policy.eval()  # generation (colocated) and probes see eval mode; update() flips
+
+    def _data_parallel(self, module: nn.Module) -> nn.Module:
+        if self.world_size == 1:
+            return module
+        from torch.nn.parallel import DistributedDataParallel
+
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(module, device_ids=device_ids)
+
+    # ------------------------------------------------------------------ forwards
+
+    def _logprobs(self, model: nn.Module, mb: SequenceBatch) -> tuple[Tensor, Tensor]:
+        """(log-probs of the response tokens, logits they came from), both (b, r[, V]), at the
+        sampling temperature: the distribution the rollout engine drew from."""
+        with autocast(self.device, self.dtype):
+            logits = response_logits(model, mb)  # (b, r, V)
+        logits = logits.float()
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        return algos.logprobs_from_logits(logits, mb.response_ids), logits  # (b, r)
+
+    def _values(self, critic: nn.Module, mb: SequenceBatch) -> Tensor:
+        with autocast(self.device, self.dtype):
+            return response_values(critic, mb).float()  # (b, r)
+
+    def _per_token(self, batch: SequenceBatch, fn: Callable[[SequenceBatch], Tensor]) -> Tensor:
+        """fn over micro-batches (trimmed of padding), reassembled as one (B, R) tensor."""
+        out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)  # (B, R)
+        size = self.settings.batch.micro_batch_size
+        for start, mb in zip(range(0, len(batch), size), batch.chunks(size), strict=True):
+            mb = mb.trimmed().to(self.device)
+            values = fn(mb).float().cpu()  # (b, r)
+            out[start : start + len(mb), : values.shape[1]] = values
+        return torch.where(batch.response_mask, out, 0.0)
+
+    @torch.inference_mode()
+    def prepare(self, batch: SequenceBatch, *, old_logprobs: bool) -> dict[str, Tensor]:
+        """What the advantages and the update need besides the samples, each (B, R): reference
+        log-probs (KL on), critic values (PPO), old log-probs (when needs_old_logprobs)."""
+        out: dict[str, Tensor] = {}
+        if self.reference is not None:
+            reference = self.reference
+            out[REF_LOGP] = self._per_token(batch, lambda mb: self._logprobs(reference, mb)[0])
+        if self.critic is not None:
+            critic = self.critic
+            out[VALUES] = self._per_token(batch, lambda mb: self._values(critic, mb))
+        if old_logprobs:
+            policy = self.policy
+            out[OLD_LOGP] = self._per_token(batch, lambda mb: self._logprobs(policy, mb)[0])
+        return out
+
+    def probe(self, prompt_ids: list[int], response_ids: list[int]) -> float:
+        return sequence_logprob(self.policy, prompt_ids, response_ids)
+
+    # ------------------------------------------------------------------ the update
+
+    def update(self, batch: SequenceBatch, step: int) -> UpdateStats:
+        """ppo_epochs x minibatches of optimiser steps over this rank's samples."""
+        settings = self.settings
+        samples = settings.batch.prompts_per_step * settings.rollout.n
+        per_rank = (settings.batch.minibatch_size or samples) // self.world_size
+        stats = UpdateStats()
+        self._set_train(True)
+        try:
+            for epoch in range(settings.batch.ppo_epochs):
+                order = self._order(len(batch), step, epoch)
+                for start in range(0, len(batch), per_rank):
+                    self._update_minibatch(batch.select(order[start : start + per_rank]), stats)
+            self.scheduler.step()
+            if self.critic_scheduler is not None:
+                self.critic_scheduler.step()
+        finally:
+            self._set_train(False)
+        stats.mean("lr", self.scheduler.get_last_lr()[0], 1)
+        return stats
+
+    def _set_train(self, mode: bool) -> None:
+        self.policy.train(mode)
+        if self.critic is not None:
+            self.critic.train(mode)
+
+    def _order(self, count: int, step: int, epoch: int) -> Tensor:
+        """The order samples are visited in: shuffled (from the seed, step, epoch and rank,
+        so a resumed run repeats it) when there is more than one minibatch."""
+        if minibatches_per_epoch(self.settings) == 1:
+            return torch.arange(count)
+        seed = derive_seed(self.settings.seed, "minibatches", step, epoch, self.rank)
+        generator = torch.Generator().manual_seed(seed)
+        return torch.randperm(count, generator=generator)
+
+    def _global_counts(self, mask: Tensor) -> tuple[Tensor, Tensor]:
+        tokens, seqs = algos.loss_denominators(mask)
+        if self.world_size > 1:
+            counts = torch.stack([tokens, seqs]).to(self.device)
+            dist.all_reduce(counts)
+            tokens, seqs = counts.cpu().unbind()
+        return tokens, seqs
+
+    def _update_minibatch(self, minibatch: SequenceBatch, stats: UpdateStats) -> None:
+        settings = self.settings
+        tokens, seqs = self._global_counts(minibatch.response_mask)
+        micro = minibatch.chunks(settings.batch.micro_batch_size)
+        for index, mb in enumerate(micro):
+            mb = mb.trimmed().to(self.device)
+            sync = index == len(micro) - 1  # DDP all-reduces once, after the last backward
+            with self._maybe_no_sync(self.policy_ddp, sync):
+                self._policy_backward(mb, tokens, seqs, stats)
+            if self.critic_ddp is not None:
+                with self._maybe_no_sync(self.critic_ddp, sync):
+                    self._critic_backward(mb, tokens, seqs, stats)
+        clip = settings.optim.grad_clip
+        stats.add("grad_norm", nn.utils.clip_grad_norm_(self.policy.parameters(), clip), "same")
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.critic is not None and self.critic_optimizer is not None:
+            norm = nn.utils.clip_grad_norm_(self.critic.parameters(), clip)
+            stats.add("critic/grad_norm", norm, "same")
+            self.critic_optimizer.step()
+            self.critic_optimizer.zero_grad(set_to_none=True)
+        stats.updates += 1
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _maybe_no_sync(module: nn.Module, sync: bool) -> Iterator[None]:
+        if sync or not hasattr(module, "no_sync"):
+            yield
+        else:
+            with module.no_sync():
+                yield
+
+    def _aggregate(self, per_token: Tensor, mask: Tensor, tokens: Tensor, seqs: Tensor) -> Tensor:
+        return algos.aggregate_loss(
+            per_token,
+            mask,
+            self.settings.algo.loss_agg,
+            num_global_tokens=tokens,
+            num_global_seqs=seqs,
+        )
+
+    def _policy_backward(
+        self, mb: SequenceBatch, tokens: Tensor, seqs: Tensor, stats: UpdateStats
+    ) -> None:
+        algo = self.settings.algo
+        mask = mb.response_mask
+        logp, logits = self._logprobs(self.policy_ddp, mb)  # (b, r), (b, r, V)
+        old_logp = mb.fields[OLD_LOGP] if OLD_LOGP in mb.fields else logp.detach()
+        pg_per_token, pg_metrics = algos.ppo_policy_loss(
+            logp,
+            old_logp,
+            mb.fields[ADVANTAGES],
+            mask,
+            clip_eps_low=algo.clip_eps,
+            clip_eps_high=algo.clip_eps_high,
+            dual_clip_c=algo.dual_clip,
+        )
+        pg_loss = self._aggregate(pg_per_token, mask, tokens, seqs)
+        loss = pg_loss
+        if algo.kl.coef > 0 and algo.kl.mode == "loss":
+            kl_per_token = torch.where(mask, self.kl_estimator(logp, mb.fields[REF_LOGP]), 0.0)
+            kl_loss = self._aggregate(kl_per_token, mask, tokens, seqs)
+            loss = loss + algo.kl.coef * kl_loss
+            stats.add("loss/kl", kl_loss.detach())
+            stats.mean("kl", algos.masked_mean(kl_per_token.detach(), mask), int(mask.sum()))
+        with torch.set_grad_enabled(algo.entropy_coef > 0 and torch.is_grad_enabled()):
+            entropy = algos.entropy_from_logits(logits)  # (b, r)
+        if algo.entropy_coef > 0:
+            loss = loss - algo.entropy_coef * self._aggregate(entropy, mask, tokens, seqs)
+        (loss * self.world_size).backward()
+
+        count = int(mask.sum())
+        stats.add("loss/policy", pg_loss.detach())
+        stats.mean("entropy", algos.masked_mean(entropy.detach(), mask), count)
+        for name, value in pg_metrics.items():
+            stats.mean(name, value, count)
+
+    def _critic_backward(
+        self, mb: SequenceBatch, tokens: Tensor, seqs: Tensor, stats: UpdateStats
+    ) -> None:
+        assert self.critic_ddp is not None
+        algo = self.settings.algo
+        mask = mb.response_mask
+        values = self._values(self.critic_ddp, mb)  # (b, r)
+        vf_per_token, vf_metrics = algos.clipped_value_loss(
+            values, mb.fields[VALUES], mb.fields[RETURNS], mask, clip_eps=algo.value_clip
+        )
+        vf_loss = self._aggregate(vf_per_token, mask, tokens, seqs)
+        (algo.vf_coef * vf_loss * self.world_size).backward()
+        stats.add("loss/value", vf_loss.detach())
+        stats.mean("vf_clipfrac", vf_metrics["vf_clipfrac"], int(mask.sum()))
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_parts(self) -> dict[str, Any]:
+        parts: dict[str, Any] = {
+            "policy": self.policy.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+        }
+        if self.critic is not None:
+            assert self.critic_optimizer is not None and self.critic_scheduler is not None
+            parts["critic"] = self.critic.state_dict()
+            parts["critic_optimizer"] = self.critic_optimizer.state_dict()
+            parts["critic_scheduler"] = self.critic_scheduler.state_dict()
+        return parts
+
+    def load_parts(self, parts: dict[str, Any]) -> None:
+        self.policy.load_state_dict(parts["policy"])
+        self.optimizer.load_state_dict(parts["optimizer"])
+        self.scheduler.load_state_dict(parts["scheduler"])
+        if self.critic is not None:
+            missing = [
+                p for p in ("critic", "critic_optimizer", "critic_scheduler") if p not in parts
+            ]
+            if missing:
+                raise ValueError(f"the checkpoint has no {', '.join(missing)} (not a PPO run?)")
+            assert self.critic_optimizer is not None and self.critic_scheduler is not None
+            self.critic.load_state_dict(parts["critic"])
+            self.critic_optimizer.load_state_dict(parts["critic_optimizer"])
+            self.critic_scheduler.load_state_dict(parts["critic_scheduler"])

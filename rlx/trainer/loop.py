@@ -1,0 +1,349 @@
+"""The training loop: a single controller on the head node drives the actors step by step.
+
+One step:
+    sample prompts -> generate n responses each -> score them -> reference log-probs, critic
+    values, old log-probs (only those the settings need) -> advantages -> ppo_epochs x
+    minibatches of clipped policy (+ value, + KL, + entropy) updates -> push the weights to
+    the rollout engines and prove they arrived -> metrics -> checkpoint every k steps.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from rlx.errors import RlxError
+from rlx.recipe.model import Recipe
+from rlx.trainer import algos
+from rlx.trainer.batching import SequenceBatch, outcome_token_rewards, pack_rollout
+from rlx.trainer.checkpoint import (
+    CheckpointManager,
+    capture_rng_state,
+    resolve_resume,
+    restore_rng_state,
+)
+from rlx.trainer.checkpointing import (
+    CONTROLLER_RNG,
+    KILL_HOOK_ENV,
+    TRAINER_STATE,
+    kill_after_step,
+    load_parts,
+)
+from rlx.trainer.cluster import Cluster
+from rlx.trainer.console import StopRequest
+from rlx.trainer.data import PromptDataset, PromptSampler
+from rlx.trainer.engines import Probe
+from rlx.trainer.learner import (
+    ADVANTAGES,
+    OLD_LOGP,
+    REF_LOGP,
+    RETURNS,
+    VALUES,
+    needs_old_logprobs,
+)
+from rlx.trainer.metrics import (
+    HOST_MEMORY,
+    RESPONSE_LENGTH,
+    REWARD_MEAN,
+    REWARD_STD,
+    STEP_TIME,
+    TOKENS_PER_S,
+    MetricsLogger,
+)
+from rlx.trainer.progress import Progress
+from rlx.trainer.resolve import RunPaths
+from rlx.trainer.rewards import RewardFn, score
+
+GIB = 2**30
+
+
+def estimator_name(algorithm: str, norm_by_std: bool) -> str:
+    if algorithm == "ppo":
+        return "gae"
+    if algorithm == "grpo":
+        return "grpo" if norm_by_std else "grpo-no-std"
+    return algorithm
+
+
+@dataclass
+class RunInputs:
+    """Everything the controller resolved before the actors started."""
+
+    recipe: Recipe
+    paths: RunPaths
+    tokenizer: Any
+    data: PromptDataset
+    reward_fn: RewardFn
+    probe: Probe
+    env: dict[str, str]
+
+
+class Trainer:
+    def __init__(
+        self,
+        inputs: RunInputs,
+        cluster: Cluster,
+        *,
+        out: TextIO,
+        err: TextIO,
+        memory_of: Callable[[], int],
+        stop: StopRequest | None = None,
+    ):
+        assert inputs.recipe.trainer is not None
+        self.inputs = inputs
+        self.settings = inputs.recipe.trainer
+        self.cluster = cluster
+        self.out = out
+        self.err = err
+        self.memory_of = memory_of
+        self.stop = stop or StopRequest()
+        settings = self.settings
+        self.sampler = PromptSampler(
+            len(inputs.data), settings.batch.prompts_per_step, settings.seed, settings.data.shuffle
+        )
+        self.estimator = algos.get_advantage_estimator(
+            estimator_name(settings.algorithm, settings.algo.norm_adv_by_std)
+        )
+        self.old_logprobs = needs_old_logprobs(settings)
+        self.needs_prepare = (
+            self.old_logprobs or settings.algo.kl.coef > 0 or settings.algorithm == "ppo"
+        )
+        ckpt = inputs.paths.checkpoint_root
+        self.manager = (
+            None
+            if ckpt is None
+            else CheckpointManager(ckpt, inputs.paths.run_id, settings.checkpoint.keep)
+        )
+        self.logger: MetricsLogger | None = None
+
+    def say(self, message: str) -> None:
+        print(message, file=self.out, flush=True)
+
+    # ------------------------------------------------------------------ the run
+
+    def run(self) -> int:
+        """Resume if there is something to resume, then train to the last step. Returns the
+        last step done."""
+        settings = self.settings
+        start = self.resume()
+        self.cluster_report()
+        self.logger = MetricsLogger(
+            self.inputs.paths.run_dir,
+            tensorboard=settings.logging.tensorboard,
+            wandb_project=settings.logging.wandb_project,
+            run_name=self.inputs.paths.run_id,
+            config=self.inputs.recipe.model_dump(mode="json"),
+            console_every=settings.logging.every,
+            start_step=start + 1,
+            env=self.inputs.env,
+            stream=self.out,
+        )
+        try:
+            with Progress(max(settings.steps - start, 0), "steps", stream=self.err) as bar:
+                for step in range(start + 1, settings.steps + 1):
+                    self.stop.check()
+                    metrics = self.step(step)
+                    self.logger.log(step, metrics)
+                    bar.update()
+                    if self.manager is not None and (
+                        step % settings.checkpoint.every == 0 or step == settings.steps
+                    ):
+                        self.save(step)
+                    kill_after_step(os.environ.get(KILL_HOOK_ENV), step)
+        finally:
+            self.logger.close()
+        return max(start, settings.steps)
+
+    def cluster_report(self) -> None:
+        cluster = self.cluster
+        ranks = ", ".join(f"rank {r} on {ip}" for r, ip in enumerate(cluster.train.ips))
+        self.say(f"training workers: {ranks}")
+        if cluster.rollout.ips:
+            engines = ", ".join(f"{i} on {ip}" for i, ip in enumerate(cluster.rollout.ips))
+            self.say(f"rollout workers: {engines}")
+
+    # ------------------------------------------------------------------ one step
+
+    def step(self, step: int) -> dict[str, float]:
+        settings, inputs = self.settings, self.inputs
+        algo, n = settings.algo, settings.rollout.n
+        timer = _Timer()
+
+        rows = next(self.sampler)  # prompt indices of this step
+        prompt_ids = [inputs.data.prompt_token_ids[i] for i in rows]
+        rollout = self.cluster.generate(prompt_ids, step, show_progress=True)  # B = P * n
+        timer.lap("generate")
+        self.stop.check()  # a step stopped here is redone on resume, like any unsaved step
+
+        responses = inputs.tokenizer.batch_decode(
+            rollout.response_lists(), skip_special_tokens=True
+        )
+        prompts = [inputs.data.prompts[i] for i in rows for _ in range(n)]
+        answers = [inputs.data.answers[i] for i in rows for _ in range(n)]
+        scores = torch.tensor(score(inputs.reward_fn, prompts, responses, answers))  # (B,)
+        batch = pack_rollout(rollout)
+        mask = batch.response_mask  # (B, R)
+        timer.lap("reward")
+
+        extra = self.cluster.prepare(batch, self.old_logprobs) if self.needs_prepare else {}
+        timer.lap("prepare")
+
+        token_rewards = outcome_token_rewards(scores, mask)  # (B, R)
+        kl_reward = None
+        if algo.kl.coef > 0 and algo.kl.mode == "reward":
+            token_rewards, kl_reward = algos.kl_penalized_rewards(
+                token_rewards,
+                extra[OLD_LOGP],
+                extra[REF_LOGP],
+                mask,
+                kl_coef=algo.kl.coef,
+                estimator=algo.kl.estimator,
+            )
+        advantages, returns = self.estimator(
+            token_rewards,
+            mask,
+            values=extra.get(VALUES),
+            group_size=n,
+            gamma=algo.gamma,
+            gae_lambda=algo.gae_lambda,
+        )  # (B, R) each
+        if settings.algorithm == "ppo":
+            advantages = algos.masked_whiten(advantages, mask)  # (B, R)
+        batch = self.with_update_fields(batch, extra, advantages, returns)
+
+        stats = self.cluster.update(batch, step)
+        timer.lap("update")
+        probe_diff = self.cluster.sync_weights(step, inputs.probe)
+        timer.lap("sync")
+
+        lengths = mask.sum(dim=1).float()  # (B,)
+        response_tokens = float(lengths.sum())
+        metrics: dict[str, float] = {
+            REWARD_MEAN: float(scores.mean()),
+            REWARD_STD: float(scores.std()) if len(scores) > 1 else 0.0,
+            RESPONSE_LENGTH: float(lengths.mean()),
+            "response_length/max": float(lengths.max()),
+            "response/finished": float(rollout.finished.float().mean()),
+            **stats,
+        }
+        if kl_reward is not None:
+            metrics["kl"] = float(algos.masked_mean(kl_reward, mask))
+        if settings.algorithm == "ppo":
+            metrics["value/explained_variance"] = float(
+                algos.explained_variance(extra[VALUES], returns, mask)
+            )
+            metrics["value/mean"] = float(algos.masked_mean(extra[VALUES], mask))
+        metrics["sync/probe_diff"] = probe_diff
+        total = timer.total()
+        metrics[STEP_TIME] = total
+        metrics[TOKENS_PER_S] = response_tokens / max(total, 1e-9)
+        metrics["generation/tokens_per_s"] = response_tokens / max(timer.laps["generate"], 1e-9)
+        trained = batch.num_tokens * settings.batch.ppo_epochs
+        metrics["train/tokens_per_s"] = trained / max(timer.laps["update"], 1e-9)
+        for name, seconds in timer.laps.items():
+            metrics[f"time/{name}"] = seconds
+        metrics[HOST_MEMORY] = self.memory_of() / GIB
+        return metrics
+
+    def with_update_fields(
+        self,
+        batch: SequenceBatch,
+        extra: dict[str, torch.Tensor],
+        advantages: torch.Tensor,
+        returns: torch.Tensor,
+    ) -> SequenceBatch:
+        """Only what the update reads travels to the workers."""
+        fields = {ADVANTAGES: advantages}
+        if OLD_LOGP in extra:
+            fields[OLD_LOGP] = extra[OLD_LOGP]
+        kl = self.settings.algo.kl
+        if kl.coef > 0 and kl.mode == "loss":
+            fields[REF_LOGP] = extra[REF_LOGP]
+        if self.settings.algorithm == "ppo":
+            fields[VALUES] = extra[VALUES]
+            fields[RETURNS] = returns
+        return batch.with_fields(**fields)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self, step: int) -> Path:
+        assert self.manager is not None
+        state = {
+            "step": step,
+            "sampler": self.sampler.state_dict(),
+            "world_size": self.cluster.plan.train_workers,
+            "algorithm": self.settings.algorithm,
+        }
+        controller_parts = {TRAINER_STATE: state, CONTROLLER_RNG: capture_rng_state()}
+        rng_states = self.cluster.call_all("rng_state")
+        path = self.cluster.call_rank0(
+            "save_checkpoint",
+            str(self.manager.root),
+            self.manager.run_id,
+            self.manager.keep,
+            step,
+            controller_parts,
+            rng_states,
+            os.environ.get(KILL_HOOK_ENV),  # read now: a test hook
+        )
+        return Path(path)
+
+    def resume(self) -> int:
+        """Load the checkpoint the settings point at (none: start at step 0). Returns its step."""
+        setting = self.settings.checkpoint.resume
+        if self.manager is None:
+            if setting in ("auto", "never"):
+                self.cluster.sync_weights(0, self.inputs.probe, push=False)
+                return 0
+            manager = CheckpointManager(Path(setting).parent, "resume-path", 1)
+        else:
+            manager = self.manager
+        path = resolve_resume(setting, manager)
+        if path is None:
+            self.cluster.sync_weights(0, self.inputs.probe, push=False)
+            return 0
+        parts = load_parts(path, (TRAINER_STATE, CONTROLLER_RNG))
+        state = parts[TRAINER_STATE]
+        if state["algorithm"] != self.settings.algorithm:
+            raise RlxError(
+                f"checkpoint {path} is from a {state['algorithm']} run, this recipe trains "
+                f"{self.settings.algorithm}; set RLX_RUN_ID to start a new run"
+            )
+        try:
+            self.sampler.load_state_dict(state["sampler"])
+        except ValueError as exc:
+            raise RlxError(f"cannot resume from {path}: {exc}") from None
+        restore_rng_state(parts[CONTROLLER_RNG])
+        restored = self.cluster.call_all("load_checkpoint", str(path))
+        step = int(state["step"])
+        self.say(f"resumed from {path} (step {step})")
+        if not all(restored):
+            self.say(
+                f"note: the checkpoint has {state['world_size']} training workers' random "
+                f"states and this run has {self.cluster.plan.train_workers}; their random "
+                "streams start afresh"
+            )
+        self.cluster.sync_weights(step, self.inputs.probe)
+        return step
+
+
+class _Timer:
+    """Seconds spent in each phase of a step."""
+
+    def __init__(self) -> None:
+        self.started = self.last = time.perf_counter()
+        self.laps: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = self.laps.get(name, 0.0) + now - self.last
+        self.last = now
+
+    def total(self) -> float:
+        return time.perf_counter() - self.started

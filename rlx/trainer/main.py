@@ -1,0 +1,252 @@
+"""`rlx train`: resolve the recipe, join (or start) Ray, start the actors, train, report.
+
+With RAY_ADDRESS set (the bootstrap sets the head's explicit address) the trainer joins that
+cluster; without it, it starts a private Ray on this machine (never "auto": a stray cluster
+on the machine, such as a backend's own Ray, must not be picked up). The console is copied
+to <run folder>/train.log; the run folder also gets metrics.jsonl, reward.png and
+result.json, the record `rlx status` reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any, TextIO
+
+from rlx.errors import RlxError
+from rlx.recipe.model import Recipe
+from rlx.trainer.console import Stopped, StopRequest, console_to_log, handle_signals
+from rlx.trainer.record import RunResult, finish, summary_lines, write_result
+from rlx.trainer.resolve import RunPaths, run_paths, trainer_settings
+
+# The fixed probe response every engine and the policy score after each weight push.
+PROBE_TEXT = "0123456789 abcdefghij"
+
+
+# --------------------------------------------------------------------------- Ray
+
+
+def connect_ray(recipe: Recipe, env: Mapping[str, str]) -> tuple[bool, str]:
+    """Join RAY_ADDRESS, or start a private Ray here. (we started it?, where, for messages)."""
+    import ray
+
+    if ray.is_initialized():  # a caller (a test, a notebook) brought its own
+        return False, "this process is connected to"
+    address = env.get("RAY_ADDRESS", "").strip()
+    if address:
+        if address in ("auto", "local"):
+            raise RlxError(
+                f"RAY_ADDRESS={address!r}: give the head's explicit address (host:port), as "
+                "`rlx node` does; 'auto' could join another Ray on the machine, such as a "
+                "backend's own"
+            )
+        try:
+            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise RlxError(f"cannot join the Ray cluster at {address}: {first}") from None
+        return False, f"at {address}"
+    from rlx.trainer.placement import plan_actors
+
+    cpus = max(os.cpu_count() or 1, plan_actors(recipe).bundles + 1)
+    ray.init(
+        address="local",
+        num_cpus=cpus,
+        include_dashboard=False,
+        logging_level=logging.ERROR,
+        log_to_driver=True,
+    )
+    return True, "on this machine"
+
+
+# --------------------------------------------------------------------------- the session
+
+
+def resolve_inputs(recipe: Recipe, env: Mapping[str, str], paths: RunPaths) -> Any:
+    """Model folders, tokenizer, prompts, reward and probe: everything checked on the head
+    before any actor starts. Returns (RunInputs, policy path, critic path)."""
+    from rlx.trainer.data import load_prompt_dataset
+    from rlx.trainer.engines import Probe
+    from rlx.trainer.loop import RunInputs
+    from rlx.trainer.models import quiet_transformers
+    from rlx.trainer.resolve import (
+        load_tokenizer,
+        model_cache_dir,
+        resolve_data_path,
+        resolve_model_path,
+        resolve_reward_fn,
+    )
+
+    settings = trainer_settings(recipe)
+    quiet_transformers()
+    reward_fn = resolve_reward_fn(settings)
+    cache = model_cache_dir(paths)
+    policy_path = resolve_model_path(settings.model.path, cache, settings.seed)
+    critic_path = None
+    if settings.algorithm == "ppo":
+        critic = settings.critic_model or settings.model
+        critic_path = resolve_model_path(critic.path, cache, settings.seed, "critic_model")
+    tokenizer = load_tokenizer(policy_path, settings.model.trust_remote_code)
+    data_file = resolve_data_path(settings.data.train, paths.run_dir, settings.seed)
+    overlong = {"left": "truncate"}.get(settings.data.truncate, settings.data.truncate)
+    data = load_prompt_dataset(
+        data_file,
+        tokenizer,
+        prompt_key=settings.data.prompt_key,
+        answer_key=settings.data.answer_key,
+        max_prompt_length=settings.data.max_prompt_length,
+        overlong=overlong,
+        chat_template_for_strings=settings.data.chat_template,
+        data_format=None if settings.data.format == "auto" else settings.data.format,
+    )
+    if len(data) < settings.batch.prompts_per_step:
+        raise RlxError(
+            f"trainer.data.train: {data.source} has {len(data)} usable prompts, fewer than "
+            f"batch.prompts_per_step {settings.batch.prompts_per_step}"
+        )
+    response = list(tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"])
+    probe = Probe(list(data.prompt_token_ids[0]), response)
+    inputs = RunInputs(recipe, paths, tokenizer, data, reward_fn, probe, dict(env))
+    return inputs, policy_path, critic_path
+
+
+def engine_choice(recipe: Recipe) -> tuple[str, str]:
+    """(engine kind, engine dtype name) for this recipe's machines."""
+    import importlib.util
+
+    from rlx.trainer.models import compute_dtype
+
+    settings = trainer_settings(recipe)
+    gpu = recipe.resources.gpus_per_node > 0
+    kind = settings.rollout.engine
+    if kind == "auto":
+        kind = "vllm" if gpu and importlib.util.find_spec("vllm") is not None else "hf"
+    if kind == "vllm":
+        if not gpu:
+            raise RlxError(
+                "trainer.rollout.engine: vllm needs GPUs but resources.accelerators is unset; "
+                "use engine: hf (or auto) on CPU"
+            )
+        if importlib.util.find_spec("vllm") is None:
+            raise RlxError('trainer.rollout.engine: vllm is not installed; pip install "rlx[vllm]"')
+        if settings.layout == "colocated" and settings.rollout.tensor_parallel_size > 1:
+            raise RlxError(
+                "trainer.rollout.tensor_parallel_size > 1 needs layout: split (colocated "
+                "engines run one per training GPU)"
+            )
+    import torch
+
+    device = torch.device("cuda" if gpu else "cpu")
+    dtype = str(compute_dtype(settings.model.dtype, device)).removeprefix("torch.")
+    return kind, dtype
+
+
+@contextlib.contextmanager
+def training_session(
+    recipe: Recipe,
+    env: Mapping[str, str],
+    paths: RunPaths,
+    out: TextIO,
+    err: TextIO,
+    stop: StopRequest | None = None,
+) -> Iterator[Any]:
+    """A Trainer whose actors are up (and torn down again on exit)."""
+    import ray
+
+    from rlx.trainer.cluster import Cluster
+    from rlx.trainer.loop import Trainer
+    from rlx.trainer.metrics import host_memory_bytes
+    from rlx.trainer.placement import alive_nodes, check_batch_split, check_resources, plan_actors
+
+    inputs, policy_path, critic_path = resolve_inputs(recipe, env, paths)
+    kind, engine_dtype = engine_choice(recipe)
+    check_batch_split(recipe, plan_actors(recipe))
+    with contextlib.ExitStack() as stack:
+        started_ray, where = connect_ray(recipe, env)
+        if started_ray:
+            stack.callback(ray.shutdown)
+        # ray.init put in a SIGTERM handler that exits at once; ours releases the actors.
+        stop = stack.enter_context(handle_signals(stop or StopRequest()))
+        nodes = alive_nodes()
+        check_resources(recipe, nodes, where)
+        cluster = Cluster.start(recipe, nodes, policy_path, critic_path, kind, engine_dtype)
+        stack.callback(cluster.shutdown)
+        # A private Ray's processes are this process's children; a joined cluster's workers
+        # belong to the raylets `ray start` began, so they are asked for their own figure.
+        memory = host_memory_bytes if started_ray else _cluster_memory(cluster, host_memory_bytes)
+        yield Trainer(inputs, cluster, out=out, err=err, memory_of=memory, stop=stop)
+
+
+def _cluster_memory(cluster: Any, own: Any) -> Any:
+    """This process tree plus the workers, which belong to the raylets `ray start` began."""
+
+    def total() -> int:
+        here = own()
+        return here + sum(rss for _, _, rss in cluster.worker_memory())
+
+    return total
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def run_training(
+    recipe: Recipe, env: Mapping[str, str] | None = None, *, print_summary: bool = True
+) -> RunResult:
+    """Train the recipe to its last step (resuming when a checkpoint says so) and return
+    the record of the run. Raises RlxError (or Stopped) on failure, after writing
+    result.json with the state."""
+    env = dict(os.environ if env is None else env)
+    settings = trainer_settings(recipe)
+    paths = run_paths(recipe, env)
+    paths.run_dir.mkdir(parents=True, exist_ok=True)
+    result = RunResult(
+        state="RUNNING",
+        run_id=paths.run_id,
+        run_dir=str(paths.run_dir),
+        steps=settings.steps,
+        pid=os.getpid(),
+        started=time.time(),
+        metrics=str(paths.metrics),
+        plot=str(paths.plot),
+        log=str(paths.log),
+        checkpoints=None if paths.checkpoints is None else str(paths.checkpoints),
+    )
+    write_result(paths, result)
+    stop = StopRequest()
+    with console_to_log(paths.log) as (out, err), handle_signals(stop):
+        print(f"rlx train: run {paths.run_id}, outputs in {paths.run_dir}", file=out, flush=True)
+        try:
+            with training_session(recipe, env, paths, out, err, stop) as trainer:
+                result.last_step = trainer.run()
+            finish(result, paths)
+            result.state, result.exit_code = "SUCCEEDED", 0
+        except Stopped as stop:
+            result.state, result.exit_code, result.error = "CANCELLED", stop.code, str(stop)
+            print(f"stopped by {stop}", file=out, flush=True)
+            raise
+        except BaseException as exc:
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+            result.state, result.exit_code, result.error = "FAILED", 1, message
+            with paths.log.open("a", encoding="utf-8") as log:  # the CLI prints it on screen
+                print(f"error: {message}", file=log)
+            raise
+        finally:
+            result.finished = time.time()
+            write_result(paths, result)
+        if print_summary:
+            for line in summary_lines(result):
+                print(line, file=out, flush=True)
+    return result
+
+
+def main(recipe: Recipe, env: Mapping[str, str] | None = None) -> int:
+    """`rlx train`: the exit code (0 on success; failures raise RlxError for the CLI)."""
+    try:
+        run_training(recipe, env)
+    except Stopped as stop:
+        return stop.code
+    return 0

@@ -1,0 +1,218 @@
+"""Turn the recipe's trainer section into concrete things: a run id and folders, model folders,
+a prompt file, a reward function. Runs on the head before any worker starts, so a bad path or
+spec fails in a second with one line instead of inside a Ray actor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlx.errors import RlxError
+from rlx.recipe.model import Recipe, TrainerSettings
+from rlx.trainer.checkpoint import resolve_run_id
+from rlx.trainer.rewards import RewardFn, resolve_reward
+
+# tiny:<arch>-h<hidden>-l<layers>, e.g. tiny:qwen2-h64-l2: a random model built locally.
+TINY_SPEC = re.compile(r"tiny:(?P<arch>[a-z0-9]+)-h(?P<hidden>[0-9]+)-l(?P<layers>[0-9]+)")
+TINY_HEADS = 4
+SYNTHETIC_PREFIX = "synthetic:"
+SYNTHETIC_ROWS = 1024
+MODEL_CACHE = ".models"  # under checkpoint.dir: a name no run id can take (leading dot)
+DATA_FOLDER = "data"
+
+# Where every run writes its outputs, inside the run folder.
+METRICS_FILE = "metrics.jsonl"
+LOG_FILE = "train.log"
+PLOT_FILE = "reward.png"
+RESULT_FILE = "result.json"
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """Where one run reads and writes. checkpoints is None when checkpointing is off."""
+
+    run_id: str
+    run_dir: Path  # logging.dir / run id: metrics, log, plot, result
+    checkpoint_root: Path | None  # checkpoint.dir (the manager adds the run id)
+
+    @property
+    def metrics(self) -> Path:
+        return self.run_dir / METRICS_FILE
+
+    @property
+    def log(self) -> Path:
+        return self.run_dir / LOG_FILE
+
+    @property
+    def plot(self) -> Path:
+        return self.run_dir / PLOT_FILE
+
+    @property
+    def result(self) -> Path:
+        return self.run_dir / RESULT_FILE
+
+    @property
+    def checkpoints(self) -> Path | None:
+        return None if self.checkpoint_root is None else self.checkpoint_root / self.run_id
+
+
+def trainer_settings(recipe: Recipe) -> TrainerSettings:
+    if recipe.trainer is None:
+        raise RlxError(
+            f"recipe {recipe.name!r} has no 'trainer:' section, so there is nothing for "
+            "`rlx train` to run; add one (see recipes/quickstart.yaml)"
+        )
+    return recipe.trainer
+
+
+def run_paths(recipe: Recipe, env: Mapping[str, str]) -> RunPaths:
+    """The run id (stable across relaunches, see resolve_run_id) and the run's folders."""
+    settings = trainer_settings(recipe)
+    run_id = resolve_run_id(recipe.name, env)
+    run_dir = Path(settings.logging.dir).expanduser().absolute() / run_id
+    ckpt = settings.checkpoint.dir
+    root = None if ckpt is None else Path(ckpt).expanduser().absolute()
+    return RunPaths(run_id, run_dir, root)
+
+
+# --------------------------------------------------------------------------- models
+
+
+def _looks_local(path: str) -> bool:
+    return path.startswith(("/", "./", "../", "~")) or path in (".", "..")
+
+
+def model_cache_dir(paths: RunPaths) -> Path:
+    """Where generated models go: beside the checkpoints (shared storage on multi-node jobs,
+    lint makes sure of it), else inside the run folder."""
+    if paths.checkpoint_root is not None:
+        return paths.checkpoint_root / MODEL_CACHE
+    return paths.run_dir / "models"
+
+
+def resolve_model_path(spec: str, cache_dir: Path, seed: int, field: str = "model") -> str:
+    """A folder or hub id from_pretrained can load. `tiny:...` builds the random model once
+    (the same spec and seed give the same bytes) into cache_dir and returns that folder."""
+    match = TINY_SPEC.fullmatch(spec)
+    if spec.startswith("tiny:") and match is None:
+        raise RlxError(
+            f"trainer.{field}.path: {spec!r} is not a tiny model spec; write "
+            "tiny:<arch>-h<hidden>-l<layers>, e.g. tiny:qwen2-h64-l2"
+        )
+    if match is not None:
+        return str(
+            build_tiny_cached(
+                match["arch"], int(match["hidden"]), int(match["layers"]), cache_dir, seed, field
+            )
+        )
+    if _looks_local(spec):
+        folder = Path(spec).expanduser()
+        if not folder.is_dir():
+            raise RlxError(
+                f"trainer.{field}.path: {spec} is not a folder; give a local model folder "
+                "(config.json and weights) or a Hugging Face hub id such as Qwen/Qwen2.5-0.5B"
+            )
+        if not (folder / "config.json").is_file():
+            raise RlxError(
+                f"trainer.{field}.path: {spec} has no config.json; point it at a folder "
+                "saved with save_pretrained"
+            )
+        return str(folder)
+    return spec  # a hub id: from_pretrained downloads it (and reports what is wrong)
+
+
+def build_tiny_cached(
+    arch: str, hidden: int, layers: int, cache_dir: Path, seed: int, field: str = "model"
+) -> Path:
+    from rlx.trainer.tiny import ARCHS, build_tiny_model
+
+    if arch not in ARCHS:
+        raise RlxError(f"trainer.{field}.path: tiny arch {arch!r} is not one of {', '.join(ARCHS)}")
+    if hidden < TINY_HEADS or hidden % TINY_HEADS or layers < 1:
+        raise RlxError(
+            f"trainer.{field}.path: tiny models need a hidden size that is a multiple of "
+            f"{TINY_HEADS} and at least one layer"
+        )
+    target = cache_dir / f"tiny-{arch}-h{hidden}-l{layers}-seed{seed}"
+    if (target / "config.json").is_file():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: a concurrent builder (or a crash) never leaves a
+    # half-written folder at the name others load from.
+    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=cache_dir))
+    try:
+        build_tiny_model(
+            scratch,
+            arch=arch,
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=TINY_HEADS,
+            seed=seed,
+        )
+        with contextlib.suppress(OSError):  # another process won the race: use theirs
+            os.rename(scratch, target)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
+def load_tokenizer(path: str, trust_remote_code: bool) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RlxError(
+            f"trainer.model.path: cannot load a tokenizer from {path!r}: {first}"
+        ) from None
+
+
+# --------------------------------------------------------------------------- data and reward
+
+
+def synthetic_writers() -> dict[str, Any]:
+    from rlx.trainer.synthetic import write_arithmetic_dataset, write_synthetic_dataset
+
+    return {"letters_or_digits": write_synthetic_dataset, "arithmetic": write_arithmetic_dataset}
+
+
+def resolve_data_path(spec: str, run_dir: Path, seed: int) -> Path:
+    """The prompt file: as given, or `synthetic:NAME` generated into the run folder (the
+    same name and seed give the same rows)."""
+    if spec.startswith(SYNTHETIC_PREFIX):
+        name = spec.removeprefix(SYNTHETIC_PREFIX)
+        writers = synthetic_writers()
+        if name not in writers:
+            raise RlxError(
+                f"trainer.data.train: unknown synthetic task {name!r}; valid: "
+                + ", ".join(f"synthetic:{task}" for task in writers)
+            )
+        target = run_dir / DATA_FOLDER / f"{name}-seed{seed}.jsonl"
+        if not target.is_file():
+            scratch = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+            writers[name](scratch, SYNTHETIC_ROWS, seed=seed)
+            os.replace(scratch, target)
+        return target
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise RlxError(
+            f"trainer.data.train: {spec} does not exist; give a .jsonl or .parquet file, or "
+            "synthetic:letters_or_digits"
+        )
+    return path
+
+
+def resolve_reward_fn(settings: TrainerSettings) -> RewardFn:
+    spec = settings.reward.function
+    if spec == "gsm8k" and settings.reward.gsm8k_mode == "flexible":
+        spec = "gsm8k_flexible"
+    return resolve_reward(spec)

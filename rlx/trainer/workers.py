@@ -1,0 +1,315 @@
+"""The Ray actors: training workers (one per GPU, or one per node on CPU) and rollout workers
+(layout: split). Plain classes, wrapped with ray.remote where they are placed (cluster.py);
+each method moves tensors in and out and calls the Learner or an engine.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlx.recipe.model import TrainerSettings
+from rlx.trainer.batching import SequenceBatch
+from rlx.trainer.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
+from rlx.trainer.checkpointing import LEARNER_PARTS, WORKER_RNG, kill_hook_for_save, load_parts
+from rlx.trainer.engines import ColocatedEngine, EngineReport, Probe, make_colocated_engine
+from rlx.trainer.learner import Learner, UpdateStats
+from rlx.trainer.models import autocast, compute_dtype
+from rlx.trainer.placement import threads_for
+from rlx.trainer.rollout import RolloutBatch, RolloutEngine, make_engine
+from rlx.trainer.seeding import derive_seed
+
+DIST_TIMEOUT = timedelta(minutes=30)
+
+
+@dataclass(frozen=True)
+class SamplingArgs:
+    n: int
+    max_new_tokens: int
+    min_new_tokens: int
+    temperature: float
+    top_p: float
+
+    @classmethod
+    def from_settings(cls, settings: TrainerSettings) -> SamplingArgs:
+        rollout = settings.rollout
+        return cls(
+            rollout.n,
+            rollout.max_new_tokens,
+            rollout.min_new_tokens,
+            rollout.temperature,
+            rollout.top_p,
+        )
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs to build itself (picklable; no Ray handles)."""
+
+    settings: TrainerSettings
+    policy_path: str
+    critic_path: str | None
+    rank: int
+    world_size: int
+    node_share: int  # actors of this job on the worker's node (they share its cores)
+    num_threads: int | None  # RLX_NUM_THREADS, when set
+    engine_kind: str  # "hf" | "vllm" (resolved), for the colocated or split engine
+    colocated: bool  # training workers hold the engines
+    use_gpu: bool
+
+
+def _prepare_process(spec: WorkerSpec, stream: str) -> torch.device:
+    from rlx.trainer.models import quiet_transformers
+
+    quiet_transformers()
+    # Ray sets OMP_NUM_THREADS=1 in its workers; torch then uses one core unless told.
+    torch.set_num_threads(threads_for(spec.node_share, spec.num_threads))
+    torch.manual_seed(derive_seed(spec.settings.seed, stream, spec.rank))
+    return torch.device("cuda", 0) if spec.use_gpu else torch.device("cpu")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _vllm_options(settings: TrainerSettings, tensor_parallel: int) -> dict[str, Any]:
+    rollout = settings.rollout
+    return {
+        "tensor_parallel_size": tensor_parallel,
+        "gpu_memory_utilization": rollout.gpu_memory_utilization,
+        "max_model_len": settings.data.max_prompt_length + rollout.max_new_tokens,
+        "seed": settings.seed,
+        "trust_remote_code": settings.model.trust_remote_code,
+    }
+
+
+def _probe_ids(probe: Probe) -> tuple[list[int], list[int]]:
+    return probe.prompt_ids, probe.response_ids
+
+
+def _generate(
+    engine: RolloutEngine, prompt_ids: list[list[int]], sampling: SamplingArgs, seed: int
+) -> RolloutBatch:
+    with torch.inference_mode():
+        return engine.generate(
+            prompt_ids,
+            sampling.n,
+            max_new_tokens=sampling.max_new_tokens,
+            min_new_tokens=sampling.min_new_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            seed=seed,
+        )
+
+
+class TrainWorker:
+    """One data-parallel rank: a Learner, and in layout: colocated its rollout engine."""
+
+    def __init__(self, spec: WorkerSpec):
+        self.spec = spec
+        self.device = _prepare_process(spec, "train-worker")
+        self.learner: Learner | None = None
+        self.engine: ColocatedEngine | None = None
+
+    # ------------------------------------------------------------------ set-up
+
+    def node_ip(self) -> str:
+        return _node_ip()
+
+    def free_port(self) -> int:
+        """A port free on this node now, for the torch.distributed rendezvous (rank 0)."""
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            return int(sock.getsockname()[1])
+
+    def setup(self, master_addr: str, master_port: int) -> None:
+        spec = self.spec
+        if spec.world_size > 1:
+            import torch.distributed as dist
+
+            dist.init_process_group(
+                "nccl" if spec.use_gpu else "gloo",
+                init_method=f"tcp://{master_addr}:{master_port}",
+                rank=spec.rank,
+                world_size=spec.world_size,
+                timeout=DIST_TIMEOUT,
+            )
+        self.learner = Learner(
+            spec.settings,
+            spec.policy_path,
+            spec.critic_path,
+            self.device,
+            rank=spec.rank,
+            world_size=spec.world_size,
+        )
+        if spec.colocated:
+            self.engine = make_colocated_engine(
+                spec.engine_kind,
+                self.learner.policy,
+                spec.policy_path,
+                dtype=dtype_name(compute_dtype(spec.settings.model.dtype, self.device)),
+                vllm_options=_vllm_options(spec.settings, 1),
+            )
+
+    def _learner(self) -> Learner:
+        if self.learner is None:
+            raise RuntimeError("setup() was not called")
+        return self.learner
+
+    # ------------------------------------------------------------------ the step
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingArgs, seed: int) -> Any:
+        if self.engine is None:
+            raise RuntimeError("this worker holds no engine (layout: split)")
+        learner = self._learner()
+        # HF generate over the float32 master weights on GPU: bf16 compute, as training.
+        with autocast(self.device, learner.dtype):
+            return _generate(self.engine.engine, prompt_ids, sampling, seed)
+
+    def prepare(self, batch: SequenceBatch, old_logprobs: bool) -> dict[str, torch.Tensor]:
+        if self.engine is not None:
+            self.engine.release()
+        return self._learner().prepare(batch, old_logprobs=old_logprobs)
+
+    def update(self, batch: SequenceBatch, step: int) -> UpdateStats:
+        if self.engine is not None:
+            self.engine.release()
+        return self._learner().update(batch, step)
+
+    def refresh_engine(self, version: int, probe: Probe) -> tuple[EngineReport, float]:
+        """Colocated: bring this worker's engine to the policy's weights; report it, with
+        this rank's policy probe value. An engine sharing the policy module scores the very
+        tensors the policy would, so its value stands for both (one forward, not two); the
+        check then compares every rank's engine with rank 0's policy."""
+        if self.engine is None:
+            raise RuntimeError("this worker holds no engine (layout: split)")
+        learner = self._learner()
+        self.engine.refresh(learner.policy, version)
+        engine = self.engine.engine
+        with torch.inference_mode():
+            value = engine.logprob_probe(probe.prompt_ids, probe.response_ids)
+        own = value if self.engine.shares_policy else learner.probe(*_probe_ids(probe))
+        return EngineReport(self.spec.rank, _node_ip(), engine.weight_version, value), own
+
+    def policy_probe(self, probe: Probe) -> float:
+        return self._learner().probe(*_probe_ids(probe))
+
+    def publish_weights(self, dtype: str | None) -> dict[str, torch.Tensor]:
+        """The policy's tensors for split engines, on the CPU (in the engines' dtype when
+        given): returned once, they travel through Ray's object store to every engine."""
+        target = None if dtype in (None, "auto") else getattr(torch, dtype)
+        state = self._learner().policy.state_dict()
+        return {name: t.detach().to("cpu", dtype=target or t.dtype) for name, t in state.items()}
+
+    # ------------------------------------------------------------------ state
+
+    def rng_state(self) -> dict[str, Any]:
+        return capture_rng_state()
+
+    def host_memory(self) -> tuple[str, int, int]:
+        """(node IP, pid, resident bytes) of this worker process."""
+        return _node_ip(), os.getpid(), _rss_bytes()
+
+    def save_checkpoint(
+        self,
+        root: str,
+        run_id: str,
+        keep: int,
+        step: int,
+        controller_parts: dict[str, Any],
+        rng_states: list[dict[str, Any]],
+        kill_spec: str | None,
+    ) -> str:
+        parts = {
+            **self._learner().state_parts(),
+            **controller_parts,
+            WORKER_RNG: {"workers": rng_states},
+        }
+        manager = CheckpointManager(Path(root), run_id, keep)
+        return str(manager.save(step, parts, _after_phase=kill_hook_for_save(kill_spec, step)))
+
+    def load_checkpoint(self, path: str) -> bool:
+        """Load this rank's parts; True when its RNG state was restored too (the checkpoint
+        came from a run with as many ranks)."""
+        parts = load_parts(Path(path), (*LEARNER_PARTS, WORKER_RNG))
+        self._learner().load_parts(parts)
+        states = parts.get(WORKER_RNG, {}).get("workers", [])
+        if len(states) == self.spec.world_size:
+            restore_rng_state(states[self.spec.rank])
+            return True
+        return False
+
+    def close(self) -> None:
+        if self.engine is not None and not self.engine.shares_policy:
+            self.engine.engine.close()
+        if self.spec.world_size > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+class RolloutWorker:
+    """A rollout engine of its own (layout: split), loaded from the policy's starting point
+    and kept current by weight pushes."""
+
+    def __init__(self, spec: WorkerSpec, index: int, tensor_parallel: int):
+        self.spec = spec
+        self.index = index
+        self.device = _prepare_process(spec, f"rollout-worker-{index}")
+        self.engine = make_engine(
+            spec.engine_kind,
+            spec.policy_path,
+            dtype=dtype_name(compute_dtype(spec.settings.model.dtype, self.device)),
+            device=str(self.device),
+            vllm_options=_vllm_options(spec.settings, tensor_parallel),
+        )
+        self._skip_loads = 0
+
+    def node_ip(self) -> str:
+        return _node_ip()
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingArgs, seed: int) -> Any:
+        return _generate(self.engine, prompt_ids, sampling, seed)
+
+    def load_weights(
+        self, weights: dict[str, torch.Tensor], version: int, probe: Probe
+    ) -> EngineReport:
+        if self._skip_loads:
+            self._skip_loads -= 1  # test hook: behave like a push that never arrived
+        else:
+            self.engine.load_weights(weights, version)
+        return self.report(probe)
+
+    def report(self, probe: Probe) -> EngineReport:
+        """The weight version this engine holds and its probe log-prob."""
+        with torch.inference_mode():
+            value = self.engine.logprob_probe(probe.prompt_ids, probe.response_ids)
+        return EngineReport(self.index, _node_ip(), self.engine.weight_version, value)
+
+    def skip_next_loads(self, count: int = 1) -> None:
+        """Test hook: ignore the next `count` weight pushes, as a broken transport would."""
+        self._skip_loads = count
+
+    def host_memory(self) -> tuple[str, int, int]:
+        return _node_ip(), os.getpid(), _rss_bytes()
+
+    def close(self) -> None:
+        self.engine.close()

@@ -1,0 +1,49 @@
+"""Recipes for trainer tests: the quickstart task, small enough for a CPU test."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rlx.recipe import parse_recipe
+from rlx.recipe.model import Recipe
+
+
+def trainer_section(tmp_path: Path, **overrides: Any) -> dict[str, Any]:
+    """The quickstart's trainer settings with outputs under tmp_path; nested dicts merge."""
+    section: dict[str, Any] = {
+        "algorithm": "grpo",
+        "model": {"path": "tiny:qwen2-h64-l2", "dtype": "float32"},
+        "data": {"train": "synthetic:letters_or_digits", "max_prompt_length": 64},
+        "reward": {"function": "letters_or_digits"},
+        "rollout": {"engine": "hf", "n": 16, "max_new_tokens": 32},
+        "algo": {"kl": {"coef": 0.0}},
+        "optim": {"lr": 2.0e-3},
+        "batch": {"prompts_per_step": 4, "micro_batch_size": 64},
+        "steps": 3,
+        "seed": 0,
+        "logging": {"dir": str(tmp_path / "runs"), "tensorboard": False},
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(section.get(key), dict):
+            section[key] = {**section[key], **value}
+        else:
+            section[key] = value
+    return section
+
+
+def recipe_dict(tmp_path: Path, name: str = "trainer-test", **overrides: Any) -> dict[str, Any]:
+    return {"name": name, "trainer": trainer_section(tmp_path, **overrides)}
+
+
+def make_recipe(tmp_path: Path, name: str = "trainer-test", **overrides: Any) -> Recipe:
+    text = yaml.safe_dump(recipe_dict(tmp_path, name, **overrides))
+    return parse_recipe(text, f"{name}.yaml").recipe
+
+
+def write_recipe(tmp_path: Path, name: str = "trainer-test", **overrides: Any) -> Path:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(recipe_dict(tmp_path, name, **overrides)))
+    return path
