@@ -86,15 +86,14 @@ def _under(path: str, roots: Iterable[str]) -> bool:
 
 
 def _dp_ranks(recipe: Recipe) -> int:
-    """Data-parallel training ranks: one per training GPU, or one on a CPU-only job."""
-    trainer = recipe.trainer
-    assert trainer is not None
-    gpus = recipe.resources.total_gpus
-    if gpus == 0:
-        return 1
-    if trainer.layout == "split":
-        return max(gpus - trainer.rollout_gpus, 1)
-    return gpus
+    """Training (data-parallel) ranks, as the trainer will place them: one per training GPU,
+    or one per node on CPU-only jobs."""
+    from rlx.trainer.placement import plan_actors  # light: no torch or ray at import
+
+    try:
+        return plan_actors(recipe).train_workers
+    except RlxError:  # an impossible split layout; check_layout reports it
+        return max(recipe.resources.total_gpus, 1)
 
 
 # --------------------------------------------------------------------------- checks
@@ -122,7 +121,7 @@ def check_batch_divisibility(lr: LoadedRecipe) -> Iterator[Finding]:
             (*where, "prompts_per_step"),
             ERROR,
             f"prompts_per_step x rollout.n = {step} sequences do not split evenly "
-            f"over {ranks} training GPUs; make it a multiple of {ranks}",
+            f"over {ranks} training workers; make it a multiple of {ranks}",
         )
     elif step % minibatch:
         yield lr.finding(
@@ -135,7 +134,7 @@ def check_batch_divisibility(lr: LoadedRecipe) -> Iterator[Finding]:
         yield lr.finding(
             (*where, "minibatch_size"),
             ERROR,
-            f"minibatch_size {minibatch} does not split over {ranks} training GPUs; "
+            f"minibatch_size {minibatch} does not split over {ranks} training workers; "
             f"make it a multiple of {ranks}",
         )
     elif batch.micro_batch_size > minibatch // ranks:
@@ -198,7 +197,7 @@ def check_layout(lr: LoadedRecipe) -> Iterator[Finding]:
         return
     total = lr.recipe.resources.total_gpus
     tp = trainer.rollout.tensor_parallel_size
-    if trainer.layout == "split":
+    if trainer.layout == "split" and total > 0:
         if not 0 < trainer.rollout_gpus < total:
             yield lr.finding(
                 ("trainer", "rollout_gpus"),

@@ -348,3 +348,16 @@ def test_not_utf8_is_a_finding(tmp_path):
     assert result.exit_code == 1
     assert f"{path}:1: error:" in result.stdout
     assert "UTF-8" in result.stdout
+
+
+def test_cpu_multinode_counts_one_rank_per_node(write_recipe):
+    # 3 CPU nodes train as 3 ranks: 4 prompts x 2 samples = 8 sequences do not split.
+    path = write_recipe("name: job\nresources:\n  nodes: 3\n" + TRAINER
+                        + "  batch: {prompts_per_step: 4}\n  rollout: {n: 2}\n")
+    messages = [f.message for f in lint_file(path)]
+    assert any("do not split evenly over 3 training workers" in m for m in messages), messages
+
+
+def test_split_layout_on_cpu_is_allowed(write_recipe):
+    path = write_recipe("name: job\n" + TRAINER + "  layout: split\n  rollout_gpus: 1\n")
+    assert [f for f in lint_file(path) if f.severity == "error"] == []

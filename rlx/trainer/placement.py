@@ -111,8 +111,8 @@ def plan_actors(recipe: Recipe) -> ActorPlan:
 
 def check_batch_split(recipe: Recipe, plan: ActorPlan) -> None:
     """The step's samples and each minibatch must split evenly over the training workers
-    (every DDP rank runs the same number of micro-batches). Lint checks this for GPU jobs;
-    CPU-only jobs with several nodes have one rank per node, which only this sees."""
+    (every DDP rank runs the same number of micro-batches). Lint checks the same from the
+    same plan; this guards recipes that reach the trainer without going through lint."""
     trainer = recipe.trainer
     assert trainer is not None
     ranks = plan.train_workers
