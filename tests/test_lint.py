@@ -352,8 +352,11 @@ def test_not_utf8_is_a_finding(tmp_path):
 
 def test_cpu_multinode_counts_one_rank_per_node(write_recipe):
     # 3 CPU nodes train as 3 ranks: 4 prompts x 2 samples = 8 sequences do not split.
-    path = write_recipe("name: job\nresources:\n  nodes: 3\n" + TRAINER
-                        + "  batch: {prompts_per_step: 4}\n  rollout: {n: 2}\n")
+    path = write_recipe(
+        "name: job\nresources:\n  nodes: 3\n"
+        + TRAINER
+        + "  batch: {prompts_per_step: 4}\n  rollout: {n: 2}\n"
+    )
     messages = [f.message for f in lint_file(path)]
     assert any("do not split evenly over 3 training workers" in m for m in messages), messages
 
