@@ -75,6 +75,20 @@ def test_token_auth_and_success(tmp_path, rlx_env):
     assert_nothing_left(primary_ip())
 
 
+def test_auth_none_ignores_a_stale_token_file(tmp_path, rlx_env):
+    # Any earlier local `ray.init()` leaves ~/.ray/auth_token; with the auth mode unset,
+    # `ray start` would then turn token auth on by itself and lock our own clients out.
+    home = tmp_path / "home"
+    (home / ".ray").mkdir(parents=True)
+    (home / ".ray" / "auth_token").write_text("f" * 64)
+    command = ["python -c 'import ray; ray.init(); print(ray.is_initialized())'"]
+    env = {**rlx_env, "HOME": str(home)}
+    result = rlx_node(recipe_file(tmp_path, command, auth="none"), env)
+    assert result.returncode == 0, result.stderr
+    assert "True" in result.stdout
+    assert_nothing_left(primary_ip())
+
+
 def test_missing_token_is_one_clear_line(tmp_path, rlx_env):
     env = {k: v for k, v in rlx_env.items() if k != "RLX_RAY_TOKEN"}
     result = rlx_node(recipe_file(tmp_path, ["true"]), env, timeout=60)
