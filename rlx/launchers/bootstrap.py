@@ -25,6 +25,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ from rlx.recipe.model import Recipe
 CLUSTER_FAILURE = 75
 RAY_START_TIMEOUT = 180.0
 POLL_SECONDS = 1.0
+JOIN_POLL_SECONDS = 0.1  # polls while the cluster forms: each is one cheap GCS call
 HEAD_LOST_SECONDS = 15.0  # a worker waits this long without the head before giving up
 ACK_WAIT_SECONDS = 15.0
 TERMINATE_GRACE_SECONDS = 20.0
@@ -87,7 +89,8 @@ class Bootstrap:
         self.address = f"{self.node.head_ip}:{self.recipe.ray.port}"
 
     def say(self, message: str) -> None:
-        stamp = time.strftime("%H:%M:%S")
+        now = time.time()  # milliseconds: bring-up and failure detection are timed from logs
+        stamp = time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1000):03d}"
         print(f"rlx node {self.node.rank} {stamp} {message}", file=self.out, flush=True)
 
     # ------------------------------------------------------------------ entry point
@@ -151,7 +154,7 @@ class Bootstrap:
         rest of the head."""
         deadline = self.clock() + RAY_START_TIMEOUT
         gcs: raynode.Gcs | None = None
-        for delay in raynode.backoff(cap=0.2):
+        for delay in raynode.backoff(cap=JOIN_POLL_SECONDS):
             done = start.check()  # raises if `ray start` failed
             try:
                 if gcs is None and raynode.port_open(self.node.head_ip, self.recipe.ray.port):
@@ -173,7 +176,7 @@ class Bootstrap:
         node = self.node
         want_gpus = node.num_nodes * node.gpus_per_node
         last_report = 0
-        for delay in raynode.backoff(cap=0.2):
+        for delay in raynode.backoff(cap=JOIN_POLL_SECONDS):
             started = start.check()  # the head's own `ray start` must finish well too
             try:
                 states = [s for s in gcs.nodes() if s.alive]
@@ -275,7 +278,7 @@ class Bootstrap:
         if node.num_nodes == 1:
             return
         deadline = self.clock() + ACK_WAIT_SECONDS
-        for delay in raynode.backoff(cap=0.2):
+        for delay in raynode.backoff(cap=JOIN_POLL_SECONDS):
             try:
                 keys = gcs.keys(raynode.ACK_PREFIX)
                 acked = {int(key[len(raynode.ACK_PREFIX) :]) for key in keys}
@@ -299,6 +302,9 @@ class Bootstrap:
 
     def run_worker(self) -> int:
         node, settings = self.node, self.recipe.ray
+        # Ray's client library takes a good fraction of a second to import: do it while the
+        # head is still starting, not once its GCS is up and every moment counts.
+        threading.Thread(target=raynode.preload, daemon=True).start()
         while True:
             gcs, attempt = self.wait_for_head(self.join_deadline)
             self.say(f"joining the head at {self.address}")
@@ -321,7 +327,7 @@ class Bootstrap:
         port = self.recipe.ray.port
         told = False
         gcs: raynode.Gcs | None = None
-        for delay in raynode.backoff(cap=0.2):
+        for delay in raynode.backoff(cap=JOIN_POLL_SECONDS):
             try:
                 # A GCS left by an earlier attempt may answer until its head replaces it:
                 # keep one client while it works, make a new one once it fails.

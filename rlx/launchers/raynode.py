@@ -177,6 +177,11 @@ def port_open(ip: str, port: int, timeout: float = 1.0) -> bool:
         return False
 
 
+def preload() -> None:
+    """Import Ray's GCS client ahead of need (it may be called from a thread)."""
+    import ray._raylet  # noqa: F401
+
+
 class Gcs:
     """A thin client of the head's GCS: node table and a small key-value store."""
 
