@@ -104,10 +104,10 @@ def test_all_nodes_join_then_the_trainer_runs(make_job) -> None:
         assert run.job_exit_code == 0, logs
     probe = job.probe(1)
     # The trainer started once all three nodes were ALIVE, each from its own address.
-    assert alive_ips(probe) == sorted(job.hosts.ips), probe
+    assert alive_ips(probe) == sorted(h.ip for h in job.hosts), probe
     assert len(probe["nodes"]) == 3, probe
     assert probe["hostname"] == "node1"
-    assert probe["env"]["RAY_ADDRESS"] == f"{job.hosts.ips[0]}:{RAY_PORT}"
+    assert probe["env"]["RAY_ADDRESS"] == f"{job.hosts[0].ip}:{RAY_PORT}"
     assert probe["env"]["RLX_NUM_NODES"] == "3"
     assert probe["env"]["RAY_AUTH_MODE"] == "token" and probe["token_set"], probe
     assert "all 3 nodes joined" in job.log(run, 0), logs
@@ -248,7 +248,7 @@ def test_a_retried_job_starts_clean(make_job, first: str) -> None:
     assert len(ray_processes(job.hosts[0], "gcs_server")) == 1, logs
     probe = job.probe(2)
     # Only this attempt's nodes, all alive: nothing of the first attempt is counted.
-    assert alive_ips(probe) == sorted(job.hosts.ips), probe
+    assert alive_ips(probe) == sorted(h.ip for h in job.hosts), probe
     assert len(probe["nodes"]) == 3, probe
     if first == "killed" and job.backend != "slurm":
         for rank in range(3):

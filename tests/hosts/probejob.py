@@ -24,7 +24,7 @@ import yaml
 
 from rlx.launchers.base import collect_secrets
 from rlx.recipe import Recipe, parse_recipe
-from tests.hosts.netns import Host, Hosts
+from tests.hosts.netns import Host
 from tests.hosts.rendered import REPO, NodeRun, RenderedJob, slurm_job_dir, submit_slurm
 from tests.hosts.slurm import SlurmCluster
 
@@ -128,7 +128,7 @@ class Job:
     def __init__(
         self,
         backend: str,
-        hosts: Hosts,
+        hosts: Sequence[Host],
         workdir: Path,
         cluster: SlurmCluster | None = None,
         join_timeout: int = JOIN_TIMEOUT,
@@ -143,7 +143,9 @@ class Job:
         self.out.mkdir(exist_ok=True)
         self.recipe = probe_recipe(self.out, join_timeout)
         self.rendered = (
-            None if backend == "slurm" else RenderedJob(backend, self.recipe, hosts, workdir)
+            None
+            if backend == "slurm"
+            else RenderedJob.from_recipe(backend, self.recipe, hosts, workdir)
         )
         # What `rlx launch` does for SkyPilot and dstack: a fresh Ray token for this job.
         # (The Slurm script makes its own.)

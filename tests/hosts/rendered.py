@@ -19,7 +19,7 @@ import os
 import shlex
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +28,7 @@ import yaml
 from rlx.launchers import render
 from rlx.recipe import Recipe
 from tests.hosts.env import backend_env
-from tests.hosts.netns import Host, Hosts
+from tests.hosts.netns import Host
 from tests.hosts.procs import HostProcess
 from tests.hosts.slurm import SlurmCluster
 
@@ -123,36 +123,56 @@ class NodeRun:
 
 
 class RenderedJob:
-    """A recipe rendered for SkyPilot or dstack, ready to start node by node."""
+    """A run block (a recipe rendered for SkyPilot or dstack, or one written by hand),
+    ready to start node by node the way that backend would."""
 
-    def __init__(self, backend: str, recipe: Recipe, hosts: Hosts, workdir: Path) -> None:
+    def __init__(
+        self,
+        backend: str,
+        hosts: Sequence[Host],
+        workdir: Path,
+        run_block: str,
+        envs: Mapping[str, str] | None = None,
+        secret_names: Sequence[str] = (),
+    ) -> None:
         if backend not in HOST_BACKENDS:
             raise ValueError(f"backend must be one of {HOST_BACKENDS}, got {backend!r}")
         self.backend = backend
         self.hosts = hosts
         self.workdir = workdir
-        self.rendered = render(backend, recipe, SOURCE)
+        self.run_block = run_block
+        self.envs = dict(envs or {})
+        self.secret_names = list(secret_names)
+
+    @classmethod
+    def from_recipe(
+        cls, backend: str, recipe: Recipe, hosts: Sequence[Host], workdir: Path
+    ) -> RenderedJob:
+        """Render `recipe` and read the file back with the backend's own parser."""
+        rendered = render(backend, recipe, SOURCE)
         if backend == "sky":
             import sky
 
-            task = sky.Task.from_yaml_config(yaml.safe_load(self.rendered))
-            self.run_block = task.run
-            self.envs = {k: str(v) for k, v in task.envs.items()}
-            # Names only in the file; `sky launch --secret NAME=VALUE` gives the values.
-            self.secret_names = sorted(task.secrets)
-        else:
-            from dstack._internal.core.models.configurations import parse_run_configuration
-            from dstack._internal.server.services.jobs.configurators.base import (
-                _join_shell_commands,
-            )
-            from dstack._internal.utils.interpolator import VariablesInterpolator
+            task = sky.Task.from_yaml_config(yaml.safe_load(rendered))
+            envs = {k: str(v) for k, v in task.envs.items()}
+            # Names only in the file (SkyPilot keeps them as references to resolve at
+            # launch); `sky launch --secret NAME=VALUE` gives the values.
+            names = {*task.secrets, *(ref.name for ref in task.managed_secret_refs)}
+            return cls(backend, hosts, workdir, task.run, envs, sorted(names))
+        if backend != "dstack":
+            raise ValueError(f"backend must be one of {HOST_BACKENDS}, got {backend!r}")
+        from dstack._internal.core.models.configurations import parse_run_configuration
+        from dstack._internal.server.services.jobs.configurators.base import (
+            _join_shell_commands,
+        )
+        from dstack._internal.utils.interpolator import VariablesInterpolator
 
-            conf = parse_run_configuration(yaml.safe_load(self.rendered))
-            interpolate = VariablesInterpolator({"secrets": {}}).interpolate_or_error
-            self.run_block = _join_shell_commands(list(conf.commands))
-            self.envs = {k: interpolate(v) for k, v in conf.env.items() if isinstance(v, str)}
-            # Listed by name only: `dstack apply` takes the values from its environment.
-            self.secret_names = sorted(k for k, v in conf.env.items() if not isinstance(v, str))
+        conf = parse_run_configuration(yaml.safe_load(rendered))
+        interpolate = VariablesInterpolator({"secrets": {}}).interpolate_or_error
+        envs = {k: interpolate(v) for k, v in conf.env.items() if isinstance(v, str)}
+        # Listed by name only: `dstack apply` takes the values from its environment.
+        names = sorted(k for k, v in conf.env.items() if not isinstance(v, str))
+        return cls(backend, hosts, workdir, _join_shell_commands(list(conf.commands)), envs, names)
 
     def node_argv_env(
         self, rank: int, secrets: Mapping[str, str], task_id: str
