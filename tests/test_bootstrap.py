@@ -3,6 +3,7 @@ and leave nothing running. (Several hosts: tests/test_multinode.py.)"""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -87,6 +88,16 @@ def test_auth_none_ignores_a_stale_token_file(tmp_path, rlx_env):
     assert result.returncode == 0, result.stderr
     assert "True" in result.stdout
     assert_nothing_left(primary_ip())
+
+
+def test_a_taken_head_port_is_one_clear_error(tmp_path, rlx_env):
+    ip = primary_ip()
+    with socket.create_server((ip, PORT)):  # something else holds the GCS port
+        result = rlx_node(recipe_file(tmp_path, ["true"], auth="none"), rlx_env, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert f"ray.port ({PORT}) already in use on this node" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert_nothing_left(ip)
 
 
 def test_missing_token_is_one_clear_line(tmp_path, rlx_env):

@@ -42,6 +42,7 @@ from rlx.recipe.model import Recipe
 CLUSTER_FAILURE = 75
 RAY_START_TIMEOUT = 180.0
 POLL_SECONDS = 1.0
+GCS_CONNECT_SECONDS = 5
 JOIN_POLL_SECONDS = 0.1  # polls while the cluster forms: each is one cheap GCS call
 HEAD_LOST_SECONDS = 15.0  # a worker waits this long without the head before giving up
 ACK_WAIT_SECONDS = 15.0
@@ -86,6 +87,9 @@ class Bootstrap:
                 os.environ[key] = self.ray_env[key]
             else:
                 os.environ.pop(key, None)
+        # Our client gives up on an address that does not answer like a GCS within seconds
+        # (Ray's default is 30 s) and the next poll tries again; Ray's processes keep theirs.
+        os.environ[raynode.GCS_CONNECT_TIMEOUT_ENV] = str(GCS_CONNECT_SECONDS)
         self.address = f"{self.node.head_ip}:{self.recipe.ray.port}"
 
     def say(self, message: str) -> None:
@@ -104,6 +108,7 @@ class Bootstrap:
             left = raynode.stop_own_ray(self.address, self.recipe.ray.port)
             if left:
                 self.say(f"stopped {left} Ray processes left by an earlier attempt")
+            self.check_ports()
             return self.run_head() if self.node.is_head else self.run_worker()
         except ClusterError as exc:
             self.say(f"error: {exc}")
@@ -115,6 +120,19 @@ class Bootstrap:
             for sig, old in previous.items():
                 signal.signal(sig, old)
             raynode.stop_own_ray(self.address, self.recipe.ray.port)
+
+    def check_ports(self) -> None:
+        """Fail at once, naming the recipe field, when another program holds one of our
+        ports: `ray start` itself would only give up after Ray's own timeouts."""
+        settings = self.recipe.ray
+        ports = raynode.fixed_ports(settings, self.node.is_head)
+        taken = raynode.taken_ports(ports)
+        if taken:
+            listed = ", ".join(f"ray.{name} ({ports[name]})" for name in taken)
+            raise RlxError(
+                f"{listed} already in use on this node ({self.node.describe(self.node.rank)}) "
+                "by another program; choose free ports in the recipe's ray section"
+            )
 
     # ------------------------------------------------------------------ head
 
@@ -131,6 +149,8 @@ class Bootstrap:
         start = raynode.RayStart(
             raynode.head_command(settings, node.head_ip, node.gpus_per_node), self.ray_env
         )
+        # Import Ray's client while the GCS starts, so the workers hear of it at once.
+        threading.Thread(target=raynode.preload, daemon=True).start()
         try:
             gcs = self.open_head_gcs(start)
             gcs.put(raynode.ATTEMPT_KEY, os.urandom(8).hex().encode())

@@ -30,6 +30,9 @@ ACK_PREFIX = b"ack:"  # one per worker once it has seen "done"
 SESSION_NAMESPACE = b"session"
 SESSION_KEY = b"session_name"
 
+# How long a GcsClient waits for its GCS when created (Ray's config name; default 30 s).
+GCS_CONNECT_TIMEOUT_ENV = "RAY_py_gcs_connect_timeout_s"
+
 # GCS health checks: a killed raylet is declared dead after about period x threshold.
 FAST_FAILURE_ENV = {
     "RAY_health_check_initial_delay_ms": "2000",
@@ -167,6 +170,37 @@ class RayStart:
             self._proc.kill()
             self._proc.wait()
         self._output.close()
+
+
+def fixed_ports(settings: RaySettings, head: bool) -> dict[str, int]:
+    """The recipe's ports our Ray listens on, on a head or a worker node, by field name."""
+    ports = {
+        "dashboard_agent_port": settings.dashboard_agent_port,
+        "object_manager_port": settings.object_manager_port,
+        "node_manager_port": settings.node_manager_port,
+    }
+    if head:
+        ports = {
+            "port": settings.port,
+            "dashboard_port": settings.dashboard_port,
+            "client_server_port": settings.client_server_port,
+            **ports,
+        }
+    return ports
+
+
+def taken_ports(ports: Mapping[str, int]) -> list[str]:
+    """The names of `ports` something on this node already listens on."""
+    taken = []
+    for name, port in ports.items():
+        with socket.socket() as probe:
+            # SO_REUSEADDR: a port in TIME_WAIT after an earlier attempt is free to use.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(("0.0.0.0", port))
+            except OSError:
+                taken.append(name)
+    return taken
 
 
 def port_open(ip: str, port: int, timeout: float = 1.0) -> bool:
