@@ -117,21 +117,20 @@ def _not_installed() -> RlxError:
 
 
 def run_ray_start(argv: list[str], env: Mapping[str, str], timeout: float) -> None:
+    """Run `ray start` to the end; RlxError with the tail of its output if it fails."""
+    start = RayStart(argv, env)
     try:
-        proc = subprocess.run(
-            argv, env=dict(env), capture_output=True, text=True, timeout=timeout, check=False
-        )
-    except FileNotFoundError:
-        raise _not_installed() from None
-    except subprocess.TimeoutExpired:
-        raise RlxError(f"`{' '.join(argv[:3])}` did not finish within {timeout:.0f} s") from None
-    if proc.returncode != 0:
-        raise _ray_start_error(argv, proc.returncode, proc.stderr or proc.stdout)
+        start.wait(timeout)
+    finally:
+        start.stop()
 
 
 class RayStart:
     """`ray start` running in the background, so the caller can use the GCS as soon as it
-    is up instead of waiting for every other head process (dashboard, client server)."""
+    is up instead of waiting for every other head process (dashboard, client server).
+
+    Its output goes to a file, not a pipe: the daemons it leaves behind could hold a pipe
+    open and keep a reader waiting for the end of it."""
 
     def __init__(self, argv: list[str], env: Mapping[str, str]):
         self.argv = argv
@@ -166,6 +165,7 @@ class RayStart:
         self.check()
 
     def stop(self) -> None:
+        """Kill `ray start` itself if it still runs (not the daemons it started)."""
         if self._proc.poll() is None:
             self._proc.kill()
             self._proc.wait()
