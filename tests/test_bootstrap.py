@@ -3,6 +3,7 @@ and leave nothing running. (Several hosts: tests/test_multinode.py.)"""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -73,6 +74,30 @@ def test_token_auth_and_success(tmp_path, rlx_env):
     assert result.returncode == 0, result.stderr
     assert "True" in result.stdout
     assert_nothing_left(primary_ip())
+
+
+def test_auth_none_ignores_a_stale_token_file(tmp_path, rlx_env):
+    # Any earlier local `ray.init()` leaves ~/.ray/auth_token; with the auth mode unset,
+    # `ray start` would then turn token auth on by itself and lock our own clients out.
+    home = tmp_path / "home"
+    (home / ".ray").mkdir(parents=True)
+    (home / ".ray" / "auth_token").write_text("f" * 64)
+    command = ["python -c 'import ray; ray.init(); print(ray.is_initialized())'"]
+    env = {**rlx_env, "HOME": str(home)}
+    result = rlx_node(recipe_file(tmp_path, command, auth="none"), env)
+    assert result.returncode == 0, result.stderr
+    assert "True" in result.stdout
+    assert_nothing_left(primary_ip())
+
+
+def test_a_taken_head_port_is_one_clear_error(tmp_path, rlx_env):
+    ip = primary_ip()
+    with socket.create_server((ip, PORT)):  # something else holds the GCS port
+        result = rlx_node(recipe_file(tmp_path, ["true"], auth="none"), rlx_env, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert f"ray.port ({PORT}) already in use on this node" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert_nothing_left(ip)
 
 
 def test_missing_token_is_one_clear_line(tmp_path, rlx_env):

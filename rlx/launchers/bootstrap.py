@@ -1,14 +1,18 @@
 """`rlx node`: what every node of a rendered job runs.
 
-Head (rank 0): stop any Ray this job left on the node, start the Ray head, wait until every
-node (and GPU) is ALIVE or the join timeout passes (then name the missing nodes), run the
-head command against the explicit head address, watch the nodes while it runs (a lost node
-fails the job fast), then publish the exit code, give the workers a moment to see it, stop
-its Ray and exit with that code.
+Head (rank 0): stop any Ray this job left on the node, start the Ray head and tell the
+workers to join as soon as its GCS accepts nodes (while the rest of the head still starts),
+wait until every node (and GPU) is ALIVE or the join timeout passes (then name the missing
+nodes), run the head command against the explicit head address, watch the nodes while it
+runs (a lost node fails the job fast), then publish the exit code, wait until the live
+workers have seen it, stop its Ray and exit with that code.
 
 Worker: stop any Ray this job left on the node, wait for the head's GCS to accept nodes
 (polling with backoff, bounded by the join timeout), join, then follow the head: leave with
 its exit code when it is done, or fail when the head is lost.
+
+The join timeout counts from the moment `rlx node` starts, on every node: the head names
+the missing nodes, and a worker gives up on the head, within that time of its own start.
 
 Head and workers talk only through the GCS key-value store (namespace "rlx"): the head's
 state goes "waiting" -> "running" -> "done:<code>", and each worker acknowledges "done".
@@ -21,6 +25,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -37,6 +42,8 @@ from rlx.recipe.model import Recipe
 CLUSTER_FAILURE = 75
 RAY_START_TIMEOUT = 180.0
 POLL_SECONDS = 1.0
+GCS_CONNECT_SECONDS = 5
+JOIN_POLL_SECONDS = 0.1  # polls while the cluster forms: each is one cheap GCS call
 HEAD_LOST_SECONDS = 15.0  # a worker waits this long without the head before giving up
 ACK_WAIT_SECONDS = 15.0
 TERMINATE_GRACE_SECONDS = 20.0
@@ -63,6 +70,7 @@ class Bootstrap:
     clock: Callable[[], float] = time.monotonic
 
     def __post_init__(self) -> None:
+        self.started = self.clock()
         token = None
         if self.recipe.ray.auth == "token":
             token = self.env.get(RAY_TOKEN_SECRET, "").strip()
@@ -74,15 +82,19 @@ class Bootstrap:
                 )
         self.ray_env = raynode.ray_env(self.env, token)
         # The GCS client in this process reads auth settings from os.environ.
-        for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
+        for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
             if key in self.ray_env:
                 os.environ[key] = self.ray_env[key]
             else:
                 os.environ.pop(key, None)
+        # Our client gives up on an address that does not answer like a GCS within seconds
+        # (Ray's default is 30 s) and the next poll tries again; Ray's processes keep theirs.
+        os.environ[raynode.GCS_CONNECT_TIMEOUT_ENV] = str(GCS_CONNECT_SECONDS)
         self.address = f"{self.node.head_ip}:{self.recipe.ray.port}"
 
     def say(self, message: str) -> None:
-        stamp = time.strftime("%H:%M:%S")
+        now = time.time()  # milliseconds: bring-up and failure detection are timed from logs
+        stamp = time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1000):03d}"
         print(f"rlx node {self.node.rank} {stamp} {message}", file=self.out, flush=True)
 
     # ------------------------------------------------------------------ entry point
@@ -96,6 +108,7 @@ class Bootstrap:
             left = raynode.stop_own_ray(self.address, self.recipe.ray.port)
             if left:
                 self.say(f"stopped {left} Ray processes left by an earlier attempt")
+            self.check_ports()
             return self.run_head() if self.node.is_head else self.run_worker()
         except ClusterError as exc:
             self.say(f"error: {exc}")
@@ -108,7 +121,24 @@ class Bootstrap:
                 signal.signal(sig, old)
             raynode.stop_own_ray(self.address, self.recipe.ray.port)
 
+    def check_ports(self) -> None:
+        """Fail at once, naming the recipe field, when another program holds one of our
+        ports: `ray start` itself would only give up after Ray's own timeouts."""
+        settings = self.recipe.ray
+        ports = raynode.fixed_ports(settings, self.node.is_head)
+        taken = raynode.taken_ports(ports)
+        if taken:
+            listed = ", ".join(f"ray.{name} ({ports[name]})" for name in taken)
+            raise RlxError(
+                f"{listed} already in use on this node ({self.node.describe(self.node.rank)}) "
+                "by another program; choose free ports in the recipe's ray section"
+            )
+
     # ------------------------------------------------------------------ head
+
+    @property
+    def join_deadline(self) -> float:
+        return self.started + self.recipe.ray.join_timeout
 
     def run_head(self) -> int:
         node, settings = self.node, self.recipe.ray
@@ -116,49 +146,81 @@ class Bootstrap:
             f"starting the Ray head on {node.head_ip}:{settings.port} "
             f"({node.num_nodes} nodes, {node.gpus_per_node} GPUs each)"
         )
-        raynode.run_ray_start(
-            raynode.head_command(settings, node.head_ip, node.gpus_per_node),
-            self.ray_env,
-            RAY_START_TIMEOUT,
+        start = raynode.RayStart(
+            raynode.head_command(settings, node.head_ip, node.gpus_per_node), self.ray_env
         )
-        gcs = raynode.Gcs(self.address)
-        gcs.put(raynode.ATTEMPT_KEY, os.urandom(8).hex().encode())
-        gcs.put(raynode.STATE_KEY, b"waiting")
+        # Import Ray's client while the GCS starts, so the workers hear of it at once.
+        threading.Thread(target=raynode.preload, daemon=True).start()
         try:
-            alive = self.wait_for_nodes(gcs)
-        except ClusterError:
-            gcs.put(raynode.STATE_KEY, f"done:{CLUSTER_FAILURE}".encode())
-            raise
+            gcs = self.open_head_gcs(start)
+            gcs.put(raynode.ATTEMPT_KEY, os.urandom(8).hex().encode())
+            gcs.put(raynode.STATE_KEY, b"waiting")
+            try:
+                alive = self.wait_for_nodes(gcs, start)
+            except ClusterError:
+                gcs.put(raynode.STATE_KEY, f"done:{CLUSTER_FAILURE}".encode())
+                self.wait_for_acks(gcs)
+                raise
+        finally:
+            start.stop()
         gcs.put(raynode.STATE_KEY, b"running")
         code = self.run_head_command(gcs, alive)
         gcs.put(raynode.STATE_KEY, f"done:{code}".encode())
         self.wait_for_acks(gcs)
         return code
 
-    def wait_for_nodes(self, gcs: raynode.Gcs) -> set[str]:
+    def open_head_gcs(self, start: raynode.RayStart) -> raynode.Gcs:
+        """A client of our GCS once it accepts nodes, while `ray start` still brings up the
+        rest of the head."""
+        deadline = self.clock() + RAY_START_TIMEOUT
+        gcs: raynode.Gcs | None = None
+        for delay in raynode.backoff(cap=JOIN_POLL_SECONDS):
+            done = start.check()  # raises if `ray start` failed
+            try:
+                if gcs is None and raynode.port_open(self.node.head_ip, self.recipe.ray.port):
+                    gcs = raynode.Gcs(self.address)
+                if gcs is not None and gcs.accepts_nodes():
+                    return gcs
+            except Exception:
+                gcs = None  # still starting
+            if done:
+                raise ClusterError(
+                    f"`ray start --head` finished but its GCS on {self.address} does not answer"
+                )
+            if self.clock() >= deadline:
+                raise RlxError(f"`ray start --head` did not finish within {RAY_START_TIMEOUT} s")
+            time.sleep(delay)
+        raise AssertionError("unreachable")
+
+    def wait_for_nodes(self, gcs: raynode.Gcs, start: raynode.RayStart) -> set[str]:
         node = self.node
         want_gpus = node.num_nodes * node.gpus_per_node
-        deadline = self.clock() + self.recipe.ray.join_timeout
         last_report = 0
-        for delay in raynode.backoff(cap=0.5):
-            states = [s for s in gcs.nodes() if s.alive]
+        for delay in raynode.backoff(cap=JOIN_POLL_SECONDS):
+            started = start.check()  # the head's own `ray start` must finish well too
+            try:
+                states = [s for s in gcs.nodes() if s.alive]
+            except Exception:  # a GCS hiccup: the next poll (or the deadline) decides
+                states = []
             alive = {s.ip for s in states}
             gpus = sum(s.gpus for s in states)
-            if alive >= set(node.node_ips) and gpus >= want_gpus:
+            if started and alive >= set(node.node_ips) and gpus >= want_gpus:
                 self.say(f"all {node.num_nodes} nodes joined ({gpus:.0f} GPUs)")
                 return alive
-            if len(alive) != last_report:
-                last_report = len(alive)
-                self.say(f"{len(alive & set(node.node_ips))}/{node.num_nodes} nodes joined")
-            if self.clock() >= deadline:
+            joined = len(alive & set(node.node_ips))
+            if joined != last_report:
+                last_report = joined
+                self.say(f"{joined}/{node.num_nodes} nodes joined")
+            if self.clock() >= self.join_deadline:
                 missing = [
                     node.describe(r) for r, ip in enumerate(node.node_ips) if ip not in alive
                 ]
-                detail = (
-                    f"missing {', '.join(missing)}"
-                    if missing
-                    else f"only {gpus:.0f} of {want_gpus} GPUs registered"
-                )
+                if missing:
+                    detail = f"missing {', '.join(missing)}"
+                elif not started:
+                    detail = "the head's own `ray start` has not finished"
+                else:
+                    detail = f"only {gpus:.0f} of {want_gpus} GPUs registered"
                 raise ClusterError(
                     f"the cluster did not form within {self.recipe.ray.join_timeout} s: "
                     f"{detail}; check those nodes' logs (the trainer was not started)"
@@ -230,18 +292,29 @@ class Bootstrap:
                 continue
 
     def wait_for_acks(self, gcs: raynode.Gcs) -> None:
-        workers = self.node.num_nodes - 1
-        if workers == 0:
+        """Give the workers still alive a moment to see the outcome before our GCS goes
+        (a lost worker cannot confirm: waiting for it would only delay the exit)."""
+        node = self.node
+        if node.num_nodes == 1:
             return
         deadline = self.clock() + ACK_WAIT_SECONDS
-        for delay in raynode.backoff(cap=0.5):
+        for delay in raynode.backoff(cap=JOIN_POLL_SECONDS):
             try:
-                acks = len(gcs.keys(raynode.ACK_PREFIX))
+                keys = gcs.keys(raynode.ACK_PREFIX)
+                acked = {int(key[len(raynode.ACK_PREFIX) :]) for key in keys}
+                alive = {s.ip for s in gcs.nodes() if s.alive}
             except Exception:
                 return
-            if acks >= workers or self.clock() >= deadline:
-                if acks < workers:
-                    self.say(f"{workers - acks} workers did not confirm the end; stopping anyway")
+            waiting = [
+                rank
+                for rank in range(1, node.num_nodes)
+                if rank not in acked and node.node_ips[rank] in alive
+            ]
+            if not waiting:
+                return
+            if self.clock() >= deadline:
+                names = ", ".join(node.describe(rank) for rank in waiting)
+                self.say(f"{names} did not confirm the end; stopping anyway")
                 return
             time.sleep(delay)
 
@@ -249,9 +322,11 @@ class Bootstrap:
 
     def run_worker(self) -> int:
         node, settings = self.node, self.recipe.ray
-        deadline = self.clock() + settings.join_timeout
+        # Ray's client library takes a good fraction of a second to import: do it while the
+        # head is still starting, not once its GCS is up and every moment counts.
+        threading.Thread(target=raynode.preload, daemon=True).start()
         while True:
-            gcs, attempt = self.wait_for_head(deadline)
+            gcs, attempt = self.wait_for_head(self.join_deadline)
             self.say(f"joining the head at {self.address}")
             raynode.run_ray_start(
                 raynode.worker_command(settings, node.head_ip, node.own_ip, node.gpus_per_node),
@@ -271,15 +346,19 @@ class Bootstrap:
         head attempt it belongs to."""
         port = self.recipe.ray.port
         told = False
-        for delay in raynode.backoff():
-            if raynode.port_open(self.node.head_ip, port, timeout=min(1.0, delay * 4)):
-                try:
+        gcs: raynode.Gcs | None = None
+        for delay in raynode.backoff(cap=JOIN_POLL_SECONDS):
+            try:
+                # A GCS left by an earlier attempt may answer until its head replaces it:
+                # keep one client while it works, make a new one once it fails.
+                if gcs is None and raynode.port_open(self.node.head_ip, port):
                     gcs = raynode.Gcs(self.address)
+                if gcs is not None:
                     attempt = gcs.get(raynode.ATTEMPT_KEY)
                     if attempt and gcs.get(raynode.STATE_KEY) == b"waiting":
                         return gcs, attempt
-                except Exception:
-                    pass  # a GCS still starting, or an old one being stopped
+            except Exception:
+                gcs = None  # a GCS still starting, or an old one being stopped
             if self.clock() >= deadline:
                 raise ClusterError(
                     f"the head ({self.node.describe(0)}) did not come up on port {port} within "

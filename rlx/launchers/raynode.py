@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -25,6 +26,12 @@ NAMESPACE = b"rlx"
 STATE_KEY = b"state"  # "waiting" -> "running" -> "done:<exit code>"
 ATTEMPT_KEY = b"attempt"  # a fresh nonce per head start: tells a restarted head apart
 ACK_PREFIX = b"ack:"  # one per worker once it has seen "done"
+# Written by the head's `ray start` right after its GCS is up; workers read it when joining.
+SESSION_NAMESPACE = b"session"
+SESSION_KEY = b"session_name"
+
+# How long a GcsClient waits for its GCS when created (Ray's config name; default 30 s).
+GCS_CONNECT_TIMEOUT_ENV = "RAY_py_gcs_connect_timeout_s"
 
 # GCS health checks: a killed raylet is declared dead after about period x threshold.
 FAST_FAILURE_ENV = {
@@ -46,9 +53,17 @@ def ray_env(base: Mapping[str, str], token: str | None) -> dict[str, str]:
     """Environment for Ray processes and clients of this job."""
     env = dict(base)
     env.pop("RAY_ADDRESS", None)  # never let a stray address point us at another cluster
+    # The token comes from the job alone, never from a file on the node.
+    env.pop("RAY_AUTH_TOKEN_PATH", None)
+    env.pop("RAY_AUTH_TOKEN", None)
     if token:
         env["RAY_AUTH_MODE"] = "token"
         env["RAY_AUTH_TOKEN"] = token
+    else:
+        # Explicit: with the mode unset, Ray turns token auth on by itself wherever a
+        # ~/.ray/auth_token exists (any earlier local `ray.init()` leaves one), and then
+        # our own clients, which have no token, are refused.
+        env["RAY_AUTH_MODE"] = "disabled"
     env.update(FAST_FAILURE_ENV)
     return env
 
@@ -89,21 +104,103 @@ def _shared_flags(settings: RaySettings, gpus: int) -> list[str]:
     ]
 
 
+def _ray_start_error(argv: list[str], code: int, output: str) -> RlxError:
+    tail = "\n".join(output.strip().splitlines()[-15:])
+    return RlxError(f"`{' '.join(argv[:3])}` failed (exit {code}):\n{tail}")
+
+
+def _not_installed() -> RlxError:
+    return RlxError(
+        "the 'ray' command is not installed on this node; add "
+        "pip install 'rlx[node]' (or ray[default]) to setup"
+    )
+
+
 def run_ray_start(argv: list[str], env: Mapping[str, str], timeout: float) -> None:
+    """Run `ray start` to the end; RlxError with the tail of its output if it fails."""
+    start = RayStart(argv, env)
     try:
-        proc = subprocess.run(
-            argv, env=dict(env), capture_output=True, text=True, timeout=timeout, check=False
-        )
-    except FileNotFoundError:
-        raise RlxError(
-            "the 'ray' command is not installed on this node; add "
-            "pip install 'rlx[node]' (or ray[default]) to setup"
-        ) from None
-    except subprocess.TimeoutExpired:
-        raise RlxError(f"`{' '.join(argv[:3])}` did not finish within {timeout:.0f} s") from None
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
-        raise RlxError(f"`{' '.join(argv[:3])}` failed (exit {proc.returncode}):\n{tail}")
+        start.wait(timeout)
+    finally:
+        start.stop()
+
+
+class RayStart:
+    """`ray start` running in the background, so the caller can use the GCS as soon as it
+    is up instead of waiting for every other head process (dashboard, client server).
+
+    Its output goes to a file, not a pipe: the daemons it leaves behind could hold a pipe
+    open and keep a reader waiting for the end of it."""
+
+    def __init__(self, argv: list[str], env: Mapping[str, str]):
+        self.argv = argv
+        self._output = tempfile.TemporaryFile()  # noqa: SIM115 (closed by stop())
+        try:
+            self._proc = subprocess.Popen(
+                argv, env=dict(env), stdout=self._output, stderr=subprocess.STDOUT
+            )
+        except FileNotFoundError:
+            self._output.close()
+            raise _not_installed() from None
+
+    def check(self) -> bool:
+        """True once it has finished well; raises if it failed; False while it runs."""
+        code = self._proc.poll()
+        if code is None:
+            return False
+        if code != 0:
+            self._output.seek(0)
+            output = self._output.read().decode(errors="replace")
+            raise _ray_start_error(self.argv, code, output)
+        return True
+
+    def wait(self, timeout: float) -> None:
+        try:
+            self._proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise RlxError(
+                f"`{' '.join(self.argv[:3])}` did not finish within {timeout:.0f} s"
+            ) from None
+        self.check()
+
+    def stop(self) -> None:
+        """Kill `ray start` itself if it still runs (not the daemons it started)."""
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self._output.close()
+
+
+def fixed_ports(settings: RaySettings, head: bool) -> dict[str, int]:
+    """The recipe's ports our Ray listens on, on a head or a worker node, by field name."""
+    ports = {
+        "dashboard_agent_port": settings.dashboard_agent_port,
+        "object_manager_port": settings.object_manager_port,
+        "node_manager_port": settings.node_manager_port,
+    }
+    if head:
+        ports = {
+            "port": settings.port,
+            "dashboard_port": settings.dashboard_port,
+            "client_server_port": settings.client_server_port,
+            **ports,
+        }
+    return ports
+
+
+def taken_ports(ports: Mapping[str, int]) -> list[str]:
+    """The names of `ports` something on this node already listens on."""
+    taken = []
+    for name, port in ports.items():
+        with socket.socket() as probe:
+            # SO_REUSEADDR: a port in TIME_WAIT after an earlier attempt is free to use.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(("0.0.0.0", port))
+            except OSError:
+                taken.append(name)
+    return taken
 
 
 def port_open(ip: str, port: int, timeout: float = 1.0) -> bool:
@@ -112,6 +209,11 @@ def port_open(ip: str, port: int, timeout: float = 1.0) -> bool:
             return True
     except OSError:
         return False
+
+
+def preload() -> None:
+    """Import Ray's GCS client ahead of need (it may be called from a thread)."""
+    import ray._raylet  # noqa: F401
 
 
 class Gcs:
@@ -134,8 +236,13 @@ class Gcs:
             for node in info.values()
         ]
 
-    def get(self, key: bytes) -> bytes | None:
-        return self._client.internal_kv_get(key, NAMESPACE, timeout=self.timeout)
+    def get(self, key: bytes, namespace: bytes = NAMESPACE) -> bytes | None:
+        return self._client.internal_kv_get(key, namespace, timeout=self.timeout)
+
+    def accepts_nodes(self) -> bool:
+        """The head's `ray start` has registered the session: a worker's `ray start` finds
+        what it needs at once (too early, and it sleeps 2 s before asking again)."""
+        return self.get(SESSION_KEY, SESSION_NAMESPACE) is not None
 
     def put(self, key: bytes, value: bytes) -> None:
         self._client.internal_kv_put(key, value, True, NAMESPACE, timeout=self.timeout)
@@ -199,23 +306,40 @@ def own_ray_pids(address: str, port: int) -> list[int]:
 
 
 def raylet_alive(address: str, port: int) -> bool:
-    return any(
-        os.path.basename((_cmdline(pid) or [""])[0]) == "raylet"
-        for pid in own_ray_pids(address, port)
-    )
+    return any(_program(pid) == "raylet" for pid in own_ray_pids(address, port))
 
 
 def stop_own_ray(address: str, port: int, grace: float = 5.0) -> int:
-    """Stop this job's Ray processes on this node (never anyone else's). Returns how many."""
+    """Stop this job's Ray processes on this node (never anyone else's). Returns how many.
+
+    The GCS goes last: a raylet or dashboard told to stop while the GCS is already gone
+    waits for it until its own timeouts (seconds), while with the GCS still up everything
+    is gone in well under a second."""
     pids = own_ray_pids(address, port)
+    gcs = [pid for pid in pids if _program(pid) == "gcs_server"]
+    rest = [pid for pid in pids if pid not in gcs]
+    for group in (rest, gcs):
+        _terminate(group, grace)
+    return len(pids)
+
+
+def _program(pid: int) -> str:
+    return os.path.basename((_cmdline(pid) or [""])[0])
+
+
+def _terminate(pids: list[int], grace: float) -> None:
+    """SIGTERM, then SIGKILL what is still running after `grace` seconds."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
         deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and any(_running(pid) for pid in pids):
-            time.sleep(0.05)
-    return len(pids)
+        for delay in backoff(start=0.01, cap=0.1):
+            if not any(_running(pid) for pid in pids) or time.monotonic() >= deadline:
+                break
+            time.sleep(delay)
+        if not any(_running(pid) for pid in pids):
+            return
 
 
 def _running(pid: int) -> bool:

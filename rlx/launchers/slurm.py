@@ -26,9 +26,9 @@ from rlx.recipe import Recipe
 NAME = "slurm"
 SUFFIX = ".sbatch"
 
-# After the head finishes, workers leave by themselves within seconds; past this grace
-# period the driver stops their step so the allocation is given back.
-WORKER_GRACE_SECONDS = 60
+# Once the head (or every worker) is done, the other step follows within seconds; past this
+# grace period the driver stops it, so a stalled node cannot hold the allocation.
+WORKER_GRACE_SECONDS = 30
 
 
 def _mem(value: str) -> str:
@@ -159,28 +159,63 @@ def script(recipe: Recipe) -> list[str]:
             f'--output="$job_logs/worker-%N.log" rlx node --backend {NAME} &',
             "workers_pid=$!",
         ]
-    out += [
-        "",
-        "rc=0",
-        'wait "$head_pid" || rc=$?',
-        'echo "rlx: head finished with exit code $rc"',
-    ]
-    if nodes > 1:
+    if nodes == 1:
         out += [
-            f"# Workers follow the head out on their own; stop any still there after "
-            f"{WORKER_GRACE_SECONDS} s.",
-            f"for _ in $(seq {WORKER_GRACE_SECONDS}); do",
-            '  kill -0 "$workers_pid" 2>/dev/null || break',
-            "  sleep 1",
-            "done",
-            'if kill -0 "$workers_pid" 2>/dev/null; then',
-            '  echo "rlx: workers still running; stopping them"',
-            '  kill -TERM "$workers_pid" 2>/dev/null || true',
-            "fi",
-            'wait "$workers_pid" || true',
+            "",
+            "rc=0",
+            'wait "$head_pid" || rc=$?',
+            'echo "rlx: head finished with exit code $rc"',
         ]
+    else:
+        out += _driver_wait(WORKER_GRACE_SECONDS)
     out.append('exit "$rc"')
     return out
+
+
+def _driver_wait(grace: int) -> list[str]:
+    """Wait for the head and worker steps: whichever ends first, the other follows within
+    seconds (workers leave once the head is done; a head whose workers all gave up ends
+    too). Past `grace` seconds the one left is stopped, so a stalled node cannot hold the
+    allocation, and the job's exit code is the head's (the workers' if we stopped it)."""
+    return [
+        "",
+        "# Whichever step ends first, the other follows within seconds; past "
+        f"{grace} s it is stopped.",
+        'running() { kill -0 "$1" 2>/dev/null; }',
+        "# stop_after_grace PID WHAT OTHER: returns 1 when it had to stop the step.",
+        "stop_after_grace() {",
+        f"  for _ in $(seq {grace}); do",
+        '    running "$1" || return 0',
+        "    sleep 1",
+        "  done",
+        f'  echo "rlx: stopping the $2: still running {grace} s after the $3 ended"',
+        '  kill -TERM "$1" 2>/dev/null || true',
+        "  return 1",
+        "}",
+        'while running "$head_pid" && running "$workers_pid"; do',
+        "  sleep 1",
+        "done",
+        "rc=0",
+        "workers_rc=0",
+        'if ! running "$head_pid"; then',
+        '  wait "$head_pid" || rc=$?',
+        '  echo "rlx: head finished with exit code $rc"',
+        '  stop_after_grace "$workers_pid" workers head || true',
+        '  wait "$workers_pid" || workers_rc=$?',
+        '  echo "rlx: workers finished with exit code $workers_rc"',
+        "else",
+        '  wait "$workers_pid" || workers_rc=$?',
+        '  echo "rlx: workers finished with exit code $workers_rc"',
+        "  head_stopped=0",
+        '  stop_after_grace "$head_pid" head workers || head_stopped=1',
+        '  wait "$head_pid" || rc=$?',
+        '  echo "rlx: head finished with exit code $rc"',
+        "  # A head we stopped has no outcome of its own: the workers' says what failed.",
+        "  if [[ $head_stopped -eq 1 && $workers_rc -ne 0 ]]; then",
+        "    rc=$workers_rc",
+        "  fi",
+        "fi",
+    ]
 
 
 def render(recipe: Recipe, source: str) -> str:
