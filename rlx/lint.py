@@ -140,9 +140,10 @@ def check_batch_divisibility(lr: LoadedRecipe) -> Iterator[Finding]:
     elif batch.micro_batch_size > minibatch // ranks:
         yield lr.finding(
             (*where, "micro_batch_size"),
-            ERROR,
+            WARNING,
             f"micro_batch_size {batch.micro_batch_size} is larger than the "
-            f"{minibatch // ranks} sequences each GPU gets per minibatch; lower it",
+            f"{minibatch // ranks} sequences each training worker gets per minibatch, so "
+            f"micro-batches hold {minibatch // ranks}; lower it to say so",
         )
 
 

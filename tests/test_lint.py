@@ -364,3 +364,12 @@ def test_cpu_multinode_counts_one_rank_per_node(write_recipe):
 def test_split_layout_on_cpu_is_allowed(write_recipe):
     path = write_recipe("name: job\n" + TRAINER + "  layout: split\n  rollout_gpus: 1\n")
     assert [f for f in lint_file(path) if f.severity == "error"] == []
+
+
+def test_micro_batch_above_the_share_is_a_warning(write_recipe):
+    path = write_recipe(
+        "name: job\n" + TRAINER + "  batch: {prompts_per_step: 1, micro_batch_size: 64}\n"
+    )
+    findings = [f for f in lint_file(path) if f.field == "trainer.batch.micro_batch_size"]
+    assert [f.severity for f in findings] == ["warning"]
+    assert "micro-batches hold 8" in findings[0].message

@@ -1,0 +1,128 @@
+"""`rlx launch --backend slurm` on a real Slurm across emulated hosts: the quickstart trains
+to completion on 2 nodes, `rlx status` and `rlx logs` follow it, and `rlx down` stops a
+second job leaving nothing behind on any host."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.hosts.rendered import node_base_env
+
+from .conftest import RECIPES
+
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(1200)]
+
+
+def quickstart(workdir: Path, name: str, steps: int) -> Path:
+    """The shipped quickstart on 2 nodes, outputs on the cluster's shared filesystem."""
+    recipe = yaml.safe_load((RECIPES / "quickstart.yaml").read_text())
+    shared = str(workdir)
+    recipe["name"] = name
+    recipe["resources"]["nodes"] = 2
+    recipe["volumes"] = [{"path": shared}]  # Slurm: already shared, no volume to attach
+    recipe["ray"] = {"join_timeout": 120}
+    trainer = recipe["trainer"]
+    trainer["steps"] = steps
+    trainer["batch"]["prompts_per_step"] = 2  # 2 x 16 samples split over 2 nodes
+    trainer["checkpoint"] = {"dir": f"{shared}/checkpoints", "every": 3, "keep": 2}
+    trainer["logging"] = {"dir": f"{shared}/runs", "tensorboard": False}
+    path = workdir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+def rlx(workdir: Path, env: dict[str, str], *args: str, timeout: float = 120):
+    return subprocess.run(
+        [sys.executable, "-m", "rlx", *args],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def state_of(workdir: Path, env: dict[str, str], name: str) -> str:
+    out = rlx(workdir, env, "status", name)
+    assert out.returncode == 0, out.stderr
+    row = next(line for line in out.stdout.splitlines() if name in line)
+    return re.split(r"\s*│\s*|\s{2,}", row.strip(" │"))[3]
+
+
+def wait_state(workdir, env, name, states, timeout) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = state_of(workdir, env, name)
+        if state in states:
+            return state
+        time.sleep(2)
+    raise AssertionError(f"{name} did not reach {states} within {timeout} s (last: {state})")
+
+
+def job_processes(cluster) -> list[str]:
+    """What is left on the hosts besides the Slurm daemons themselves."""
+    left = []
+    for host in cluster.hosts:
+        for proc in host.processes():
+            if "slurmd" not in proc.cmdline and proc.state != "Z":
+                left.append(f"{host.name}: {proc.cmdline}")
+    return left
+
+
+@pytest.fixture
+def launch_env(slurm_cluster, tmp_path) -> dict[str, str]:
+    env = {**os.environ, **slurm_cluster.env, **node_base_env(tmp_path)}
+    return {k: v for k, v in env.items() if v != "" or k == "PATH"}
+
+
+def test_quickstart_on_two_nodes_then_down(slurm_cluster, launch_env, tmp_path):
+    recipe = quickstart(tmp_path, "quick-slurm", steps=6)
+    out = rlx(tmp_path, launch_env, "launch", str(recipe), "--backend", "slurm")
+    assert out.returncode == 0, out.stderr
+    assert "launched quick-slurm on slurm" in out.stderr
+
+    assert (
+        wait_state(tmp_path, launch_env, "quick-slurm", {"SUCCEEDED", "FAILED"}, 900) == "SUCCEEDED"
+    ), rlx(tmp_path, launch_env, "logs", "quick-slurm").stdout
+
+    logs = rlx(tmp_path, launch_env, "logs", "quick-slurm")
+    assert logs.returncode == 0
+    head_log = logs.stdout
+    assert "all 2 nodes joined" in head_log
+    ips = [host.ip for host in slurm_cluster.hosts]
+    workers = re.search(r"training workers: (.*)", head_log)
+    assert workers, head_log
+    assert sum(ip in workers.group(1) for ip in ips) == 2  # a training worker on each node
+    worker_log = rlx(tmp_path, launch_env, "logs", "quick-slurm", "--node", "1").stdout
+    assert "the head finished with exit code 0" in worker_log
+    runs = list((tmp_path / "runs").glob("*/metrics.jsonl"))
+    assert runs and len(runs[0].read_text().splitlines()) == 6
+    assert list((tmp_path / "checkpoints").glob("*/step-000006/COMPLETE"))
+    assert job_processes(slurm_cluster) == []
+
+    # A second, long job: stopped with rlx down, it leaves nothing running.
+    recipe = quickstart(tmp_path, "long-slurm", steps=10_000)
+    out = rlx(tmp_path, launch_env, "launch", str(recipe), "--backend", "slurm")
+    assert out.returncode == 0, out.stderr
+    deadline = time.monotonic() + 600
+    while "training workers:" not in rlx(tmp_path, launch_env, "logs", "long-slurm").stdout:
+        assert time.monotonic() < deadline, "the long job never started training"
+        time.sleep(2)
+    down = rlx(tmp_path, launch_env, "down", "long-slurm")
+    assert down.returncode == 0, down.stderr
+    assert (
+        wait_state(tmp_path, launch_env, "long-slurm", {"CANCELLED", "FAILED"}, 120) == "CANCELLED"
+    )
+    deadline = time.monotonic() + 60
+    while job_processes(slurm_cluster):
+        assert time.monotonic() < deadline, job_processes(slurm_cluster)
+        time.sleep(1)
