@@ -31,6 +31,7 @@ from tests.hosts.probejob import (
     kill_leftovers,
     poll,
     ray_processes,
+    ray_start_running,
 )
 from tests.hosts.rendered import REPO, node_base_env
 
@@ -226,6 +227,13 @@ def test_a_retried_job_starts_clean(make_job, first: str) -> None:
         job.control(hold=True)
         first_run = job.start()
         poll(lambda: (job.out / "holding-1").exists(), RUN_TIMEOUT, "the first trainer")
+        # A worker's node is ALIVE a moment before its `ray start` exits; killed before
+        # then, the daemons would go down with it, which is not the case under test.
+        poll(
+            lambda: not any(ray_start_running(h) for h in job.hosts),
+            RUN_TIMEOUT,
+            "every `ray start` to finish",
+        )
         job.kill_attempt(first_run)
         if job.backend == "slurm":
             # Slurm signals each task's process group, which the daemons `ray start` leaves

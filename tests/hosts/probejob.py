@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shlex
 import signal
 import sys
@@ -79,6 +80,12 @@ def leftovers(host: Host) -> list[str]:
 def ray_processes(host: Host, name: str) -> list[int]:
     """PIDs (root namespace) of Ray's `name` processes (raylet, gcs_server) on `host`."""
     return [p.pid for p in host.processes() if program(p.cmdline) == name]
+
+
+def ray_start_running(host: Host) -> bool:
+    """Whether a `ray start` command still runs on `host` (it may outlive the moment its
+    node is ALIVE, and until it exits the daemons it started are its children)."""
+    return any(re.search(r"(^|/)ray start( |$)", p.cmdline) for p in host.processes())
 
 
 def assert_nothing_left(hosts: Sequence[Host], timeout: float = 30) -> None:
