@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import re
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,7 @@ from rlx.errors import RlxError
 from rlx.recipe.model import Recipe
 from rlx.trainer.batching import SequenceBatch, concat_rollouts, split_evenly
 from rlx.trainer.engines import Probe, check_engines
-from rlx.trainer.learner import UpdateStats, merge_update_stats
+from rlx.trainer.learner import merge_update_stats
 from rlx.trainer.placement import (
     ActorPlan,
     NodeView,
@@ -30,7 +31,13 @@ from rlx.trainer.placement import (
 from rlx.trainer.progress import Progress
 from rlx.trainer.rollout import RolloutBatch
 from rlx.trainer.seeding import derive_seed
-from rlx.trainer.workers import RolloutWorker, SamplingArgs, TrainWorker, WorkerSpec
+from rlx.trainer.workers import (
+    RolloutWorker,
+    SamplingArgs,
+    TrainWorker,
+    UpdateOutcome,
+    WorkerSpec,
+)
 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -68,6 +75,18 @@ def _actor_failure(exc: Exception) -> str:
 class WorkerSet:
     handles: list[Any]
     ips: list[str]
+
+
+@dataclass(frozen=True)
+class StepUpdate:
+    """A step's update as the controller sees it: merged metrics, the largest probe
+    difference of the engines, and the seconds the ranks spent in the forwards they prepared
+    and in bringing the engines up to date (already included in the update call's time)."""
+
+    metrics: dict[str, float]
+    probe_diff: float
+    prepare_seconds: float
+    sync_seconds: float
 
 
 class Cluster:
@@ -220,13 +239,35 @@ class Cluster:
         )
         return {name: torch.cat([out[name] for out in outs]) for name in outs[0]}
 
-    def update(self, batch: SequenceBatch, step: int) -> dict[str, float]:
+    def update(self, batch: SequenceBatch, step: int, *, prepare: bool, probe: Probe) -> StepUpdate:
+        """The step's update on every rank, then every engine brought to the new weights
+        (version `step`) and checked. prepare: the ranks first compute the reference and old
+        log-probs themselves. Colocated engines are refreshed within the same call, so a step
+        costs the workers two calls (generate, update) however much it does."""
+        colocated = not self.rollout.handles
         shards = self.shard(batch)
-        stats: list[UpdateStats] = gather(
-            [w.update.remote(s, step) for w, s in zip(self.train.handles, shards, strict=True)],
+        outcomes: list[UpdateOutcome] = gather(
+            [
+                w.update.remote(shard, step, prepare, probe if colocated else None)
+                for w, shard in zip(self.train.handles, shards, strict=True)
+            ],
             "training worker",
         )
-        return merge_update_stats(stats)
+        metrics = merge_update_stats([outcome.stats for outcome in outcomes])
+        prepare_seconds = max(outcome.prepare_seconds for outcome in outcomes)
+        if not colocated:
+            started = time.perf_counter()
+            probe_diff = self.sync_weights(step, probe)
+            return StepUpdate(metrics, probe_diff, prepare_seconds, time.perf_counter() - started)
+        refreshed = [outcome.refresh for outcome in outcomes if outcome.refresh is not None]
+        if len(refreshed) != len(outcomes):
+            raise RuntimeError("a colocated training worker did not refresh its engine")
+        reports = [report for report, _ in refreshed]
+        policy_logprob = refreshed[0][1]  # rank 0's policy
+        tolerance = probe.tolerance(self.engine_dtype)
+        probe_diff = check_engines(reports, step, policy_logprob, tolerance)
+        refresh_seconds = max(outcome.refresh_seconds for outcome in outcomes)
+        return StepUpdate(metrics, probe_diff, prepare_seconds, refresh_seconds)
 
     def call_all(self, method: str, *args: Any) -> list[Any]:
         refs = [getattr(w, method).remote(*args) for w in self.train.handles]

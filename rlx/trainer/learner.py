@@ -25,6 +25,7 @@ from rlx.recipe.model import TrainerSettings
 from rlx.trainer import algos
 from rlx.trainer.batching import SequenceBatch
 from rlx.trainer.models import (
+    ResponseLogits,
     autocast,
     compute_dtype,
     load_causal_lm,
@@ -125,9 +126,10 @@ class Learner:
         self.optimizer, self.scheduler = make_optimizer(
             self.policy, settings.optim, settings.optim.lr, settings.steps
         )
-        self.reference = None
+        self.reference = self.reference_logits = None
         if algo.kl.coef > 0:
             self.reference = load_causal_lm(settings.model, policy_path, device, trainable=False)
+            self.reference_logits = ResponseLogits(self.reference)
         self.critic = self.critic_optimizer = self.critic_scheduler = None
         if settings.algorithm == "ppo":
             if critic_path is None:
@@ -137,7 +139,8 @@ class Learner:
             self.critic_optimizer, self.critic_scheduler = make_optimizer(
                 self.critic, settings.optim, settings.optim.critic_lr, settings.steps
             )
-        self.policy_ddp = self._data_parallel(self.policy)
+        self.policy_logits = ResponseLogits(self.policy)
+        self.policy_ddp = self._data_parallel(self.policy_logits)
         self.critic_ddp = self._data_parallel(self.critic) if self.critic is not None else None
         self.kl_estimator = algos.get_kl_estimator(algo.kl.estimator)
         self.policy.eval()  # generation (colocated) and probes see eval mode; update() flips
@@ -152,11 +155,12 @@ class Learner:
 
     # ------------------------------------------------------------------ forwards
 
-    def _logprobs(self, model: nn.Module, mb: SequenceBatch) -> tuple[Tensor, Tensor]:
+    def _logprobs(self, scorer: nn.Module, mb: SequenceBatch) -> tuple[Tensor, Tensor]:
         """(log-probs of the response tokens, logits they came from), both (b, r[, V]), at the
-        sampling temperature: the distribution the rollout engine drew from."""
+        sampling temperature: the distribution the rollout engine drew from. scorer: a
+        ResponseLogits, or DDP over one."""
         with autocast(self.device, self.dtype):
-            logits = response_logits(model, mb)  # (b, r, V)
+            logits = response_logits(scorer, mb)  # (b, r, V)
         logits = logits.float()
         if self.temperature != 1.0:
             logits = logits / self.temperature
@@ -181,14 +185,14 @@ class Learner:
         """What the advantages and the update need besides the samples, each (B, R): reference
         log-probs (KL on), critic values (PPO), old log-probs (when needs_old_logprobs)."""
         out: dict[str, Tensor] = {}
-        if self.reference is not None:
-            reference = self.reference
+        if self.reference_logits is not None:
+            reference = self.reference_logits
             out[REF_LOGP] = self._per_token(batch, lambda mb: self._logprobs(reference, mb)[0])
         if self.critic is not None:
             critic = self.critic
             out[VALUES] = self._per_token(batch, lambda mb: self._values(critic, mb))
         if old_logprobs:
-            policy = self.policy
+            policy = self.policy_logits
             out[OLD_LOGP] = self._per_token(batch, lambda mb: self._logprobs(policy, mb)[0])
         return out
 
@@ -280,14 +284,19 @@ class Learner:
             num_global_seqs=seqs,
         )
 
-    def _policy_backward(
-        self, mb: SequenceBatch, tokens: Tensor, seqs: Tensor, stats: UpdateStats
-    ) -> None:
+    def policy_loss(
+        self, mb: SequenceBatch, tokens: Tensor, seqs: Tensor
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The policy's loss on a micro-batch already on the device: clipped surrogate, plus
+        kl.coef x KL to the reference (kl mode "loss"), minus entropy_coef x entropy, each
+        aggregated over the minibatch's global counts (tokens, seqs). Returns it (to be
+        minimised; with a graph when gradients are on) and its detached pieces: loss/policy,
+        loss/kl, per-token means kl and entropy, and ppo_policy_loss's metrics."""
         algo = self.settings.algo
         mask = mb.response_mask
         logp, logits = self._logprobs(self.policy_ddp, mb)  # (b, r), (b, r, V)
         old_logp = mb.fields[OLD_LOGP] if OLD_LOGP in mb.fields else logp.detach()
-        pg_per_token, pg_metrics = algos.ppo_policy_loss(
+        pg_per_token, pieces = algos.ppo_policy_loss(
             logp,
             old_logp,
             mb.fields[ADVANTAGES],
@@ -297,24 +306,32 @@ class Learner:
             dual_clip_c=algo.dual_clip,
         )
         pg_loss = self._aggregate(pg_per_token, mask, tokens, seqs)
+        pieces["loss/policy"] = pg_loss.detach()
         loss = pg_loss
         if algo.kl.coef > 0 and algo.kl.mode == "loss":
             kl_per_token = torch.where(mask, self.kl_estimator(logp, mb.fields[REF_LOGP]), 0.0)
             kl_loss = self._aggregate(kl_per_token, mask, tokens, seqs)
             loss = loss + algo.kl.coef * kl_loss
-            stats.add("loss/kl", kl_loss.detach())
-            stats.mean("kl", algos.masked_mean(kl_per_token.detach(), mask), int(mask.sum()))
+            pieces["loss/kl"] = kl_loss.detach()
+            pieces["kl"] = algos.masked_mean(kl_per_token.detach(), mask)
         with torch.set_grad_enabled(algo.entropy_coef > 0 and torch.is_grad_enabled()):
             entropy = algos.entropy_from_logits(logits)  # (b, r)
         if algo.entropy_coef > 0:
             loss = loss - algo.entropy_coef * self._aggregate(entropy, mask, tokens, seqs)
-        (loss * self.world_size).backward()
+        pieces["entropy"] = algos.masked_mean(entropy.detach(), mask)
+        return loss, pieces
 
-        count = int(mask.sum())
-        stats.add("loss/policy", pg_loss.detach())
-        stats.mean("entropy", algos.masked_mean(entropy.detach(), mask), count)
-        for name, value in pg_metrics.items():
-            stats.mean(name, value, count)
+    def _policy_backward(
+        self, mb: SequenceBatch, tokens: Tensor, seqs: Tensor, stats: UpdateStats
+    ) -> None:
+        loss, pieces = self.policy_loss(mb, tokens, seqs)
+        (loss * self.world_size).backward()
+        count = int(mb.response_mask.sum())
+        for name, value in pieces.items():
+            if name.startswith("loss/"):  # already divided by the global counts: summed
+                stats.add(name, value)
+            else:
+                stats.mean(name, value, count)
 
     def _critic_backward(
         self, mb: SequenceBatch, tokens: Tensor, seqs: Tensor, stats: UpdateStats

@@ -114,6 +114,12 @@ class Trainer:
         self.needs_prepare = (
             self.old_logprobs or settings.algo.kl.coef > 0 or settings.algorithm == "ppo"
         )
+        # The advantages read the critic's values (PPO) and, with the KL in the reward, the
+        # old and reference log-probs: then the forwards run before them, a call of their
+        # own. Otherwise only the update reads them and the ranks run them in the update call.
+        self.prepare_first = settings.algorithm == "ppo" or (
+            settings.algo.kl.coef > 0 and settings.algo.kl.mode == "reward"
+        )
         ckpt = inputs.paths.checkpoint_root
         self.manager = (
             None
@@ -191,7 +197,9 @@ class Trainer:
         mask = batch.response_mask  # (B, R)
         timer.lap("reward")
 
-        extra = self.cluster.prepare(batch, self.old_logprobs) if self.needs_prepare else {}
+        extra = {}
+        if self.needs_prepare and self.prepare_first:
+            extra = self.cluster.prepare(batch, self.old_logprobs)
         timer.lap("prepare")
 
         token_rewards = outcome_token_rewards(scores, mask)  # (B, R)
@@ -217,10 +225,14 @@ class Trainer:
             advantages = algos.masked_whiten(advantages, mask)  # (B, R)
         batch = self.with_update_fields(batch, extra, advantages, returns)
 
-        stats = self.cluster.update(batch, step)
+        prepare_in_update = self.needs_prepare and not self.prepare_first
+        update = self.cluster.update(batch, step, prepare=prepare_in_update, probe=inputs.probe)
         timer.lap("update")
-        probe_diff = self.cluster.sync_weights(step, inputs.probe)
-        timer.lap("sync")
+        # The update call's time holds the ranks' forwards and the engines' refresh: count
+        # them under their own names.
+        timer.move("update", "prepare", update.prepare_seconds)
+        timer.move("update", "sync", update.sync_seconds)
+        stats, probe_diff = update.metrics, update.probe_diff
 
         lengths = mask.sum(dim=1).float()  # (B,)
         response_tokens = float(lengths.sum())
@@ -258,12 +270,13 @@ class Trainer:
         advantages: torch.Tensor,
         returns: torch.Tensor,
     ) -> SequenceBatch:
-        """Only what the update reads travels to the workers."""
+        """Only what the update reads travels to the workers (and what they compute in the
+        update call themselves does not travel at all)."""
         fields = {ADVANTAGES: advantages}
         if OLD_LOGP in extra:
             fields[OLD_LOGP] = extra[OLD_LOGP]
         kl = self.settings.algo.kl
-        if kl.coef > 0 and kl.mode == "loss":
+        if kl.coef > 0 and kl.mode == "loss" and REF_LOGP in extra:
             fields[REF_LOGP] = extra[REF_LOGP]
         if self.settings.algorithm == "ppo":
             fields[VALUES] = extra[VALUES]
@@ -344,6 +357,12 @@ class _Timer:
         now = time.perf_counter()
         self.laps[name] = self.laps.get(name, 0.0) + now - self.last
         self.last = now
+
+    def move(self, source: str, target: str, seconds: float) -> None:
+        """Count `seconds` of lap `source` under `target` instead."""
+        seconds = min(seconds, self.laps.get(source, 0.0))
+        self.laps[source] = self.laps.get(source, 0.0) - seconds
+        self.laps[target] = self.laps.get(target, 0.0) + seconds
 
     def total(self) -> float:
         return time.perf_counter() - self.started

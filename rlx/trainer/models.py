@@ -4,7 +4,7 @@ head), and the optimiser and learning-rate schedule that go with each trained on
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -15,6 +15,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from rlx.trainer.batching import SequenceBatch
+
+
+FUSED_ADAM_DEVICES = ("cpu", "cuda")
 
 
 def compute_dtype(setting: str, device: torch.device) -> torch.dtype:
@@ -98,18 +101,102 @@ def load_value_model(settings: ModelSettings, path: str, device: torch.device) -
 # --------------------------------------------------------------------------- forwards
 
 
-def response_logits(model: nn.Module, batch: SequenceBatch) -> Tensor:
-    """Logits that predict each response token: (B, R, V). Only the last R + 1 positions go
-    through the LM head (logits_to_keep), not the whole prompt."""
-    width = batch.response_mask.shape[1]
-    logits = model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,
-        logits_to_keep=width + 1,
-        use_cache=False,
-    ).logits  # (B, R + 1, V)
-    return logits[:, :-1]  # (B, R, V): position P - 1 + t predicts response token t
+def prompt_groups(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor] | None:
+    """Rows that hold the same prompt (same tokens, same padding), as (first row of each
+    distinct prompt (U,), which distinct prompt each row holds (B,)); None when no prompt
+    repeats. prompt_ids, prompt_mask: (B, P)."""
+    rows = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)  # (B, 2P)
+    distinct, inverse = torch.unique(rows, dim=0, return_inverse=True)  # (U, 2P), (B,)
+    if len(distinct) == len(rows):
+        return None
+    order = torch.arange(len(rows), device=rows.device)  # (B,)
+    first = torch.full((len(distinct),), len(rows), device=rows.device, dtype=torch.long)
+    first = first.scatter_reduce(0, inverse, order, reduce="amin")  # (U,)
+    return first, inverse
+
+
+def can_share_prompts(model: nn.Module) -> bool:
+    """Whether a prompt's keys and values can be computed once and extended by several
+    continuations: attention models of transformers (not recurrent, "stateful" ones), and not
+    while gradient checkpointing is on in training, which turns the cache off."""
+    if not hasattr(model, "config") or getattr(model, "_is_stateful", False):
+        return False
+    return not (model.training and getattr(model, "is_gradient_checkpointing", False))
+
+
+def shared_prompt_cache(
+    model: nn.Module, groups: tuple[Tensor, Tensor], prompt_ids: Tensor, prompt_mask: Tensor
+) -> tuple[Any, Tensor]:
+    """Run each distinct prompt through `model` once and give every row its prompt's keys
+    and values: (the cache, (B, 1, V) logits of each row's last prompt position)."""
+    from transformers import DynamicCache
+
+    first, inverse = groups
+    positions = (prompt_mask.cumsum(dim=-1) - 1).clamp(min=0)  # (B, P) as SequenceBatch's
+    cache = DynamicCache(config=model.config)
+    head = model(
+        input_ids=prompt_ids[first],
+        attention_mask=prompt_mask[first],
+        position_ids=positions[first],
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    ).logits  # (U, 1, V)
+    cache.batch_select_indices(inverse)  # indexing: gradients flow back to the U prompts
+    return cache, head[inverse]
+
+
+class ResponseLogits(nn.Module):
+    """A causal LM as a function of a SequenceBatch's tensors: the logits that predict each
+    response token, (B, R, V). Only the positions that predict a response token go through
+    the LM head.
+
+    Rows that hold the same prompt (GRPO's n samples per prompt) run it once: the distinct
+    prompts go through the model first, each row gets its prompt's keys and values, and only
+    the responses run on top. The prompt's share of the work is paid per prompt, not per
+    sample, and gradients flow back through the shared keys and values, so the result is a
+    full forward's up to float rounding. Under DDP wrap this module, not the LM: the two
+    passes are then one forward to DDP.
+    """
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_width: int
+    ) -> Tensor:
+        width = input_ids.shape[1] - prompt_width  # R
+        groups = None
+        if prompt_width > 0 and width > 0 and can_share_prompts(self.lm):
+            groups = prompt_groups(input_ids[:, :prompt_width], attention_mask[:, :prompt_width])
+        if groups is None:
+            logits = self.lm(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                logits_to_keep=width + 1,
+                use_cache=False,
+            ).logits  # (B, R + 1, V)
+            return logits[:, :-1]  # (B, R, V): position P - 1 + t predicts response token t
+        cache, head = shared_prompt_cache(
+            self.lm, groups, input_ids[:, :prompt_width], attention_mask[:, :prompt_width]
+        )  # head (B, 1, V) predicts response token 0
+        if width == 1:
+            return head
+        tail = self.lm(
+            input_ids=input_ids[:, prompt_width:-1],
+            attention_mask=attention_mask[:, :-1],
+            position_ids=position_ids[:, prompt_width:-1],
+            past_key_values=cache,
+            use_cache=True,
+        ).logits  # (B, R - 1, V) predict response tokens 1..R-1
+        return torch.cat([head, tail], dim=1)  # (B, R, V)
+
+
+def response_logits(scorer: nn.Module, batch: SequenceBatch) -> Tensor:
+    """(B, R, V) logits predicting each response token, from a ResponseLogits (or DDP of one)."""
+    return scorer(batch.input_ids, batch.attention_mask, batch.position_ids, batch.prompt_width)
 
 
 def response_values(critic: nn.Module, batch: SequenceBatch) -> Tensor:
@@ -155,8 +242,15 @@ def make_optimizer(
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over the trainable parameters, and a schedule stepped once per training step."""
     params = [p for p in module.parameters() if p.requires_grad]
+    # One fused kernel over all tensors instead of a loop of small ones per tensor; torch has
+    # it for floating-point tensors on CPU and CUDA.
+    fused = all(p.is_floating_point() and p.device.type in FUSED_ADAM_DEVICES for p in params)
     optimizer = torch.optim.AdamW(
-        params, lr=lr, betas=settings.betas, weight_decay=settings.weight_decay
+        params,
+        lr=lr,
+        betas=settings.betas,
+        weight_decay=settings.weight_decay,
+        fused=fused or None,
     )
 
     def factor(step: int) -> float:

@@ -308,9 +308,26 @@ class HFEngine(RolloutEngine):
             top_p=1.0,
             max_new_tokens=max_new_tokens,
             logits_processor=LogitsProcessorList([distribution]),
+            **self._shared_prefill(input_ids, attention_mask),
         )
         response = sequences[:, input_ids.shape[1] :]  # (B, R)
         return response.cpu(), distribution.logprobs_of(response).float().cpu()
+
+    def _shared_prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict:
+        """The n rows of a prompt share its prefill: each distinct prompt but its last token
+        runs once, and `generate` starts from a cache in which every row has its prompt's
+        keys and values (it then feeds the last prompt token itself). {} when no prompt
+        repeats or the model cannot share (see can_share_prompts)."""
+        from rlx.trainer.models import can_share_prompts, prompt_groups, shared_prompt_cache
+
+        if input_ids.shape[1] < 2 or not can_share_prompts(self.model):
+            return {}
+        head_ids, head_mask = input_ids[:, :-1], attention_mask[:, :-1]  # (B, P - 1)
+        groups = prompt_groups(head_ids, head_mask)
+        if groups is None:
+            return {}
+        cache, _ = shared_prompt_cache(self.model, groups, head_ids, head_mask)
+        return {"past_key_values": cache}
 
     def generate(
         self,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -19,7 +20,7 @@ from rlx.trainer.batching import SequenceBatch
 from rlx.trainer.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
 from rlx.trainer.checkpointing import LEARNER_PARTS, WORKER_RNG, kill_hook_for_save, load_parts
 from rlx.trainer.engines import ColocatedEngine, EngineReport, Probe, make_colocated_engine
-from rlx.trainer.learner import Learner, UpdateStats
+from rlx.trainer.learner import Learner, UpdateStats, needs_old_logprobs
 from rlx.trainer.models import autocast, compute_dtype
 from rlx.trainer.placement import threads_for
 from rlx.trainer.rollout import RolloutBatch, RolloutEngine, make_engine
@@ -62,6 +63,17 @@ class WorkerSpec:
     engine_kind: str  # "hf" | "vllm" (resolved), for the colocated or split engine
     colocated: bool  # training workers hold the engines
     use_gpu: bool
+
+
+@dataclass
+class UpdateOutcome:
+    """What TrainWorker.update returns: the rank's update numbers, its engine's report and
+    policy probe value (colocated), and the seconds spent preparing and refreshing."""
+
+    stats: UpdateStats
+    refresh: tuple[EngineReport, float] | None
+    prepare_seconds: float
+    refresh_seconds: float
 
 
 def _prepare_process(spec: WorkerSpec, stream: str) -> torch.device:
@@ -188,10 +200,29 @@ class TrainWorker:
             self.engine.release()
         return self._learner().prepare(batch, old_logprobs=old_logprobs)
 
-    def update(self, batch: SequenceBatch, step: int) -> UpdateStats:
+    def update(
+        self, batch: SequenceBatch, step: int, prepare: bool, probe: Probe | None
+    ) -> UpdateOutcome:
+        """The step's update on this rank, in one call: first the forwards the advantages did
+        not need (prepare: reference and old log-probs), then the update, then with a probe
+        (colocated) the engine brought to the new weights, version `step`."""
         if self.engine is not None:
             self.engine.release()
-        return self._learner().update(batch, step)
+        learner = self._learner()
+        started = time.perf_counter()
+        if prepare:
+            old_logprobs = needs_old_logprobs(self.spec.settings)
+            batch = batch.with_fields(**learner.prepare(batch, old_logprobs=old_logprobs))
+        prepared = time.perf_counter()
+        stats = learner.update(batch, step)
+        updated = time.perf_counter()
+        refresh = None if probe is None else self.refresh_engine(step, probe)
+        return UpdateOutcome(
+            stats,
+            refresh,
+            prepare_seconds=prepared - started,
+            refresh_seconds=time.perf_counter() - updated,
+        )
 
     def refresh_engine(self, version: int, probe: Probe) -> tuple[EngineReport, float]:
         """Colocated: bring this worker's engine to the policy's weights; report it, with
