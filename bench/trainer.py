@@ -1,0 +1,387 @@
+"""Seconds per GRPO step and peak memory: rlx's trainer next to TRL's GRPOTrainer.
+
+    python bench/trainer.py [--rounds 3] [--steps 14] [--warmup 4]
+
+Both sides train the same saved tiny model (Qwen2 config, hidden 256, 4 layers, built once
+with rlx.trainer.tiny.build_tiny_model), on the synthetic letters_or_digits prompts in file
+order, with the same settings: 2 prompts x 8 completions of exactly 32 tokens per step
+(min_new_tokens = max_new_tokens = 32), temperature 1, GRPO advantages (group mean and std),
+clipped ratio (eps 0.2), a k3 KL-to-reference term in the loss (beta 0.04), token-mean
+aggregation over all the step's completion tokens (TRL's loss_type "dapo"), AdamW at a
+constant 1e-4, grad-norm clip 1.0, one optimiser update per step, 2 torch threads
+(RLX_NUM_THREADS=2 for rlx's actors, torch.set_num_threads(2) for TRL).
+
+Each run is a fresh subprocess; runs alternate rlx, TRL, rlx, TRL, ... for --rounds rounds.
+Measured per run:
+  - seconds per step: the wall time between the ends of consecutive steps (the whole
+    training loop: generation, reward, forwards, update, logging), after --warmup steps;
+  - peak memory of the run's whole process tree, the subprocess and all its descendants:
+    rlx starts a private Ray, so its driver, gcs_server, raylet, agents and the training
+    worker are all descendants and all counted. "peak RSS": the largest summed resident set
+    seen (sampled every 0.2 s from /proc/PID/status, cheap enough not to slow the run);
+    "sum VmHWM": each process's own peak resident set, summed, an upper bound sampling
+    cannot miss; "peak PSS": the proportional set (every 2 s), which counts pages shared
+    between processes (the torch libraries) once in all instead of once per process.
+The table pools the post-warm-up steps of all runs of a side (median and p90) and takes the
+largest peak over its runs. It is a measurement, not a test: nothing passes or fails.
+
+Figures measured on 2 CPU cores (3 rounds x 14 steps, first 4 dropped): README, Benchmarks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+PROMPTS_PER_STEP = 2
+GENERATIONS = 8  # completions per prompt: 16 per step
+COMPLETION_TOKENS = 32
+BETA = 0.04  # KL coefficient on both sides
+CLIP_EPS = 0.2
+LEARNING_RATE = 1e-4
+THREADS = 2
+SEED = 0
+DATA_ROWS = 256
+SAMPLE_EVERY_S = 0.2
+PSS_EVERY = 10  # samples between two PSS readings (2 s)
+
+
+# --------------------------------------------------------------------------- shared inputs
+
+
+def build_inputs(folder: Path) -> tuple[Path, Path]:
+    """The saved tiny model and the prompt file both sides read."""
+    from rlx.trainer.synthetic import write_synthetic_dataset
+    from rlx.trainer.tiny import build_tiny_model
+
+    model = build_tiny_model(
+        folder / "model", arch="qwen2", hidden_size=256, num_layers=4, num_heads=4, seed=SEED
+    )
+    data = write_synthetic_dataset(folder / "prompts.jsonl", DATA_ROWS, seed=SEED)
+    return model, data
+
+
+def read_rows(data: Path) -> list[dict[str, str]]:
+    return [json.loads(line) for line in data.read_text().splitlines() if line.strip()]
+
+
+# --------------------------------------------------------------------------- rlx (child)
+
+
+def rlx_recipe(model: Path, data: Path, steps: int, out: Path) -> Any:
+    from rlx.recipe import parse_recipe
+
+    recipe = {
+        "name": "bench-rlx",
+        "trainer": {
+            "algorithm": "grpo",
+            "model": {"path": str(model), "dtype": "float32"},
+            "data": {"train": str(data), "shuffle": False, "max_prompt_length": 64},
+            "reward": {"function": "letters_or_digits"},
+            "rollout": {
+                "engine": "hf",
+                "n": GENERATIONS,
+                "max_new_tokens": COMPLETION_TOKENS,
+                "min_new_tokens": COMPLETION_TOKENS,
+                "temperature": 1.0,
+            },
+            "algo": {
+                "clip_eps": CLIP_EPS,
+                "kl": {"coef": BETA, "estimator": "k3", "mode": "loss"},
+                "loss_agg": "token-mean",
+            },
+            "optim": {"lr": LEARNING_RATE, "schedule": "constant", "grad_clip": 1.0},
+            "batch": {
+                "prompts_per_step": PROMPTS_PER_STEP,
+                "micro_batch_size": PROMPTS_PER_STEP * GENERATIONS,
+            },
+            "steps": steps,
+            "seed": SEED,
+            "logging": {"dir": str(out / "runs"), "tensorboard": False},
+        },
+    }
+    return parse_recipe(json.dumps(recipe), "bench-rlx.yaml").recipe
+
+
+def run_rlx(model: Path, data: Path, steps: int, out: Path) -> list[float]:
+    """Ends of steps (time.time() at each step's log line), from rlx's metrics file."""
+    from rlx.trainer.main import run_training
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a private Ray
+    env["RLX_NUM_THREADS"] = str(THREADS)
+    env["RLX_RUN_ID"] = "bench"
+    os.environ["RLX_NUM_THREADS"] = str(THREADS)
+    result = run_training(rlx_recipe(model, data, steps, out), env, print_summary=False)
+    lines = Path(result.metrics).read_text().splitlines()
+    return [json.loads(line)["time"] for line in lines if line.strip()]
+
+
+# --------------------------------------------------------------------------- TRL (child)
+
+
+def run_trl(model: Path, data: Path, steps: int, out: Path) -> list[float]:
+    """Ends of steps (time.time() in on_step_end)."""
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rlx.trainer.synthetic import letters_or_digits_reward
+
+    torch.set_num_threads(THREADS)
+    rows = read_rows(data)
+    dataset = Dataset.from_list(
+        [
+            {"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
+            for r in rows
+        ]
+    )
+
+    def reward(prompts: list, completions: list, answer: list, **_: Any) -> list[float]:
+        return [
+            letters_or_digits_reward("", completion[0]["content"], kind)
+            for completion, kind in zip(completions, answer, strict=True)
+        ]
+
+    ends: list[float] = []
+
+    class StepEnds(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            ends.append(time.time())
+
+    config = GRPOConfig(
+        output_dir=str(out / "trl"),
+        per_device_train_batch_size=PROMPTS_PER_STEP * GENERATIONS,
+        num_generations=GENERATIONS,
+        gradient_accumulation_steps=1,
+        num_iterations=1,
+        max_completion_length=COMPLETION_TOKENS,
+        generation_kwargs={"min_new_tokens": COMPLETION_TOKENS},
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        beta=BETA,
+        epsilon=CLIP_EPS,
+        loss_type="dapo",
+        use_bias_correction_kl=False,  # plain k3, as rlx
+        scale_rewards="group",
+        learning_rate=LEARNING_RATE,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        max_steps=steps,
+        shuffle_dataset=False,
+        seed=SEED,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    trainer = GRPOTrainer(
+        model=str(model),
+        reward_funcs=reward,
+        args=config,
+        train_dataset=dataset,
+        callbacks=[StepEnds()],
+    )
+    trainer.train()
+    return ends
+
+
+def child(side: str, model: Path, data: Path, steps: int, out: Path) -> None:
+    ends = (run_rlx if side == "rlx" else run_trl)(model, data, steps, out)
+    (out / "ends.json").write_text(json.dumps(ends))
+
+
+# --------------------------------------------------------------------------- the parent
+
+
+def proc_kib(path: str, field_name: str) -> int:
+    """A `Name:  N kB` field of a /proc file, in KiB (0 when the process is gone)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1])
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        pass
+    return 0
+
+
+@dataclass
+class TreePeak:
+    """Peak memory of a process and its descendants, sampled in a thread from /proc.
+
+    Sampling must not slow the run it measures (two cores, and rlx's tree has ten
+    processes to TRL's one): the resident set comes from /proc/PID/status, which is cheap,
+    every SAMPLE_EVERY_S; the proportional set needs the page tables walked
+    (/proc/PID/smaps_rollup), so it is read only every PSS_EVERY samples.
+    rss: the largest sum over the tree at one moment; hwm: the sum of each process's own
+    peak (VmHWM), an upper bound that sampling cannot miss; pss: as rss, for PSS."""
+
+    pid: int
+    rss: int = 0  # bytes
+    hwm: int = 0
+    pss: int = 0
+    processes: int = 0  # the most processes in the tree at one time
+    samples: int = 0
+    peaks: dict[int, int] = field(default_factory=dict)  # pid -> VmHWM (KiB)
+
+    def sample(self) -> None:
+        import psutil
+
+        try:
+            root = psutil.Process(self.pid)
+            pids = [self.pid, *(child.pid for child in root.children(recursive=True))]
+        except psutil.NoSuchProcess:
+            return
+        rss = 0
+        for pid in pids:
+            rss += proc_kib(f"/proc/{pid}/status", "VmRSS")
+            hwm = proc_kib(f"/proc/{pid}/status", "VmHWM")
+            self.peaks[pid] = max(self.peaks.get(pid, 0), hwm)
+        self.rss = max(self.rss, rss * 1024)
+        self.hwm = sum(self.peaks.values()) * 1024
+        if self.samples % PSS_EVERY == 0:
+            pss = sum(proc_kib(f"/proc/{pid}/smaps_rollup", "Pss") for pid in pids)
+            self.pss = max(self.pss, pss * 1024)
+        self.samples += 1
+        self.processes = max(self.processes, len(pids))
+
+
+def watch(process: subprocess.Popen, peak: TreePeak) -> None:
+    while process.poll() is None:
+        peak.sample()
+        time.sleep(SAMPLE_EVERY_S)
+
+
+@dataclass
+class RunResult:
+    side: str
+    step_seconds: list[float]
+    peak: TreePeak
+    wall: float
+
+
+def one_run(side: str, model: Path, data: Path, steps: int, warmup: int) -> RunResult:
+    with tempfile.TemporaryDirectory(prefix=f"bench-{side}-") as scratch:
+        out = Path(scratch)
+        argv = [sys.executable, __file__, "--child", side, "--model", str(model)]
+        argv += ["--data", str(data), "--steps", str(steps), "--out", str(out)]
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        env["TOKENIZERS_PARALLELISM"] = "false"
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        start = time.perf_counter()
+        log = out / "child.log"
+        with log.open("w") as sink:
+            process = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=env)
+            peak = TreePeak(process.pid)
+            watcher = threading.Thread(target=watch, args=(process, peak), daemon=True)
+            watcher.start()
+            code = process.wait()
+            watcher.join()
+        wall = time.perf_counter() - start
+        if code != 0:
+            sys.stderr.write(log.read_text()[-4000:])
+            raise SystemExit(f"the {side} run failed (exit {code})")
+        ends = json.loads((out / "ends.json").read_text())
+    if len(ends) != steps:
+        raise SystemExit(f"the {side} run logged {len(ends)} steps, expected {steps}")
+    seconds = [b - a for a, b in itertools.pairwise(ends)][warmup - 1 :]
+    return RunResult(side, seconds, peak, wall)
+
+
+def p90(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    return ordered[int(0.9 * (len(ordered) - 1))]
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+TABLE_ROWS: tuple[tuple[str, str, str], ...] = (
+    ("median", "median s/step", ".3f"),
+    ("p90", "p90 s/step", ".3f"),
+    ("rss", "peak RSS GiB", ".2f"),
+    ("hwm", "sum VmHWM GiB", ".2f"),
+    ("pss", "peak PSS GiB", ".2f"),
+)
+
+
+def side_figures(runs: Sequence[RunResult]) -> dict[str, float]:
+    steps = [seconds for run in runs for seconds in run.step_seconds]
+    return {
+        "median": statistics.median(steps),
+        "p90": p90(steps),
+        "rss": max(run.peak.rss for run in runs) / 2**30,
+        "hwm": max(run.peak.hwm for run in runs) / 2**30,
+        "pss": max(run.peak.pss for run in runs) / 2**30,
+    }
+
+
+def print_table(results: Sequence[RunResult]) -> None:
+    rlx = side_figures([r for r in results if r.side == "rlx"])
+    trl = side_figures([r for r in results if r.side == "trl"])
+    print(f"{'':<15} {'rlx':>8} {'TRL':>8} {'rlx/TRL':>8}")
+    for key, label, fmt in TABLE_ROWS:
+        ratio = f"{rlx[key] / trl[key]:.2f}x"
+        print(f"{label:<15} {rlx[key]:>8{fmt}} {trl[key]:>8{fmt}} {ratio:>8}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=14)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--child", choices=("rlx", "trl"), help=argparse.SUPPRESS)
+    parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    sys.path.insert(0, str(REPO))  # this checkout's rlx, here and in the children
+    if args.child:
+        child(args.child, args.model, args.data, args.steps, args.out)
+        return
+    if not 1 <= args.warmup < args.steps:
+        parser.error("--warmup must be at least 1 and below --steps")
+    with tempfile.TemporaryDirectory(prefix="bench-trainer-") as scratch:
+        model, data = build_inputs(Path(scratch))
+        results = []
+        for round_index in range(args.rounds):
+            for side in ("rlx", "trl"):
+                before = load_average()
+                result = one_run(side, model, data, args.steps, args.warmup)
+                results.append(result)
+                print(
+                    f"round {round_index + 1} {side:<3}: median "
+                    f"{statistics.median(result.step_seconds):.3f} s/step, peak RSS "
+                    f"{result.peak.rss / 2**30:.2f} GiB over {result.peak.processes} processes, "
+                    f"run {result.wall:.0f} s, load "
+                    f"before {before} after {load_average()}",
+                    flush=True,
+                )
+    print()
+    print_table(results)
+
+
+if __name__ == "__main__":
+    main()
