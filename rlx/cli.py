@@ -223,7 +223,7 @@ def launch(
     ),
 ) -> None:
     """Submit a recipe to a backend (default: run it here) and remember the job."""
-    from rlx.launchers import get_backend
+    from rlx.launchers import get_backend, get_operations
     from rlx.launchers.base import LaunchRequest, collect_secrets, remember
     from rlx.lint import lint_loaded
     from rlx.recipe import load_recipe
@@ -254,7 +254,7 @@ def launch(
         workdir=Path.cwd(),
         managed=managed,
     )
-    job = module.launch(request)
+    job = get_operations(backend.value).launch(request)
     remember(job, Path.cwd())
     code = int(job.extra.get("exit_code", "0"))
     if backend is not Backend.local:
@@ -273,7 +273,7 @@ def status(name: str | None = typer.Argument(None, help="Job name (default: all)
     from rich.console import Console
     from rich.table import Table
 
-    from rlx.launchers import get_backend
+    from rlx.launchers import get_operations
     from rlx.launchers.base import recall, recall_all
 
     jobs = [recall(name, Path.cwd())] if name else recall_all(Path.cwd())
@@ -282,7 +282,7 @@ def status(name: str | None = typer.Argument(None, help="Job name (default: all)
         return
     table = Table("name", "backend", "id", "state", "detail")
     for job in jobs:
-        state = get_backend(job.backend).status(job)
+        state = get_operations(job.backend).status(job)
         table.add_row(job.name, job.backend, job.handle, state.state, state.detail)
     Console(soft_wrap=True).print(table)
 
@@ -295,22 +295,22 @@ def logs(
     node: int | None = typer.Option(None, "--node", help="Only this node (0 is the head)."),
 ) -> None:
     """Print a job's logs (the head's by default where the backend keeps them apart)."""
-    from rlx.launchers import get_backend
+    from rlx.launchers import get_operations
     from rlx.launchers.base import recall
 
     job = recall(name, Path.cwd())
-    raise typer.Exit(get_backend(job.backend).logs(job, follow=follow, node=node))
+    raise typer.Exit(get_operations(job.backend).logs(job, follow=follow, node=node))
 
 
 @app.command()
 @expected_errors
 def down(name: str = typer.Argument(..., help="Job name.")) -> None:
     """Stop a job and release what it holds."""
-    from rlx.launchers import get_backend
+    from rlx.launchers import get_operations
     from rlx.launchers.base import recall
 
     job = recall(name, Path.cwd())
-    get_backend(job.backend).down(job)
+    get_operations(job.backend).down(job)
     typer.echo(f"stopped {name}", err=True)
 
 

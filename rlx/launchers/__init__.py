@@ -15,12 +15,30 @@ BACKENDS = {
     "local": "rlx.launchers.local",
 }
 RENDERABLE = ("sky", "dstack", "slurm")
+# Where each backend's launch, status, logs and down live: SkyPilot's and dstack's apart from
+# their renderers, since they import those libraries and rendering must not.
+OPERATIONS = {
+    "sky": "rlx.launchers.sky_ops",
+    "dstack": "rlx.launchers.dstack_ops",
+    "slurm": "rlx.launchers.slurm",
+    "local": "rlx.launchers.local",
+}
+
+
+def _module(table: dict[str, str], name: str) -> ModuleType:
+    if name not in table:
+        raise RlxError(f"unknown backend {name!r}; choose one of {', '.join(table)}")
+    return importlib.import_module(table[name])
 
 
 def get_backend(name: str) -> ModuleType:
-    if name not in BACKENDS:
-        raise RlxError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
-    return importlib.import_module(BACKENDS[name])
+    """The backend's module: render (where it has a file), SUFFIX, and what describes it."""
+    return _module(BACKENDS, name)
+
+
+def get_operations(name: str) -> ModuleType:
+    """The module with the backend's launch, status, logs and down."""
+    return _module(OPERATIONS, name)
 
 
 def render(name: str, recipe, source: str) -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from rlx.errors import RlxError
-from rlx.launchers.base import Job, JobStatus, LaunchRequest
 from rlx.launchers.common import (
     RECIPE_ENV,
     drop_empty,
@@ -107,30 +106,3 @@ def render(recipe: Recipe, source: str) -> str:
         + "dstack apply -f THIS_FILE)",
     ]
     return "\n".join(header_lines(recipe, source, how)) + "\n" + dump_yaml(run_config(recipe))
-
-
-# Operating runs lives in dstack_ops (imported when used, so rendering never loads dstack).
-
-
-def launch(request: LaunchRequest) -> Job:
-    from rlx.launchers import dstack_ops
-
-    return dstack_ops.launch(request)
-
-
-def status(job: Job) -> JobStatus:
-    from rlx.launchers import dstack_ops
-
-    return dstack_ops.status(job)
-
-
-def logs(job: Job, *, follow: bool, node: int | None) -> int:
-    from rlx.launchers import dstack_ops
-
-    return dstack_ops.logs(job, follow=follow, node=node)
-
-
-def down(job: Job) -> None:
-    from rlx.launchers import dstack_ops
-
-    dstack_ops.down(job)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlx.launchers.base import Job, JobStatus, LaunchRequest
 from rlx.launchers.common import (
     RECIPE_ENV,
     drop_empty,
@@ -83,30 +82,3 @@ def render(recipe: Recipe, source: str) -> str:
         + ")",
     ]
     return "\n".join(header_lines(recipe, source, how)) + "\n" + dump_yaml(task_config(recipe))
-
-
-# Operating jobs lives in sky_ops (imported when used, so rendering never loads SkyPilot).
-
-
-def launch(request: LaunchRequest) -> Job:
-    from rlx.launchers import sky_ops
-
-    return sky_ops.launch(request)
-
-
-def status(job: Job) -> JobStatus:
-    from rlx.launchers import sky_ops
-
-    return sky_ops.status(job)
-
-
-def logs(job: Job, *, follow: bool, node: int | None) -> int:
-    from rlx.launchers import sky_ops
-
-    return sky_ops.logs(job, follow=follow, node=node)
-
-
-def down(job: Job) -> None:
-    from rlx.launchers import sky_ops
-
-    sky_ops.down(job)
