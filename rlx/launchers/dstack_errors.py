@@ -7,12 +7,11 @@ Errors are keyed by the exception's module and class name (no import of dstack n
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
-from rlx.errors import RlxError
-from rlx.launchers.ops_common import one_line
+from rlx.launchers.ops_common import errors_explained, explain_by_class, one_line
 
 FLEET_DOCS = "https://dstack.ai/docs/concepts/fleets"
 VOLUME_DOCS = "https://dstack.ai/docs/concepts/volumes"
@@ -102,21 +101,15 @@ EXPLAIN: dict[str, Explain] = {
 
 
 def explain(exc: BaseException, target: Target) -> str:
-    for klass in type(exc).__mro__:
-        handler = EXPLAIN.get(f"{klass.__module__}.{klass.__name__}")
-        if handler is not None:
-            return handler(exc, target)
-    return f"dstack failed: {one_line(exc)}; see `dstack ps -a` and the server's log"
+    line = explain_by_class(exc, EXPLAIN, target)
+    if line is None:
+        line = f"dstack failed: {one_line(exc)}; see `dstack ps -a` and the server's log"
+    return line
 
 
-@contextmanager
-def dstack_errors(target: Target) -> Iterator[None]:
-    try:
-        yield
-    except (RlxError, KeyboardInterrupt):
-        raise
-    except Exception as exc:
-        raise RlxError(explain(exc, target)) from exc
+def dstack_errors(target: Target) -> AbstractContextManager[None]:
+    """Errors of the block become one line for the user (see explain)."""
+    return errors_explained(lambda exc: explain(exc, target))
 
 
 def no_capacity(nodes: int, fleets: Sequence[str], server_says: str) -> str:

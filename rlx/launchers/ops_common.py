@@ -1,11 +1,18 @@
-"""Small pieces the cloud launchers (sky_ops, dstack_ops) share. No backend imports here."""
+"""Small pieces the backends' operations (sky_ops, dstack_ops, slurm) share. No backend
+library is imported here."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
+from rlx.errors import RlxError
 from rlx.launchers.base import LaunchRequest, state_dir
+
+Target = TypeVar("Target")
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
@@ -18,6 +25,33 @@ def one_line(error: BaseException | str) -> str:
         if line.strip():
             return line.strip().rstrip(".")
     return type(error).__name__ if isinstance(error, BaseException) else ""
+
+
+def explain_by_class(
+    exc: BaseException,
+    table: Mapping[str, Callable[[BaseException, Target], str]],
+    target: Target,
+) -> str | None:
+    """The line of the handler in `table` for the error's class or its nearest base class,
+    named `module.Class` (so the table is built without importing the library); None when
+    no class of it is there."""
+    for klass in type(exc).__mro__:
+        handler = table.get(f"{klass.__module__}.{klass.__name__}")
+        if handler is not None:
+            return handler(exc, target)
+    return None
+
+
+@contextmanager
+def errors_explained(explain: Callable[[BaseException], str]) -> Iterator[None]:
+    """A backend library's exception out of the block becomes RlxError(explain(exc)), one
+    line for the user; rlx's own errors and Ctrl-C pass as they are."""
+    try:
+        yield
+    except (RlxError, KeyboardInterrupt):
+        raise
+    except Exception as exc:
+        raise RlxError(explain(exc)) from exc
 
 
 def save_rendered(request: LaunchRequest, suffix: str) -> Path:

@@ -7,12 +7,11 @@ can be read and tested without it).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
-from rlx.errors import RlxError
-from rlx.launchers.ops_common import one_line
+from rlx.launchers.ops_common import errors_explained, explain_by_class, one_line
 
 
 @dataclass(frozen=True)
@@ -180,18 +179,12 @@ EXPLAIN: dict[str, Explain] = {
 
 def explain(exc: BaseException, target: Target) -> str:
     """One line for a SkyPilot error: what happened and what to run next."""
-    for klass in type(exc).__mro__:
-        handler = EXPLAIN.get(f"{klass.__module__}.{klass.__name__}")
-        if handler is not None:
-            return handler(exc, target)
-    return f"SkyPilot failed: {one_line(exc)}; run `sky check` or see `sky api logs`"
+    line = explain_by_class(exc, EXPLAIN, target)
+    if line is None:
+        line = f"SkyPilot failed: {one_line(exc)}; run `sky check` or see `sky api logs`"
+    return line
 
 
-@contextmanager
-def sky_errors(target: Target) -> Iterator[None]:
-    try:
-        yield
-    except (RlxError, KeyboardInterrupt):
-        raise
-    except Exception as exc:
-        raise RlxError(explain(exc, target)) from exc
+def sky_errors(target: Target) -> AbstractContextManager[None]:
+    """Errors of the block become one line for the user (see explain)."""
+    return errors_explained(lambda exc: explain(exc, target))

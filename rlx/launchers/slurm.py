@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from rlx.errors import RlxError
-from rlx.launchers.base import Job, JobStatus, LaunchRequest, state_dir
+from rlx.launchers.base import Job, JobStatus, LaunchRequest
 from rlx.launchers.common import (
     NOT_INSTALLED,
     RAY_TOKEN_SECRET,
@@ -21,6 +21,7 @@ from rlx.launchers.common import (
     recipe_json,
     setup_script,
 )
+from rlx.launchers.ops_common import save_rendered
 from rlx.recipe import Recipe
 
 NAME = "slurm"
@@ -289,10 +290,7 @@ def _slurm(
 
 
 def launch(request: LaunchRequest) -> Job:
-    folder = state_dir(request.workdir) / "rendered"
-    folder.mkdir(parents=True, exist_ok=True)
-    script = folder / f"{request.name}{SUFFIX}"
-    script.write_text(request.rendered, encoding="utf-8")
+    script = save_rendered(request, SUFFIX)
     script.chmod(0o755)
     logs_root = request.workdir / log_dir(request.recipe)
     logs_root.mkdir(parents=True, exist_ok=True)
