@@ -19,7 +19,7 @@ from typing import Any
 from rlx.errors import RlxError
 from rlx.recipe.model import Recipe
 from rlx.trainer.batching import SequenceBatch, concat_rollouts, split_evenly
-from rlx.trainer.engines import Probe, check_engines
+from rlx.trainer.engines import EngineReport, Probe, check_engines
 from rlx.trainer.learner import merge_update_stats
 from rlx.trainer.placement import (
     ActorPlan,
@@ -262,10 +262,7 @@ class Cluster:
         refreshed = [outcome.refresh for outcome in outcomes if outcome.refresh is not None]
         if len(refreshed) != len(outcomes):
             raise RuntimeError("a colocated training worker did not refresh its engine")
-        reports = [report for report, _ in refreshed]
-        policy_logprob = refreshed[0][1]  # rank 0's policy
-        tolerance = probe.tolerance(self.engine_dtype)
-        probe_diff = check_engines(reports, step, policy_logprob, tolerance)
+        probe_diff = self._check_colocated(refreshed, step, probe)
         refresh_seconds = max(outcome.refresh_seconds for outcome in outcomes)
         return StepUpdate(metrics, probe_diff, prepare_seconds, refresh_seconds)
 
@@ -318,19 +315,24 @@ class Cluster:
             results = gather(
                 [w.refresh_engine.remote(version, probe) for w in train], "training worker"
             )
-            reports = [report for report, _ in results]
-            policy_logprob = results[0][1]  # rank 0's policy
+            return self._check_colocated(results, version, probe)
+        policy_ref = train[0].policy_probe.remote(probe)
+        if push:
+            weights = train[0].publish_weights.remote(self.engine_dtype)  # one object
+            refs = [r.load_weights.remote(weights, version, probe) for r in self.rollout.handles]
         else:
-            policy_ref = train[0].policy_probe.remote(probe)
-            if push:
-                weights = train[0].publish_weights.remote(self.engine_dtype)  # one object
-                refs = [
-                    r.load_weights.remote(weights, version, probe) for r in self.rollout.handles
-                ]
-            else:
-                refs = [r.report.remote(probe) for r in self.rollout.handles]
-            reports = gather(refs, "rollout worker")
-            policy_logprob = gather([policy_ref], "training worker")[0]
+            refs = [r.report.remote(probe) for r in self.rollout.handles]
+        reports = gather(refs, "rollout worker")
+        policy_logprob = gather([policy_ref], "training worker")[0]
+        return check_engines(reports, version, policy_logprob, probe.tolerance(self.engine_dtype))
+
+    def _check_colocated(
+        self, refreshed: Sequence[tuple[EngineReport, float]], version: int, probe: Probe
+    ) -> float:
+        """check_engines over what each training worker's refresh_engine returned (its
+        engine's report, its policy's probe log-prob), against rank 0's policy."""
+        reports = [report for report, _ in refreshed]
+        policy_logprob = refreshed[0][1]
         return check_engines(reports, version, policy_logprob, probe.tolerance(self.engine_dtype))
 
 
