@@ -322,6 +322,34 @@ class BatchSettings(StrictModel):
         4, ge=1, description="Sequences per forward/backward on one device."
     )
     ppo_epochs: int = Field(1, ge=1, description="Passes over each step's samples.")
+    max_tokens_per_micro_batch: int | None = Field(
+        None,
+        ge=1,
+        description="Cut micro-batches by a token budget (prompt + response tokens, padding "
+        "excluded) instead of micro_batch_size sequences; unset: fixed counts.",
+    )
+
+
+class ParallelSettings(StrictModel):
+    strategy: Literal["auto", "fsdp", "ddp"] = Field(
+        "auto",
+        description="How training ranks share the models: 'fsdp' shards weights, gradients "
+        "and optimiser state (FSDP2, per decoder layer then the root); 'ddp' replicates them; "
+        "'auto' is fsdp with more than one training rank.",
+    )
+    offload_reference: bool = Field(
+        False, description="Keep the reference model's shards in host memory (FSDP)."
+    )
+    offload_optimizer: bool = Field(
+        False,
+        description="Keep the trained models' parameters, gradients and optimiser state in "
+        "host memory and step on the CPU (FSDP2 CPU offload).",
+    )
+    reshard_after_forward: bool = Field(
+        True,
+        description="Free each layer's gathered weights after its forward (less memory, one "
+        "more all-gather in the backward).",
+    )
 
 
 class CheckpointSettings(StrictModel):
@@ -374,6 +402,9 @@ class TrainerSettings(StrictModel):
         "engines get rollout_gpus GPUs of their own.",
     )
     rollout_gpus: int = Field(0, ge=0, description="GPUs for rollout engines with layout: split.")
+    parallel: ParallelSettings = Field(
+        default_factory=ParallelSettings, description="Sharding of the trained models."
+    )
     checkpoint: CheckpointSettings = Field(
         default_factory=CheckpointSettings, description="Checkpointing and resume."
     )
