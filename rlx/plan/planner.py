@@ -30,12 +30,13 @@ HOST_ENGINE_GIB = 4.0  # per split vLLM engine process
 
 @dataclass(frozen=True)
 class Item:
-    """One line of the plan. counted: part of the peak it belongs to."""
+    """One line of the plan. phase: when it is held, "all" (resident), "update" or
+    "rollout"; "" for a line that is only detail (a part of another, or unused)."""
 
     name: str
     bytes: int
     note: str = ""
-    counted: bool = True
+    phase: str = "all"
 
 
 @dataclass
@@ -53,6 +54,9 @@ class Budget:
     @property
     def fits(self) -> bool:
         return self.capacity is None or self.peak <= self.capacity
+
+    def in_peak(self, item: Item) -> bool:
+        return item.phase in ("all", self.peak_phase)
 
     @property
     def headroom(self) -> float | None:
@@ -261,7 +265,6 @@ def _training_budget(
     ranks = layout.train_ranks
     compute, master, residual = _dtypes(trainer, gpu, strategy)
     offload = parallel.offload_optimizer and strategy == "fsdp"
-    where = "host" if offload else ""
     title = f"training GPU (x{ranks})" if gpu else "training rank (host)"
     budget = Budget(title, ranks, capacity)
     items = budget.items
@@ -280,9 +283,10 @@ def _training_budget(
             + (", sharded" if strategy == "fsdp" else "")
             + (", in host memory" if offload else "")
         )
-        items.append(Item(f"{label} weights", st["weights"], note, not where))
-        items.append(Item(f"{label} grads", st["grads"], note, not where))
-        items.append(Item(f"{label} optimizer (AdamW)", st["optimizer"], note, not where))
+        phase = "" if offload else "all"
+        items.append(Item(f"{label} weights", st["weights"], note, phase))
+        items.append(Item(f"{label} grads", st["grads"], note, phase))
+        items.append(Item(f"{label} optimizer (AdamW)", st["optimizer"], note, phase))
         if st["ddp_buckets"]:
             items.append(Item(f"{label} DDP gradient buckets", st["ddp_buckets"], "ddp"))
         return st["device"]
@@ -293,7 +297,12 @@ def _training_budget(
         on_host = parallel.offload_reference and strategy == "fsdp"
         note = compute + (", sharded" if strategy == "fsdp" else "")
         items.append(
-            Item("reference", ref, note + (", in host memory" if on_host else ""), not on_host)
+            Item(
+                "reference",
+                ref,
+                note + (", in host memory" if on_host else ""),
+                "" if on_host else "all",
+            )
         )
         resident += 0 if on_host else ref
     if critic_shape is not None:
@@ -324,7 +333,7 @@ def _training_budget(
             "activations, no checkpointing",
             act[False],
             f"{tokens} tokens per micro-batch",
-            not used,
+            "" if used else "update",
         )
     )
     items.append(
@@ -332,13 +341,15 @@ def _training_budget(
             "activations, gradient checkpointing",
             act[True],
             f"{tokens} tokens per micro-batch",
-            used,
+            "update" if used else "",
         )
     )
     logits = mem.logits_peak_bytes(
         shape, response_tokens, dtype=compute, chunk_tokens=mem.LOGPROB_CHUNK_TOKENS
     )
-    items.append(Item("logits peak", logits, f"{response_tokens} response tokens, chunked"))
+    items.append(
+        Item("logits peak", logits, f"{response_tokens} response tokens, chunked", "update")
+    )
     gathered = max(
         mem.gathered_params_bytes(
             s,
@@ -350,7 +361,9 @@ def _training_budget(
         for s in models
     )
     if gathered:
-        items.append(Item("gathered params (FSDP)", gathered, f"{compute}, root + layers"))
+        items.append(
+            Item("gathered params (FSDP)", gathered, f"{compute}, root + layers", "update")
+        )
     train_peak = resident + act[used] + logits + gathered
     budget.peak, budget.peak_phase = train_peak, "update"
 
@@ -358,19 +371,16 @@ def _training_budget(
         util = trainer.rollout.gpu_memory_utilization
         engine = int(util * (capacity or 0))
         weights = mem.engine_weight_bytes(shape, dtype=compute)
-        kv = max(engine - weights - int(VLLM_RESERVE_GIB * GIB), 0)
+        kv = max(engine - weights - int(VLLM_RESERVE_GIB * GIB), 0)  # its budget, as split
         seq = trainer.data.max_prompt_length + trainer.rollout.max_new_tokens
         budget.engine_sequences = kv // mem.kv_bytes_per_token(shape, dtype=compute) // seq
-        items.append(Item("vLLM weights (colocated)", weights, "asleep while training", False))
+        items.append(Item("vLLM weights (colocated)", weights, "in the budget below", ""))
+        items.append(Item("vLLM KV cache (colocated)", kv, "in the budget below", ""))
         items.append(
             Item(
-                "vLLM KV cache (colocated)",
-                max(engine - weights - int(VLLM_RESERVE_GIB * GIB), 0),
-                f"gpu_memory_utilization {util}",
-                False,
+                "vLLM budget (colocated)", engine, f"{util} of the GPU, asleep in update", "rollout"
             )
         )
-        items.append(Item("vLLM budget (colocated)", engine, "during rollout", False))
         rollout_peak = resident + engine
         if rollout_peak > budget.peak:
             budget.peak, budget.peak_phase = rollout_peak, "rollout"
@@ -399,14 +409,14 @@ def _rollout_budget(
     per_token = mem.kv_bytes_per_token(shape, dtype=compute, tensor_parallel=tp)
     tokens = kv // per_token
     seq = trainer.data.max_prompt_length + trainer.rollout.max_new_tokens
+    # vLLM sizes its KV cache so that everything it holds, CUDA context included, stays
+    # within gpu_memory_utilization of the GPU: its budget is the GPU's peak.
     budget.items += [
         Item("vLLM weights", weights, f"{compute}, 1/{tp} of the model"),
-        Item("vLLM activations and graphs", reserve, "inside its budget"),
+        Item("vLLM activations, graphs, CUDA", reserve, "inside its budget"),
         Item("vLLM KV cache", kv, f"{tokens} tokens = {tokens // seq} sequences of {seq}"),
-        Item("runtime (CUDA, NCCL, allocator)", int(RUNTIME_GIB * GIB)),
     ]
-    budget.peak = weights + reserve + kv + int(RUNTIME_GIB * GIB)
-    budget.peak = max(budget.peak, engine + int(RUNTIME_GIB * GIB))
+    budget.peak = engine
     budget.peak_phase = "rollout"
     budget.engine_sequences = tokens // seq
     return budget
@@ -512,7 +522,7 @@ def _engine_items(budget: Budget) -> str:
 
 
 def _largest(budget: Budget, top: int = 4) -> str:
-    counted = sorted((i for i in budget.items if i.counted), key=lambda i: -i.bytes)
+    counted = sorted((i for i in budget.items if budget.in_peak(i)), key=lambda i: -i.bytes)
     return ", ".join(f"{i.name} {gib(i.bytes)}" for i in counted[:top])
 
 
@@ -526,7 +536,7 @@ def _advice(recipe: Recipe, budget: Budget, env: Mapping[str, str] | None) -> st
         if parallel.strategy == "ddp":
             tries.append(("parallel.strategy: fsdp", {"parallel": {"strategy": "fsdp"}}))
         for nodes in (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64):
-            if nodes > recipe.resources.nodes:
+            if nodes > recipe.resources.nodes and _splits_evenly(recipe, nodes):
                 tries.append((f"resources.nodes: {nodes}", {"resources": {"nodes": nodes}}))
         if not parallel.offload_optimizer:
             tries.append(
@@ -599,6 +609,18 @@ def _advice(recipe: Recipe, budget: Budget, env: Mapping[str, str] | None) -> st
     if not working:
         return "no single change fits it: use more GPUs with more memory or a smaller model"
     return "to fit, change one of: " + "; ".join(working)
+
+
+def _splits_evenly(recipe: Recipe, nodes: int) -> bool:
+    """Whether a step and a minibatch still split evenly over the ranks `nodes` give."""
+    trainer = recipe.trainer
+    assert trainer is not None
+    gpus = recipe.resources.gpus_per_node
+    ranks = nodes * gpus - (trainer.rollout_gpus if trainer.layout == "split" else 0)
+    ranks = ranks if gpus else nodes
+    samples = trainer.batch.prompts_per_step * trainer.rollout.n
+    minibatch = trainer.batch.minibatch_size or samples
+    return ranks > 0 and samples % ranks == 0 and minibatch % ranks == 0
 
 
 def _changed(recipe: Recipe, change: dict[str, Any]) -> Recipe:

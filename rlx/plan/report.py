@@ -37,11 +37,12 @@ def _table(budget: Budget) -> Any:
     table.add_column("GiB", justify="right")
     table.add_column("note")
     for item in budget.items:
-        name = item.name if item.counted else f"[dim]{item.name}[/]"
+        counted = budget.in_peak(item)
+        name = item.name if counted else f"[dim]{item.name}[/]"
         table.add_row(
             name,
             _gib(item.bytes),
-            item.note if item.counted else f"{item.note} (not in peak)".lstrip(" "),
+            item.note if counted else f"{item.note} (not in this peak)".lstrip(" "),
         )
     return table
 
