@@ -251,3 +251,12 @@ def test_tight_plan_is_a_warning(tmp_path: Path) -> None:
     assert result.exit_code == 1 and "warning: resources.accelerators: tight: rollout GPU" in (
         result.output
     )
+
+
+def test_math_exact_on_math_data_warns(tmp_path: Path) -> None:
+    path = _variant(tmp_path, "grpo-large.yaml", trainer__reward__function="math_exact")
+    result = runner.invoke(app, ["lint", str(path)])
+    assert result.exit_code == 0
+    assert "warning: trainer.reward.function: math_exact scores 1 only when the WHOLE" in (
+        result.output
+    )
