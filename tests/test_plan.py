@@ -88,9 +88,10 @@ def test_activation_logits_and_cache_by_hand(small: ModelShape) -> None:
         small, 10, dtype="bfloat16", residual_dtype="bfloat16", checkpointing=True
     )
     assert ckpt == 2560 + 21760
-    # logits and their gradient in bf16, 2*8*100*2, and a float32 chunk of 4 twice, 2*4*100*4
-    assert mem.logits_peak_bytes(small, 8, dtype="bfloat16", chunk_tokens=4) == 3200 + 3200
-    assert mem.logits_peak_bytes(small, 8, dtype="bfloat16", chunk_tokens=None) == 3200 + 6400
+    # one chunk of 4 tokens: bf16 and fp32 logits and their gradients, 4*100*(2*2 + 8)
+    assert mem.logits_peak_bytes(small, 8, dtype="bfloat16", chunk_tokens=4) == 4800
+    assert mem.logits_peak_bytes(small, 8, dtype="bfloat16", chunk_tokens=None) == 9600
+    assert mem.logits_chunk_tokens(small) == (1 << 28) // 400
     # K and V, 2 layers, 2 kv heads of 16, 2 bytes; kv heads split over tensor parallel GPUs
     assert mem.kv_bytes_per_token(small, dtype="bfloat16") == 256
     assert mem.kv_bytes_per_token(small, dtype="bfloat16", tensor_parallel=2) == 128
@@ -138,6 +139,13 @@ def test_tiny_shape_matches_the_built_tiny_model(tmp_path: Path) -> None:
 
     model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     assert sum(p.numel() for p in model.parameters()) == built.params
+
+
+def test_logits_chunk_is_the_trainers() -> None:
+    models = pytest.importorskip("rlx.trainer.models")
+    if not hasattr(models, "LOGITS_CHUNK_BYTES"):
+        pytest.skip("this trainer does not chunk its log-probs")
+    assert models.LOGITS_CHUNK_BYTES == mem.LOGITS_CHUNK_BYTES
 
 
 def test_accelerator_table_uses_the_recipe_names() -> None:
@@ -206,7 +214,7 @@ def _lint_errors(path: Path) -> list[str]:
 def test_ddp_at_7b_on_80gb_fails_lint_with_the_numbers(tmp_path: Path) -> None:
     path = _variant(tmp_path, "ppo-7b.yaml", trainer__parallel__strategy="ddp")
     (error,) = _lint_errors(path)
-    assert "does not fit: training GPU: needs 300.2 GiB of 80.0 GiB" in error
+    assert "does not fit: training GPU: needs 295.2 GiB of 80.0 GiB" in error
     assert "parallel.strategy: fsdp" in error
     result = runner.invoke(app, ["plan", str(path)])
     assert result.exit_code == 1 and "does not fit" in result.output
@@ -215,7 +223,7 @@ def test_ddp_at_7b_on_80gb_fails_lint_with_the_numbers(tmp_path: Path) -> None:
 def test_32b_on_l4s_fails_lint_with_the_numbers(tmp_path: Path) -> None:
     path = _variant(tmp_path, "grpo-large.yaml", resources__accelerators="L4:8")
     (error,) = _lint_errors(path)
-    assert "needs 54.2 GiB of 24.0 GiB" in error and "policy optimizer (AdamW) 15.3" in error
+    assert "needs 49.1 GiB of 24.0 GiB" in error and "policy optimizer (AdamW) 15.3" in error
 
 
 def test_colocated_tensor_parallel_fails_lint(tmp_path: Path) -> None:

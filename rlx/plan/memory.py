@@ -14,8 +14,9 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ADAM_MOMENTS = 2  # AdamW keeps exp_avg and exp_avg_sq, each in the parameter's dtype
 # Gathered decoder layers alive at once under FSDP2: the running one and the prefetched one.
 FSDP_LAYERS_IN_FLIGHT = 2
-# Tokens per fp32 (tokens x vocab) chunk of the chunked log-prob computation.
-LOGPROB_CHUNK_TOKENS = 1024
+# The trainer's log-probs run the LM head over this many bytes of fp32 logits at a time
+# (rlx.trainer.models.LOGITS_CHUNK_BYTES; a test keeps the two equal).
+LOGITS_CHUNK_BYTES = 1 << 28
 
 # Accelerator memory in GiB, by the names resources.accelerators uses (SkyPilot's).
 ACCELERATOR_GIB: dict[str, float] = {
@@ -135,14 +136,21 @@ def activation_bytes(
     return residual + tokens * per_layer
 
 
+def logits_chunk_tokens(shape: ModelShape) -> int:
+    """Tokens per chunk of the chunked log-probs: LOGITS_CHUNK_BYTES / (4*V)."""
+    return max(1, LOGITS_CHUNK_BYTES // (4 * shape.vocab))
+
+
 def logits_peak_bytes(
     shape: ModelShape, response_tokens: int, *, dtype: str, chunk_tokens: int | None
 ) -> int:
-    """The LM head's peak for T_r response tokens: the logits and their gradient in the
-    compute dtype, 2*T_r*V*b, plus the float32 log-softmax of one chunk and its gradient,
-    2*C*V*4 (C = min(chunk_tokens, T_r); no chunking: C = T_r)."""
-    chunk = response_tokens if chunk_tokens is None else min(chunk_tokens, response_tokens)
-    return 2 * response_tokens * shape.vocab * DTYPE_BYTES[dtype] + 2 * chunk * shape.vocab * 4
+    """The LM head's peak for T_r response tokens. Chunked (each chunk recomputed in the
+    backward): one chunk's logits in the compute dtype and float32, and their gradients,
+    C*V*(2b + 8) with C = min(chunk_tokens, T_r). Whole (chunk_tokens None): the logits and
+    their gradient in the compute dtype and a float32 copy with its log-softmax,
+    T_r*V*(2b + 8)."""
+    tokens = response_tokens if chunk_tokens is None else min(chunk_tokens, response_tokens)
+    return tokens * shape.vocab * (2 * DTYPE_BYTES[dtype] + 8)
 
 
 def kv_bytes_per_token(shape: ModelShape, *, dtype: str, tensor_parallel: int = 1) -> int:

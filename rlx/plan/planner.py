@@ -344,12 +344,10 @@ def _training_budget(
             "update" if used else "",
         )
     )
-    logits = mem.logits_peak_bytes(
-        shape, response_tokens, dtype=compute, chunk_tokens=mem.LOGPROB_CHUNK_TOKENS
-    )
-    items.append(
-        Item("logits peak", logits, f"{response_tokens} response tokens, chunked", "update")
-    )
+    chunk = mem.logits_chunk_tokens(shape)
+    logits = mem.logits_peak_bytes(shape, response_tokens, dtype=compute, chunk_tokens=chunk)
+    note = f"chunks of {min(chunk, response_tokens)} of {response_tokens} response tokens"
+    items.append(Item("logits peak", logits, note, "update"))
     gathered = max(
         mem.gathered_params_bytes(
             s,
