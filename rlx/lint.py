@@ -321,7 +321,8 @@ def check_memory_plan(lr: LoadedRecipe) -> Iterator[Finding]:
         field = ("resources", "memory") if problem.startswith("host") else where
         yield lr.finding(field, ERROR, f"does not fit: {problem}")
     for warning in plan.warnings:
-        yield lr.finding(where, WARNING, f"tight: {warning}")
+        field = ("resources", "memory") if warning.startswith("host") else where
+        yield lr.finding(field, WARNING, f"tight: {warning}")
 
 
 def check_ray_ports(lr: LoadedRecipe) -> Iterator[Finding]:

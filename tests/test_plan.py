@@ -268,3 +268,13 @@ def test_math_exact_on_math_data_warns(tmp_path: Path) -> None:
     assert "warning: trainer.reward.function: math_exact scores 1 only when the WHOLE" in (
         result.output
     )
+
+
+def test_host_memory_too_small_fails_lint(tmp_path: Path) -> None:
+    path = _variant(tmp_path, "ppo-7b.yaml", resources__memory="100")
+    errors = _lint_errors(path)
+    assert any(
+        "resources.memory: does not fit: host RAM per node: needs 210.5 GiB of 93.1 GiB" in e
+        and "resources.memory: '227+'" in e
+        for e in errors
+    ), errors

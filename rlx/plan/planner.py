@@ -528,6 +528,9 @@ def _advice(recipe: Recipe, budget: Budget, env: Mapping[str, str] | None) -> st
     """The single changes that make this budget fit, tried one by one on the recipe."""
     trainer = recipe.trainer
     assert trainer is not None
+    if budget.title.startswith("host"):
+        need = -(-budget.peak // 10**9)
+        return f"ask for resources.memory: '{need}+' (GB per node), or fewer ranks per node"
     tries: list[tuple[str, dict[str, Any]]] = []
     if budget.title.startswith("training"):
         parallel = trainer.parallel
