@@ -248,7 +248,7 @@ def plan_recipe(
     plan.export_bytes = shape.params * mem.DTYPE_BYTES[compute]
     if trainer.checkpoint.dir is None:
         plan.checkpoints_on_disk = 0
-    _verdict(plan, recipe, env if advise else None, advise)
+    _verdict(plan, recipe, env, advise)
     return plan
 
 
