@@ -181,6 +181,12 @@ class Learner:
         return parallel.all_ranks(flag, self.device)
 
     @property
+    def collective(self) -> Callable[[bool], bool] | None:
+        """For code that runs the policy's forward outside the Learner (a colocated HF
+        engine): the AND over ranks when every forward is a collective (FSDP), else None."""
+        return self._all_ranks if self.strategy == "fsdp" else None
+
+    @property
     def loss_scale(self) -> int:
         """What each rank's loss is multiplied by so that the reduced gradient is the sum of
         the ranks' gradients: DDP averages (x world size); FSDP2 here sums (x 1)."""
