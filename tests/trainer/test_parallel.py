@@ -111,6 +111,20 @@ def _peak_anonymous_memory(stop: threading.Event, out: list[int]) -> None:
         time.sleep(0.002)
 
 
+def uneven_budget(batch: SequenceBatch, world: int) -> int:
+    """A token budget under which the ranks' shares need different numbers of passes, so
+    that the padding passes that keep FSDP's collectives in step are exercised."""
+    share = len(batch) // world
+    for budget in range(20, 80):
+        counts = {
+            len(micro_batch_rows(batch.select(range(r * share, (r + 1) * share)), 2, budget))
+            for r in range(world)
+        }
+        if len(counts) > 1:
+            return budget
+    raise AssertionError("no token budget splits the ranks unevenly")
+
+
 def _rank(rank: int, world: int, strategy: str, model: str, big_model: str, tmp: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -172,7 +186,10 @@ def _rank(rank: int, world: int, strategy: str, model: str, big_model: str, tmp:
     )
     (loss * learner.loss_scale).backward()
     params = list(learner.policy.parameters())
-    before = parallel.full_state_dict(_Grads(params), rank0_only=False)
+    before = {
+        name: grad.clone()
+        for name, grad in parallel.full_state_dict(_Grads(params), rank0_only=False).items()
+    }
     norm = float(parallel.clip_grad_norm(params, 1e30))  # measures, clips nothing
     norm = float(parallel.clip_grad_norm(params, norm / 2))
     after = parallel.full_state_dict(_Grads(params), rank0_only=False)
@@ -182,11 +199,12 @@ def _rank(rank: int, world: int, strategy: str, model: str, big_model: str, tmp:
     learner.policy.zero_grad(set_to_none=True)
 
     # Token-budget micro-batches: ranks make different numbers of passes, same gradient.
-    budget = parallel_settings(folder, strategy, max_tokens_per_micro_batch=30)
+    tokens = uneven_budget(batch, world)
+    budget = parallel_settings(folder, strategy, max_tokens_per_micro_batch=tokens)
     del learner
     budgeted = Learner(budget, model, model, torch.device("cpu"), rank=rank, world_size=world)
     counts: list[Any] = [None] * world
-    rows = micro_batch_rows(mine, 2, 30)
+    rows = micro_batch_rows(mine, 2, tokens)
     dist.all_gather_object(counts, len(rows))
     policy, critic, _ = one_update(budgeted, mine)
     if rank == 0:
@@ -260,7 +278,7 @@ def test_ranks_train_like_one_unsharded_process(
     report = [f"{strategy} x{world}"]
     for name in ("loss/policy", "loss/kl", "loss/value", "entropy", "grad_norm"):
         difference = relative(got["metrics"][name], want[name])
-        report.append(f"{name} {difference:.1e}")
+        report.append(f"{name} {want[name]:.4g} ({difference:.1e})")
         assert difference <= LOSS_TOLERANCE, (name, got["metrics"][name], want[name])
     worst_policy = assert_same_gradients(got["policy"], unsharded["policy"], GRADIENT_TOLERANCE)
     worst_critic = assert_same_gradients(got["critic"], unsharded["critic"], GRADIENT_TOLERANCE)
@@ -273,6 +291,7 @@ def test_ranks_train_like_one_unsharded_process(
 
     counts, policy, critic = got["budget"]
     report.append(f"budget passes {counts}")
+    assert len(set(counts)) > 1  # padding passes were needed, and changed nothing
     assert_same_gradients(policy, unsharded["policy"], GRADIENT_TOLERANCE)
     assert_same_gradients(critic, unsharded["critic"], GRADIENT_TOLERANCE)
 
