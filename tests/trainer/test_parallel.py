@@ -36,6 +36,10 @@ pytestmark = pytest.mark.timeout(300)
 # 4 prompts x 3 samples: 12 rows split evenly over 1, 2 or 3 ranks.
 PROMPTS = [[256, 72, 105], [256, 65, 66, 67, 68], [256, 49], [256, 100, 101, 102]]
 LOSS_TOLERANCE = 1e-6  # relative
+# What each rank generates through the sharded policy (the third one nothing: it only joins
+# the others' forwards), and a probe sequence every rank scores.
+RANK_PROMPTS = [PROMPTS[:2], PROMPTS[2:3], []]
+PROBE = ([256, 72, 105], [106, 107, 108])
 GRADIENT_TOLERANCE = 1e-5  # relative to the largest gradient entry
 
 
@@ -87,10 +91,23 @@ def unsharded(tmp_path_factory, tiny_model_dir: Path, step_batch: SequenceBatch)
         ppo_settings(tmp), str(tiny_model_dir), str(tiny_model_dir), torch.device("cpu")
     )
     prepared = learner.prepare(step_batch, old_logprobs=False)
-    batch = step_batch.with_fields(**prepared)
+    # Reference log-probs away from the policy's, so that the KL term has a gradient.
+    mask = step_batch.response_mask
+    shift = torch.rand(mask.shape, generator=torch.Generator().manual_seed(2)) - 0.5
+    batch = step_batch.with_fields(
+        **{**prepared, REF_LOGP: torch.where(mask, prepared[REF_LOGP] + shift, 0.0)}
+    )
     policy, critic, stats = one_update(learner, batch)
     torch.save(batch, tmp / "batch.pt")
+    engine = HFEngine(tiny_model_dir)
+    generated = [
+        engine.generate(prompts, 2, max_new_tokens=6 + 2 * index, seed=index).response_ids
+        for index, prompts in enumerate(RANK_PROMPTS)
+        if prompts
+    ]
     return {
+        "generated": generated,
+        "probe": engine.logprob_probe(PROBE[0], PROBE[1]),
         "dir": tmp,
         "batch": batch,
         "prepared": prepared,
@@ -198,18 +215,45 @@ def _rank(rank: int, world: int, strategy: str, model: str, big_model: str, tmp:
         results["clip"] = (norm, total, before, after)
     learner.policy.zero_grad(set_to_none=True)
 
+    # Generation through the sharded policy (colocated engine): every rank its own prompts
+    # and length, an idle rank joins; and the probe every rank scores.
+    if strategy == "fsdp":
+        from rlx.trainer.engines import make_colocated_engine
+
+        engine = make_colocated_engine(
+            "hf",
+            learner.policy,
+            model,
+            dtype="float32",
+            vllm_options={},
+            collective=learner.collective,
+        ).engine
+        prompts = RANK_PROMPTS[rank]
+        with learner.no_grad():
+            if prompts:
+                ids = engine.generate(prompts, 2, max_new_tokens=6 + 2 * rank, seed=rank)
+                out = ids.response_ids
+            else:
+                engine.take_part(8)
+                out = None
+        outs: list[Any] = [None] * world
+        dist.all_gather_object(outs, out)
+        probe = learner.probe(*PROBE)
+        if rank == 0:
+            results["generated"] = [o for o in outs if o is not None]
+            results["probe"] = probe
+
     # Token-budget micro-batches: ranks make different numbers of passes, same gradient.
+    # (The same learner, its settings swapped for ones with a budget: nothing has stepped.)
     tokens = uneven_budget(batch, world)
-    budget = parallel_settings(folder, strategy, max_tokens_per_micro_batch=tokens)
-    del learner
-    budgeted = Learner(budget, model, model, torch.device("cpu"), rank=rank, world_size=world)
+    learner.settings = parallel_settings(folder, strategy, max_tokens_per_micro_batch=tokens)
     counts: list[Any] = [None] * world
     rows = micro_batch_rows(mine, 2, tokens)
     dist.all_gather_object(counts, len(rows))
-    policy, critic, _ = one_update(budgeted, mine)
+    policy, critic, _ = one_update(learner, mine)
     if rank == 0:
         results["budget"] = (counts, policy, critic)
-    del budgeted
+    del learner
 
     # Host memory of a sharded load of a ~34M-parameter model: about this rank's shard.
     if big_model and strategy == "fsdp":
@@ -294,6 +338,12 @@ def test_ranks_train_like_one_unsharded_process(
     assert len(set(counts)) > 1  # padding passes were needed, and changed nothing
     assert_same_gradients(policy, unsharded["policy"], GRADIENT_TOLERANCE)
     assert_same_gradients(critic, unsharded["critic"], GRADIENT_TOLERANCE)
+
+    if strategy == "fsdp":
+        expected = unsharded["generated"][: len(got["generated"])]
+        for want_ids, got_ids in zip(expected, got["generated"], strict=True):
+            assert torch.equal(got_ids, want_ids)
+        assert abs(got["probe"] - unsharded["probe"]) < 1e-4
 
     if "memory" in got:
         peak, full = got["memory"]
