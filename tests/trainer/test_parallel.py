@@ -142,11 +142,18 @@ def uneven_budget(batch: SequenceBatch, world: int) -> int:
     raise AssertionError("no token budget splits the ranks unevenly")
 
 
-def _rank(rank: int, world: int, strategy: str, model: str, big_model: str, tmp: str) -> None:
+def _rank(rank: int, world: int, strategies: str, model: str, big_model: str, tmp: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"file://{tmp}/init-{strategy}-{world}", rank=rank, world_size=world
+        "gloo", init_method=f"file://{tmp}/init-{world}", rank=rank, world_size=world
     )
+    for strategy in strategies.split(","):
+        _run_strategy(rank, world, strategy, model, big_model, tmp)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _run_strategy(rank: int, world: int, strategy: str, model: str, big_model: str, tmp: str):
     from safetensors.torch import load_file
 
     from rlx.trainer import parallel
@@ -255,8 +262,20 @@ def _rank(rank: int, world: int, strategy: str, model: str, big_model: str, tmp:
         results["budget"] = (counts, policy, critic)
     del learner
 
+    # Non-reentrant gradient checkpointing through the sharded layers: the same gradients.
+    if strategy == "fsdp":
+        base = parallel_settings(folder, strategy)
+        model_settings = base.model.model_copy(update={"gradient_checkpointing": True})
+        conf = base.model_copy(update={"model": model_settings, "critic_model": model_settings})
+        checkpointed = Learner(conf, model, model, torch.device("cpu"), rank=rank, world_size=world)
+        assert checkpointed.policy.is_gradient_checkpointing
+        policy, critic, _ = one_update(checkpointed, mine)
+        if rank == 0:
+            results["checkpointed"] = (policy, critic)
+        del checkpointed
+
     # Host memory of a sharded load of a ~34M-parameter model: about this rank's shard.
-    if big_model and strategy == "fsdp":
+    if big_model and strategy == "fsdp" and world == 2:
         spec = parallel.ShardSpec(parallel.make_mesh(torch.device("cpu")), torch.device("cpu"))
         stop, peak = threading.Event(), [0]
         with open("/proc/self/status") as status:
@@ -271,8 +290,6 @@ def _rank(rank: int, world: int, strategy: str, model: str, big_model: str, tmp:
         del big
     if rank == 0:
         torch.save(results, folder / f"results-{strategy}-{world}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 class _Grads(torch.nn.Module):
@@ -292,15 +309,27 @@ def big_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(folder, hidden_size=512, num_layers=8, num_heads=8)
 
 
+# Each world size runs once, every strategy in the same process group.
+LAYOUTS = {2: "fsdp,ddp", 3: "fsdp"}
+
+
+@pytest.fixture(scope="module")
+def ranks_ran() -> dict[int, bool]:
+    """The world sizes whose ranks have run in this module (each on first use)."""
+    return {}
+
+
 def run_ranks(
-    world: int, strategy: str, model: Path, unsharded: dict, big_model: Path | None = None
+    world: int, strategy: str, model: Path, unsharded: dict, big: Path, ran: dict
 ) -> dict:
-    mp.spawn(
-        _rank,
-        args=(world, strategy, str(model), str(big_model or ""), str(unsharded["dir"])),
-        nprocs=world,
-        join=True,
-    )
+    if world not in ran:
+        mp.spawn(
+            _rank,
+            args=(world, LAYOUTS[world], str(model), str(big), str(unsharded["dir"])),
+            nprocs=world,
+            join=True,
+        )
+        ran[world] = True
     return torch.load(unsharded["dir"] / f"results-{strategy}-{world}.pt", weights_only=False)
 
 
@@ -310,10 +339,9 @@ def relative(a: float, b: float) -> float:
 
 @pytest.mark.parametrize(("world", "strategy"), [(2, "fsdp"), (3, "fsdp"), (2, "ddp")])
 def test_ranks_train_like_one_unsharded_process(
-    world, strategy, tiny_model_dir, big_model_dir, unsharded
+    world, strategy, tiny_model_dir, big_model_dir, unsharded, ranks_ran
 ) -> None:
-    big = big_model_dir if (world, strategy) == (2, "fsdp") else None
-    got = run_ranks(world, strategy, tiny_model_dir, unsharded, big)
+    got = run_ranks(world, strategy, tiny_model_dir, unsharded, big_model_dir, ranks_ran)
     assert got["strategy"] == strategy
     assert got["load_diff"] == 0.0 and got["tied"]
     for name, want in unsharded["prepared"].items():
@@ -344,6 +372,10 @@ def test_ranks_train_like_one_unsharded_process(
         for want_ids, got_ids in zip(expected, got["generated"], strict=True):
             assert torch.equal(got_ids, want_ids)
         assert abs(got["probe"] - unsharded["probe"]) < 1e-4
+
+        policy, critic = got["checkpointed"]
+        assert_same_gradients(policy, unsharded["policy"], GRADIENT_TOLERANCE)
+        assert_same_gradients(critic, unsharded["critic"], GRADIENT_TOLERANCE)
 
     if "memory" in got:
         peak, full = got["memory"]
