@@ -142,6 +142,12 @@ def shard(model: nn.Module, spec: ShardSpec) -> None:
     # The root keeps its weights gathered between forward and backward (FSDP2's default
     # for the root): the backward needs them at once.
     fully_shard(model, **options)
+    if not hasattr(FSDPModule, "set_force_sum_reduction_for_comms"):
+        raise RuntimeError(
+            f"torch {torch.__version__} cannot make FSDP2 sum gradients "
+            "(FSDPModule.set_force_sum_reduction_for_comms); upgrade torch or use "
+            "trainer.parallel.strategy: ddp"
+        )
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # Losses are pre-divided by global counts: the ranks' gradients must be summed.
