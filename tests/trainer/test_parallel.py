@@ -274,6 +274,17 @@ def _run_strategy(rank: int, world: int, strategy: str, model: str, big_model: s
             results["checkpointed"] = (policy, critic)
         del checkpointed
 
+    # Host offload of the reference and of the trained models' state (FSDP2 CPU offload).
+    if strategy == "fsdp" and world == 2:
+        base = parallel_settings(folder, strategy)
+        offload = {"offload_reference": True, "offload_optimizer": True}
+        conf = base.model_copy(update={"parallel": base.parallel.model_copy(update=offload)})
+        offloaded = Learner(conf, model, model, torch.device("cpu"), rank=rank, world_size=world)
+        policy, critic, _ = one_update(offloaded, mine)
+        if rank == 0:
+            results["offloaded"] = (policy, critic)
+        del offloaded
+
     # Host memory of a sharded load of a ~34M-parameter model: about this rank's shard.
     if big_model and strategy == "fsdp" and world == 2:
         spec = parallel.ShardSpec(parallel.make_mesh(torch.device("cpu")), torch.device("cpu"))
@@ -373,9 +384,12 @@ def test_ranks_train_like_one_unsharded_process(
             assert torch.equal(got_ids, want_ids)
         assert abs(got["probe"] - unsharded["probe"]) < 1e-4
 
-        policy, critic = got["checkpointed"]
-        assert_same_gradients(policy, unsharded["policy"], GRADIENT_TOLERANCE)
-        assert_same_gradients(critic, unsharded["critic"], GRADIENT_TOLERANCE)
+        for variant in ("checkpointed", "offloaded"):
+            if variant in got:
+                policy, critic = got[variant]
+                assert_same_gradients(policy, unsharded["policy"], GRADIENT_TOLERANCE)
+                assert_same_gradients(critic, unsharded["critic"], GRADIENT_TOLERANCE)
+                report.append(variant)
 
     if "memory" in got:
         peak, full = got["memory"]
