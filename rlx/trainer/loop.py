@@ -28,7 +28,7 @@ from rlx.trainer.checkpoint import (
     resolve_resume,
     restore_rng_state,
 )
-from rlx.trainer.checkpointing import (
+from rlx.trainer.checkpoint.training import (
     CONTROLLER_RNG,
     KILL_HOOK_ENV,
     TRAINER_STATE,

@@ -18,7 +18,12 @@ import torch
 from rlx.recipe.model import TrainerSettings
 from rlx.trainer.batching import SequenceBatch
 from rlx.trainer.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
-from rlx.trainer.checkpointing import LEARNER_PARTS, WORKER_RNG, kill_hook_for_save, load_parts
+from rlx.trainer.checkpoint.training import (
+    LEARNER_PARTS,
+    WORKER_RNG,
+    kill_hook_for_save,
+    load_parts,
+)
 from rlx.trainer.engines import ColocatedEngine, EngineReport, Probe, make_colocated_engine
 from rlx.trainer.learner import Learner, UpdateStats, needs_old_logprobs
 from rlx.trainer.models import autocast, compute_dtype
