@@ -14,6 +14,7 @@ import contextlib
 import json
 import secrets
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,11 +22,15 @@ from typing import Any
 from rlx.errors import RlxError
 from rlx.trainer.checkpoint.parts import fsync_path, read_part
 from rlx.trainer.checkpoint.store import MARKER, newest_complete, read_marker, verify_files
-from rlx.trainer.checkpoint.training import EXPORT_INFO, HF_FILES, LEARNER_STATE
+from rlx.trainer.checkpoint.training import (
+    EXPORT_INFO,
+    HF_FILES,
+    LEARNER_STATE,
+    single_process_quiet,
+)
 
 # Output files up to this size (the size Hugging Face's own uploads use).
 MAX_SHARD_BYTES = 5 << 30
-POLICY_PREFIX = "policy."
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -115,26 +120,49 @@ def tied_names(folder: Path) -> set[str]:
     return set()
 
 
+def saved_tensors(dcp_folder: Path, prefix: str) -> dict[str, Any]:
+    """{name: storage metadata (size, dtype)} of the whole tensors saved under prefix."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.FileSystemReader(str(dcp_folder)).read_metadata()
+    return {
+        key.removeprefix(f"{prefix}."): item
+        for key, item in sorted(metadata.state_dict_metadata.items())
+        if key.startswith(f"{prefix}.") and isinstance(item, TensorStorageMetadata)
+    }
+
+
+def read_tensors(dcp_folder: Path, prefix: str, names: Iterable[str]) -> dict[str, Any]:
+    """Whole tensors (as saved: shape and dtype) of the named entries under prefix ("policy",
+    "critic"), read in this process alone however many ranks wrote them."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    saved = saved_tensors(dcp_folder, prefix)
+    # (shape of the saved tensor) each, in the saved dtype, filled by DCP in place.
+    tensors = {
+        name: torch.empty(tuple(saved[name].size), dtype=saved[name].properties.dtype)
+        for name in names
+    }
+    with single_process_quiet():
+        dcp.load(
+            {prefix: tensors}, storage_reader=dcp.FileSystemReader(str(dcp_folder)), no_dist=True
+        )
+    return tensors
+
+
 def write_weights(
     dcp_folder: Path, out: Path, dtype_name: str, skip: set[str], max_shard_bytes: int
 ) -> tuple[int, int, int]:
     """The policy's tensors from a DCP folder into safetensors files of at most
-    max_shard_bytes each (a larger single tensor gets a file of its own). Returns (files,
-    tensors, bytes)."""
+    max_shard_bytes each (a larger single tensor gets a file of its own), read one file's
+    worth at a time. Returns (files, tensors, bytes)."""
     import torch
-    import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     dtype = getattr(torch, dtype_name)
-    reader = dcp.FileSystemReader(str(dcp_folder))
-    metadata = reader.read_metadata()
-    names = {
-        key.removeprefix(POLICY_PREFIX): item
-        for key, item in metadata.state_dict_metadata.items()
-        if key.startswith(POLICY_PREFIX) and isinstance(item, TensorStorageMetadata)
-    }
-    names = {name: item for name, item in sorted(names.items()) if name not in skip}
+    names = {n: item for n, item in saved_tensors(dcp_folder, "policy").items() if n not in skip}
     if not names:
         raise RlxError(f"{dcp_folder} holds no policy weights")
 
@@ -152,21 +180,13 @@ def write_weights(
     weight_map: dict[str, str] = {}
     total = 0
     for index, group in enumerate(groups, start=1):
-        # (shape of the saved tensor) each, in the saved dtype, filled by DCP in place.
-        tensors = {
-            name: torch.empty(tuple(names[name].size), dtype=names[name].properties.dtype)
-            for name in group
-        }
-        dcp.load(
-            {"policy": tensors},
-            storage_reader=dcp.FileSystemReader(str(dcp_folder)),
-            no_dist=True,
-        )
+        tensors = read_tensors(dcp_folder, "policy", group)
         tensors = {name: tensor.to(dtype).contiguous() for name, tensor in tensors.items()}
         file = SINGLE_FILE
         if len(groups) > 1:
             file = f"model-{index:05d}-of-{len(groups):05d}.safetensors"
         save_file(tensors, str(out / file), metadata={"format": "pt"})
+        (out / file).chmod(0o644)  # a model folder others serve; safetensors writes 0600
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         weight_map.update(dict.fromkeys(group, file))
         del tensors

@@ -23,10 +23,12 @@ storage on multi-node jobs).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
-from collections.abc import Callable, Iterable
+import warnings
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -88,11 +90,12 @@ def save_learner_state(state: dict[str, Any], folder: Path) -> None:
     """Write this rank's shard of state (collective: every training rank calls it)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(
-        state,
-        storage_writer=dcp.FileSystemWriter(str(folder), sync_files=True),
-        no_dist=not distributed(),
-    )
+    with single_process_quiet():
+        dcp.save(
+            state,
+            storage_writer=dcp.FileSystemWriter(str(folder), sync_files=True),
+            no_dist=not distributed(),
+        )
 
 
 def load_learner_state(state: dict[str, Any], folder: Path) -> None:
@@ -100,7 +103,18 @@ def load_learner_state(state: dict[str, Any], folder: Path) -> None:
     or its FSDP shards) cover; DCP reshards when the rank count changed."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder)), no_dist=not distributed())
+    with single_process_quiet():
+        reader = dcp.FileSystemReader(str(folder))
+        dcp.load(state, storage_reader=reader, no_dist=not distributed())
+
+
+@contextlib.contextmanager
+def single_process_quiet() -> Iterator[None]:
+    """Silence DCP's warning that it runs without a process group: one rank (or the
+    exporter) reading or writing alone is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to .* single")
+        yield
 
 
 def distributed() -> bool:
