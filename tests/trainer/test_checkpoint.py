@@ -404,7 +404,7 @@ def test_resolve_resume(tmp_path: Path) -> None:
 # Training workers as in a run (the same class Ray places), in processes of their own with
 # a real gloo group: a save at 2 ranks is read back at 3 ranks and exported.
 
-STRATEGIES = ("ddp",)
+STRATEGIES = ("ddp", "fsdp")
 
 
 def _worker_settings(tmp: Path, strategy: str) -> Any:
@@ -585,3 +585,38 @@ def test_a_save_at_two_ranks_resumes_at_three_and_exports(
     with torch.no_grad():
         logits = hf_model(ppo_batch.input_ids).logits  # (B, T, V)
     assert float((logits - reference["logits"]).abs().max()) <= 1e-5
+
+
+def rlx_export(*args: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLX_")}
+    env["PYTHONPATH"] = f"{REPO_ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    return subprocess.run(
+        [sys.executable, "-m", "rlx", "export", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+
+
+def test_export_refuses_what_it_cannot_export_in_one_line(tmp_path: Path) -> None:
+    old = CheckpointManager(tmp_path / "ckpt", "old", 1)
+    old_format = old.save(1, {"policy": {"w": torch.zeros(2)}})  # a single-file checkpoint
+    (old.run_dir / "step-000002").mkdir()  # an interrupted save
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "file.txt").write_text("x")
+    cases = {
+        tmp_path / "missing": "does not exist",
+        tmp_path / "file.txt": "is not a folder",
+        tmp_path / "plain": "is not a checkpoint",
+        old.run_dir / "step-000002": "interrupted save",
+        old.run_dir: f"did you mean {old_format}",
+        old_format: "written by an older rlx",
+    }
+    for source, message in cases.items():
+        result = rlx_export(source, tmp_path / "out")
+        assert result.returncode == 1, (source, result.stderr)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
+        assert message in lines[0], lines[0]
+    assert not (tmp_path / "out").exists()
