@@ -322,7 +322,17 @@ class Trainer:
             return None
         from rlx.trainer.checkpoint.export import export_checkpoint
 
-        exported = export_checkpoint(latest, self.inputs.paths.run_dir / "model", replace=True)
+        try:
+            exported = export_checkpoint(latest, self.inputs.paths.run_dir / "model", replace=True)
+        except (RlxError, OSError, ValueError) as exc:
+            # The run itself succeeded and its checkpoint is complete: say how to retry.
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            print(
+                f"warning: no Hugging Face export ({first}); try `rlx export {latest} OUT`",
+                file=self.err,
+                flush=True,
+            )
+            return None
         self.say(
             f"exported {latest.name} to {exported.folder} ({exported.dtype}, "
             f"{format_bytes(exported.bytes)})"

@@ -33,6 +33,7 @@ from rlx.trainer.checkpoint.training import (
     kill_hook_for_save,
     load_learner_state,
     load_parts,
+    model_files_folder,
     save_learner_state,
 )
 from rlx.trainer.engines import ColocatedEngine, EngineReport, Probe, make_colocated_engine
@@ -173,6 +174,7 @@ class TrainWorker:
         self.device = _prepare_process(spec, "train-worker")
         self.learner: Learner | None = None
         self.engine: ColocatedEngine | None = None
+        self.model_files: Path | None = None  # config and tokenizer files, for checkpoints
 
     # ------------------------------------------------------------------ set-up
 
@@ -341,7 +343,9 @@ class TrainWorker:
             EXPORT_INFO: {"dtype": dtype_name(learner.dtype)},
         }
         entries = manager.write_parts(temporary, parts, hook)
-        copy_model_files(Path(self.spec.policy_path), temporary / HF_FILES)
+        if self.model_files is None:
+            self.model_files = model_files_folder(self.spec.policy_path)
+        copy_model_files(self.model_files, temporary / HF_FILES)
         entries[LEARNER_STATE] = {"file": LEARNER_STATE, "format": "dcp"}
         entries[HF_FILES] = {"file": HF_FILES, "format": "folder"}
         final = manager.commit(temporary, step, entries, _after_phase=hook)

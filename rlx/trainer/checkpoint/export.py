@@ -114,7 +114,10 @@ def tied_names(folder: Path) -> set[str]:
     Hugging Face folders leave them out, from_pretrained ties them back."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(folder)
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except (ValueError, OSError, KeyError):
+        return set()  # an architecture this transformers does not know: keep every tensor
     if getattr(config, "tie_word_embeddings", False):
         return {"lm_head.weight"}
     return set()

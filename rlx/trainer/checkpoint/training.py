@@ -74,6 +74,21 @@ def load_parts(path: Path, names: Iterable[str]) -> dict[str, Any]:
     return out
 
 
+# The small files of a hub model, fetched (or found in the cache) for a checkpoint's hf/.
+MODEL_FILE_PATTERNS = ["*.json", "*.txt", "*.model", "*.jinja", "*.py", "*.tiktoken"]
+
+
+def model_files_folder(policy_path: str) -> Path:
+    """A local folder holding the model's config and tokenizer files: policy_path itself, or
+    for a hub id its snapshot in the Hugging Face cache (small files only)."""
+    folder = Path(policy_path).expanduser()
+    if folder.is_dir():
+        return folder
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(policy_path, allow_patterns=MODEL_FILE_PATTERNS))
+
+
 def copy_model_files(source: Path, target: Path) -> None:
     """The small files of a Hugging Face model folder (config, generation config, tokenizer,
     chat template; not the weights) into target."""
