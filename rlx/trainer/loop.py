@@ -31,6 +31,7 @@ from rlx.trainer.checkpoint import (
 from rlx.trainer.checkpoint.training import (
     CONTROLLER_RNG,
     KILL_HOOK_ENV,
+    LEARNER_STATE,
     TRAINER_STATE,
     kill_after_step,
     load_parts,
@@ -353,7 +354,12 @@ class Trainer:
         if path is None:
             self.cluster.sync_weights(0, self.inputs.probe, push=False)
             return 0
-        parts = load_parts(path, (TRAINER_STATE, CONTROLLER_RNG))
+        parts = load_parts(path, (TRAINER_STATE, CONTROLLER_RNG, LEARNER_STATE))
+        if LEARNER_STATE not in parts:
+            raise RlxError(
+                f"checkpoint {path} is a single-file checkpoint of an older rlx; resume it "
+                "with that version, or set RLX_RUN_ID to start a new run"
+            )
         state = parts[TRAINER_STATE]
         if state["algorithm"] != self.settings.algorithm:
             raise RlxError(
