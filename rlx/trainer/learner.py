@@ -242,8 +242,30 @@ class Learner:
                 out[rows, : values.shape[1]] = values
         return torch.where(batch.response_mask, out, 0.0)
 
-    @torch.inference_mode()
+    @contextlib.contextmanager
+    def no_grad(self) -> Iterator[None]:
+        """inference_mode, or no_grad under FSDP: FSDP2 gathers weights into buffers it keeps,
+        and a buffer first made in inference mode can never be written in training. On the
+        way out the sharded roots are resharded: FSDP2 keeps a root's weights gathered after
+        a forward (for the backward that follows in training), and while gathered the module
+        shows the gathered tensors, not its shards, to parameters() and state_dict()."""
+        if self.strategy != "fsdp":
+            with torch.inference_mode():
+                yield
+            return
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            for module in (self.policy, self.reference, self.critic):
+                if module is not None:
+                    parallel.reshard(module)
+
     def prepare(self, batch: SequenceBatch, *, old_logprobs: bool) -> dict[str, Tensor]:
+        with self.no_grad():
+            return self._prepare(batch, old_logprobs=old_logprobs)
+
+    def _prepare(self, batch: SequenceBatch, *, old_logprobs: bool) -> dict[str, Tensor]:
         """What the advantages and the update need besides the samples, each (B, R): reference
         log-probs (KL on), critic values (PPO), old log-probs (when needs_old_logprobs)."""
         out: dict[str, Tensor] = {}
@@ -265,7 +287,7 @@ class Learner:
     def probe(self, prompt_ids: list[int], response_ids: list[int]) -> float:
         """The policy's log-prob of a fixed sequence. A collective forward under FSDP: every
         rank calls it."""
-        with torch.inference_mode():
+        with self.no_grad():
             return sequence_logprob(self.policy, prompt_ids, response_ids)
 
     # ------------------------------------------------------------------ the update

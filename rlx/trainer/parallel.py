@@ -157,6 +157,13 @@ def shard(model: nn.Module, spec: ShardSpec) -> None:
         register_fsdp_forward_method(model, "generate")
 
 
+def reshard(module: nn.Module) -> None:
+    """Free a sharded root's gathered weights (FSDP2 keeps them after a forward of the root
+    until the backward); no-op for other modules."""
+    if is_sharded(module):
+        module.reshard()  # type: ignore[operator]
+
+
 def _run_as_forward(self: nn.Module, fn: Callable[..., Any], *args: Any) -> Any:
     return fn(*args)
 

@@ -154,7 +154,8 @@ def _probe_ids(probe: Probe) -> tuple[list[int], list[int]]:
 def _generate(
     engine: RolloutEngine, prompt_ids: list[list[int]], sampling: SamplingArgs, seed: int
 ) -> RolloutBatch:
-    with torch.inference_mode():
+    # no_grad, not inference_mode: a sharded policy's gathered weights must stay writable.
+    with torch.no_grad():
         return engine.generate(
             prompt_ids,
             sampling.n,
@@ -230,14 +231,13 @@ class TrainWorker:
             raise RuntimeError("this worker holds no engine (layout: split)")
         learner = self._learner()
         # HF generate over the float32 master weights on GPU: bf16 compute, as training.
-        with autocast(self.device, learner.dtype):
+        with autocast(self.device, learner.dtype), learner.no_grad():
+            engine = self.engine.engine
             if not prompt_ids:  # a sharded policy: join the other ranks' forwards
-                engine = self.engine.engine
                 if isinstance(engine, HFEngine):
-                    with torch.inference_mode():
-                        engine.take_part(sampling.max_new_tokens)
+                    engine.take_part(sampling.max_new_tokens)
                 return None
-            return _generate(self.engine.engine, prompt_ids, sampling, seed)
+            return _generate(engine, prompt_ids, sampling, seed)
 
     def prepare(self, batch: SequenceBatch, old_logprobs: bool) -> dict[str, torch.Tensor]:
         if self.engine is not None:
@@ -278,7 +278,7 @@ class TrainWorker:
         learner = self._learner()
         self.engine.refresh(learner.policy, version)
         engine = self.engine.engine
-        with torch.inference_mode():
+        with learner.no_grad():
             value = engine.logprob_probe(probe.prompt_ids, probe.response_ids)
         own = value if self.engine.shares_policy else learner.probe(*_probe_ids(probe))
         return EngineReport(self.spec.rank, _node_ip(), engine.weight_version, value), own

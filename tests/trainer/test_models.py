@@ -1,5 +1,5 @@
 """The scoring forward: rows that share a prompt run it once, with the result of a full
-forward (logits and gradients) up to float rounding."""
+forward (log-probs, entropies and gradients) up to float rounding."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlx.trainer.batching import SequenceBatch, pack_rollout
-from rlx.trainer.models import ResponseLogits, prompt_groups, response_logits
+from rlx.trainer.models import ResponseScorer, prompt_groups, score_responses
 from rlx.trainer.rollout import HFEngine
 
 pytestmark = pytest.mark.timeout(300)
@@ -51,7 +51,7 @@ def test_prompt_groups_finds_the_rows_of_each_prompt() -> None:
     assert prompt_groups(ids[:2], mask[:2]) is None  # nothing repeats: nothing to share
 
 
-def test_shared_prompts_give_a_full_forwards_logits_and_gradients(
+def test_shared_prompts_give_a_full_forwards_scores_and_gradients(
     tiny_model_dir: Path, grouped_batch: SequenceBatch
 ) -> None:
     batch = grouped_batch
@@ -63,20 +63,24 @@ def test_shared_prompts_give_a_full_forwards_logits_and_gradients(
     )
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     model.train()  # as in the update: the dropout-free tiny model, gradients on
-    weights = torch.randn(
-        (*batch.response_mask.shape, model.config.vocab_size),
-        generator=torch.Generator().manual_seed(0),
-    )
-
-    def loss_and_grads(logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        model.zero_grad()
-        loss = (logits * weights)[batch.response_mask].sum()
-        loss.backward()
-        return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-    shared, shared_grads = loss_and_grads(response_logits(ResponseLogits(model), batch))
-    full, full_grads = loss_and_grads(full_forward(model, batch))
+    weights = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(0))
     mask = batch.response_mask
+
+    def loss_and_grads(scores: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model.zero_grad()
+        loss = (scores * weights)[mask].sum()
+        loss.backward()
+        return scores.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    scorer = ResponseScorer(model)
+    assert scorer._can_share(batch.input_ids, batch.attention_mask, batch.prompt_width)
+    shared_scores = score_responses(scorer, batch, 1.0, entropy_grad=True)
+    shared, shared_grads = loss_and_grads(shared_scores.logprobs + shared_scores.entropy)
+    logits = full_forward(model, batch)  # (B, R, V)
+    logp = torch.log_softmax(logits, dim=-1)
+    token_logp = logp.gather(-1, batch.response_ids[..., None]).squeeze(-1)  # (B, R)
+    entropy = -(logp.exp() * logp).sum(-1)  # (B, R)
+    full, full_grads = loss_and_grads(torch.where(mask, token_logp + entropy, 0.0))
     torch.testing.assert_close(shared[mask], full[mask], rtol=1e-4, atol=1e-4)
     scale = max(float(g.abs().max()) for g in full_grads.values())
     for name, grad in full_grads.items():

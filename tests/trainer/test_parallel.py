@@ -36,6 +36,10 @@ pytestmark = pytest.mark.timeout(300)
 # 4 prompts x 3 samples: 12 rows split evenly over 1, 2 or 3 ranks.
 PROMPTS = [[256, 72, 105], [256, 65, 66, 67, 68], [256, 49], [256, 100, 101, 102]]
 LOSS_TOLERANCE = 1e-6  # relative
+# What each rank generates through the sharded policy (the third one nothing: it only joins
+# the others' forwards), and a probe sequence every rank scores.
+RANK_PROMPTS = [PROMPTS[:2], PROMPTS[2:3], []]
+PROBE = ([256, 72, 105], [106, 107, 108])
 GRADIENT_TOLERANCE = 1e-5  # relative to the largest gradient entry
 
 
@@ -87,10 +91,23 @@ def unsharded(tmp_path_factory, tiny_model_dir: Path, step_batch: SequenceBatch)
         ppo_settings(tmp), str(tiny_model_dir), str(tiny_model_dir), torch.device("cpu")
     )
     prepared = learner.prepare(step_batch, old_logprobs=False)
-    batch = step_batch.with_fields(**prepared)
+    # Reference log-probs away from the policy's, so that the KL term has a gradient.
+    mask = step_batch.response_mask
+    shift = torch.rand(mask.shape, generator=torch.Generator().manual_seed(2)) - 0.5
+    batch = step_batch.with_fields(
+        **{**prepared, REF_LOGP: torch.where(mask, prepared[REF_LOGP] + shift, 0.0)}
+    )
     policy, critic, stats = one_update(learner, batch)
     torch.save(batch, tmp / "batch.pt")
+    engine = HFEngine(tiny_model_dir)
+    generated = [
+        engine.generate(prompts, 2, max_new_tokens=6 + 2 * index, seed=index).response_ids
+        for index, prompts in enumerate(RANK_PROMPTS)
+        if prompts
+    ]
     return {
+        "generated": generated,
+        "probe": engine.logprob_probe(PROBE[0], PROBE[1]),
         "dir": tmp,
         "batch": batch,
         "prepared": prepared,
@@ -111,11 +128,32 @@ def _peak_anonymous_memory(stop: threading.Event, out: list[int]) -> None:
         time.sleep(0.002)
 
 
-def _rank(rank: int, world: int, strategy: str, model: str, big_model: str, tmp: str) -> None:
+def uneven_budget(batch: SequenceBatch, world: int) -> int:
+    """A token budget under which the ranks' shares need different numbers of passes, so
+    that the padding passes that keep FSDP's collectives in step are exercised."""
+    share = len(batch) // world
+    for budget in range(20, 80):
+        counts = {
+            len(micro_batch_rows(batch.select(range(r * share, (r + 1) * share)), 2, budget))
+            for r in range(world)
+        }
+        if len(counts) > 1:
+            return budget
+    raise AssertionError("no token budget splits the ranks unevenly")
+
+
+def _rank(rank: int, world: int, strategies: str, model: str, big_model: str, tmp: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"file://{tmp}/init-{strategy}-{world}", rank=rank, world_size=world
+        "gloo", init_method=f"file://{tmp}/init-{world}", rank=rank, world_size=world
     )
+    for strategy in strategies.split(","):
+        _run_strategy(rank, world, strategy, model, big_model, tmp)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _run_strategy(rank: int, world: int, strategy: str, model: str, big_model: str, tmp: str):
     from safetensors.torch import load_file
 
     from rlx.trainer import parallel
@@ -172,7 +210,10 @@ def _rank(rank: int, world: int, strategy: str, model: str, big_model: str, tmp:
     )
     (loss * learner.loss_scale).backward()
     params = list(learner.policy.parameters())
-    before = parallel.full_state_dict(_Grads(params), rank0_only=False)
+    before = {
+        name: grad.clone()
+        for name, grad in parallel.full_state_dict(_Grads(params), rank0_only=False).items()
+    }
     norm = float(parallel.clip_grad_norm(params, 1e30))  # measures, clips nothing
     norm = float(parallel.clip_grad_norm(params, norm / 2))
     after = parallel.full_state_dict(_Grads(params), rank0_only=False)
@@ -181,20 +222,60 @@ def _rank(rank: int, world: int, strategy: str, model: str, big_model: str, tmp:
         results["clip"] = (norm, total, before, after)
     learner.policy.zero_grad(set_to_none=True)
 
+    # Generation through the sharded policy (colocated engine): every rank its own prompts
+    # and length, an idle rank joins; and the probe every rank scores.
+    if strategy == "fsdp":
+        from rlx.trainer.engines import make_colocated_engine
+
+        engine = make_colocated_engine(
+            "hf",
+            learner.policy,
+            model,
+            dtype="float32",
+            vllm_options={},
+            collective=learner.collective,
+        ).engine
+        prompts = RANK_PROMPTS[rank]
+        with learner.no_grad():
+            if prompts:
+                ids = engine.generate(prompts, 2, max_new_tokens=6 + 2 * rank, seed=rank)
+                out = ids.response_ids
+            else:
+                engine.take_part(8)
+                out = None
+        outs: list[Any] = [None] * world
+        dist.all_gather_object(outs, out)
+        probe = learner.probe(*PROBE)
+        if rank == 0:
+            results["generated"] = [o for o in outs if o is not None]
+            results["probe"] = probe
+
     # Token-budget micro-batches: ranks make different numbers of passes, same gradient.
-    budget = parallel_settings(folder, strategy, max_tokens_per_micro_batch=30)
-    del learner
-    budgeted = Learner(budget, model, model, torch.device("cpu"), rank=rank, world_size=world)
+    # (The same learner, its settings swapped for ones with a budget: nothing has stepped.)
+    tokens = uneven_budget(batch, world)
+    learner.settings = parallel_settings(folder, strategy, max_tokens_per_micro_batch=tokens)
     counts: list[Any] = [None] * world
-    rows = micro_batch_rows(mine, 2, 30)
+    rows = micro_batch_rows(mine, 2, tokens)
     dist.all_gather_object(counts, len(rows))
-    policy, critic, _ = one_update(budgeted, mine)
+    policy, critic, _ = one_update(learner, mine)
     if rank == 0:
         results["budget"] = (counts, policy, critic)
-    del budgeted
+    del learner
+
+    # Non-reentrant gradient checkpointing through the sharded layers: the same gradients.
+    if strategy == "fsdp":
+        base = parallel_settings(folder, strategy)
+        model_settings = base.model.model_copy(update={"gradient_checkpointing": True})
+        conf = base.model_copy(update={"model": model_settings, "critic_model": model_settings})
+        checkpointed = Learner(conf, model, model, torch.device("cpu"), rank=rank, world_size=world)
+        assert checkpointed.policy.is_gradient_checkpointing
+        policy, critic, _ = one_update(checkpointed, mine)
+        if rank == 0:
+            results["checkpointed"] = (policy, critic)
+        del checkpointed
 
     # Host memory of a sharded load of a ~34M-parameter model: about this rank's shard.
-    if big_model and strategy == "fsdp":
+    if big_model and strategy == "fsdp" and world == 2:
         spec = parallel.ShardSpec(parallel.make_mesh(torch.device("cpu")), torch.device("cpu"))
         stop, peak = threading.Event(), [0]
         with open("/proc/self/status") as status:
@@ -209,8 +290,6 @@ def _rank(rank: int, world: int, strategy: str, model: str, big_model: str, tmp:
         del big
     if rank == 0:
         torch.save(results, folder / f"results-{strategy}-{world}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 class _Grads(torch.nn.Module):
@@ -230,15 +309,27 @@ def big_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(folder, hidden_size=512, num_layers=8, num_heads=8)
 
 
+# Each world size runs once, every strategy in the same process group.
+LAYOUTS = {2: "fsdp,ddp", 3: "fsdp"}
+
+
+@pytest.fixture(scope="module")
+def ranks_ran() -> dict[int, bool]:
+    """The world sizes whose ranks have run in this module (each on first use)."""
+    return {}
+
+
 def run_ranks(
-    world: int, strategy: str, model: Path, unsharded: dict, big_model: Path | None = None
+    world: int, strategy: str, model: Path, unsharded: dict, big: Path, ran: dict
 ) -> dict:
-    mp.spawn(
-        _rank,
-        args=(world, strategy, str(model), str(big_model or ""), str(unsharded["dir"])),
-        nprocs=world,
-        join=True,
-    )
+    if world not in ran:
+        mp.spawn(
+            _rank,
+            args=(world, LAYOUTS[world], str(model), str(big), str(unsharded["dir"])),
+            nprocs=world,
+            join=True,
+        )
+        ran[world] = True
     return torch.load(unsharded["dir"] / f"results-{strategy}-{world}.pt", weights_only=False)
 
 
@@ -248,10 +339,9 @@ def relative(a: float, b: float) -> float:
 
 @pytest.mark.parametrize(("world", "strategy"), [(2, "fsdp"), (3, "fsdp"), (2, "ddp")])
 def test_ranks_train_like_one_unsharded_process(
-    world, strategy, tiny_model_dir, big_model_dir, unsharded
+    world, strategy, tiny_model_dir, big_model_dir, unsharded, ranks_ran
 ) -> None:
-    big = big_model_dir if (world, strategy) == (2, "fsdp") else None
-    got = run_ranks(world, strategy, tiny_model_dir, unsharded, big)
+    got = run_ranks(world, strategy, tiny_model_dir, unsharded, big_model_dir, ranks_ran)
     assert got["strategy"] == strategy
     assert got["load_diff"] == 0.0 and got["tied"]
     for name, want in unsharded["prepared"].items():
@@ -260,7 +350,7 @@ def test_ranks_train_like_one_unsharded_process(
     report = [f"{strategy} x{world}"]
     for name in ("loss/policy", "loss/kl", "loss/value", "entropy", "grad_norm"):
         difference = relative(got["metrics"][name], want[name])
-        report.append(f"{name} {difference:.1e}")
+        report.append(f"{name} {want[name]:.4g} ({difference:.1e})")
         assert difference <= LOSS_TOLERANCE, (name, got["metrics"][name], want[name])
     worst_policy = assert_same_gradients(got["policy"], unsharded["policy"], GRADIENT_TOLERANCE)
     worst_critic = assert_same_gradients(got["critic"], unsharded["critic"], GRADIENT_TOLERANCE)
@@ -273,8 +363,19 @@ def test_ranks_train_like_one_unsharded_process(
 
     counts, policy, critic = got["budget"]
     report.append(f"budget passes {counts}")
+    assert len(set(counts)) > 1  # padding passes were needed, and changed nothing
     assert_same_gradients(policy, unsharded["policy"], GRADIENT_TOLERANCE)
     assert_same_gradients(critic, unsharded["critic"], GRADIENT_TOLERANCE)
+
+    if strategy == "fsdp":
+        expected = unsharded["generated"][: len(got["generated"])]
+        for want_ids, got_ids in zip(expected, got["generated"], strict=True):
+            assert torch.equal(got_ids, want_ids)
+        assert abs(got["probe"] - unsharded["probe"]) < 1e-4
+
+        policy, critic = got["checkpointed"]
+        assert_same_gradients(policy, unsharded["policy"], GRADIENT_TOLERANCE)
+        assert_same_gradients(critic, unsharded["critic"], GRADIENT_TOLERANCE)
 
     if "memory" in got:
         peak, full = got["memory"]

@@ -173,7 +173,7 @@ def test_one_frozen_batch_gives_the_same_loss_in_trl_and_rlx(
         }
     )
     with torch.no_grad():
-        current = learner._logprobs(learner.policy_logits, batch)[0]  # (B, R)
+        current = learner._scores(learner.policy_scorer, batch, entropy_grad=False).logprobs
     generator = torch.Generator().manual_seed(1)
     shift_old = (torch.rand(mask.shape, generator=generator) - 0.5) * 0.8
     shift_ref = (torch.rand(mask.shape, generator=generator) - 0.5) * 3.0
