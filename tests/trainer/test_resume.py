@@ -28,7 +28,7 @@ from .runner import REPO, run_rlx
 pytest.importorskip("ray")
 pytestmark = pytest.mark.timeout(1800)
 
-STRATEGY = "ddp"
+STRATEGY = "fsdp"
 # Values that depend only on the seed and the data, not on the clock or the machine's load.
 SAMPLED = ("reward/mean", "reward/std", "response_length/mean")  # equal exactly
 COMPUTED = (
