@@ -383,6 +383,24 @@ def train(
     raise typer.Exit(train_main(_recipe_from(recipe)))
 
 
+@app.command()
+@expected_errors
+def export(
+    checkpoint: Path = typer.Argument(..., help="A checkpoint's step-NNNNNN folder."),
+    out: Path = typer.Argument(..., help="The Hugging Face folder to write (must not exist)."),
+) -> None:
+    """Write a checkpoint's policy as a Hugging Face folder (config, safetensors, tokenizer,
+    generation config) that from_pretrained loads and vLLM serves. Offline, one process."""
+    from rlx.trainer.checkpoint.export import export_checkpoint
+
+    exported = export_checkpoint(checkpoint, out)
+    typer.echo(
+        f"exported {checkpoint} to {exported.folder}: {exported.tensors} tensors in "
+        f"{exported.files} safetensors file(s), {exported.dtype}, "
+        f"{exported.bytes / 2**20:.1f} MiB"
+    )
+
+
 def _recipe_from(path: Path | None) -> Any:
     """The recipe from a file, or from $RLX_RECIPE_JSON on a node."""
     from rlx.errors import RlxError

@@ -106,6 +106,10 @@ def merge_update_stats(per_rank: Sequence[UpdateStats]) -> dict[str, float]:
     return merged
 
 
+# The checkpoint's name for each model's optimiser state.
+OPTIMIZER_OF = {"policy": "optimizer", "critic": "critic_optimizer"}
+
+
 class Learner:
     """Policy (+ optimiser, schedule), reference (KL), critic (PPO) of one rank."""
 
@@ -440,30 +444,46 @@ class Learner:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def state_parts(self) -> dict[str, Any]:
-        parts: dict[str, Any] = {
-            "policy": self.policy.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-        }
+    def _stateful(self) -> list[tuple[str, nn.Module, torch.optim.Optimizer]]:
+        pairs = [("policy", self.policy, self.optimizer)]
         if self.critic is not None:
-            assert self.critic_optimizer is not None and self.critic_scheduler is not None
-            parts["critic"] = self.critic.state_dict()
-            parts["critic_optimizer"] = self.critic_optimizer.state_dict()
+            assert self.critic_optimizer is not None
+            pairs.append(("critic", self.critic, self.critic_optimizer))
+        return pairs
+
+    def sharded_state(self) -> dict[str, Any]:
+        """The large state as DCP saves and loads it: {"policy", "optimizer"[, "critic",
+        "critic_optimizer"]}, keyed by parameter names (optimiser state too), each tensor
+        this rank's part (whole for plain and DDP modules, a DTensor shard under FSDP)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        state: dict[str, Any] = {}
+        for name, module, optimizer in self._stateful():
+            state[name], state[OPTIMIZER_OF[name]] = get_state_dict(module, optimizer)
+        return state
+
+    def load_sharded_state(self, state: dict[str, Any]) -> None:
+        """Put back what sharded_state gave (filled from a checkpoint)."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        for name, module, optimizer in self._stateful():
+            key = OPTIMIZER_OF[name]
+            if name not in state or key not in state:
+                raise ValueError(f"the checkpoint has no {name} (not a PPO run?)")
+            set_state_dict(
+                module, optimizer, model_state_dict=state[name], optim_state_dict=state[key]
+            )
+
+    def state_parts(self) -> dict[str, Any]:
+        """The small state, identical on every rank: the schedules."""
+        parts: dict[str, Any] = {"scheduler": self.scheduler.state_dict()}
+        if self.critic_scheduler is not None:
             parts["critic_scheduler"] = self.critic_scheduler.state_dict()
         return parts
 
     def load_parts(self, parts: dict[str, Any]) -> None:
-        self.policy.load_state_dict(parts["policy"])
-        self.optimizer.load_state_dict(parts["optimizer"])
         self.scheduler.load_state_dict(parts["scheduler"])
-        if self.critic is not None:
-            missing = [
-                p for p in ("critic", "critic_optimizer", "critic_scheduler") if p not in parts
-            ]
-            if missing:
-                raise ValueError(f"the checkpoint has no {', '.join(missing)} (not a PPO run?)")
-            assert self.critic_optimizer is not None and self.critic_scheduler is not None
-            self.critic.load_state_dict(parts["critic"])
-            self.critic_optimizer.load_state_dict(parts["critic_optimizer"])
+        if self.critic_scheduler is not None:
+            if "critic_scheduler" not in parts:
+                raise ValueError("the checkpoint has no critic_scheduler (not a PPO run?)")
             self.critic_scheduler.load_state_dict(parts["critic_scheduler"])

@@ -28,9 +28,10 @@ from rlx.trainer.checkpoint import (
     resolve_resume,
     restore_rng_state,
 )
-from rlx.trainer.checkpointing import (
+from rlx.trainer.checkpoint.training import (
     CONTROLLER_RNG,
     KILL_HOOK_ENV,
+    LEARNER_STATE,
     TRAINER_STATE,
     kill_after_step,
     load_parts,
@@ -127,6 +128,8 @@ class Trainer:
             else CheckpointManager(ckpt, inputs.paths.run_id, settings.checkpoint.keep)
         )
         self.logger: MetricsLogger | None = None
+        self.checkpoint_bytes: int | None = None  # size on disk of the last save
+        self.exported: Path | None = None  # the Hugging Face folder written at the end
 
     def say(self, message: str) -> None:
         print(message, file=self.out, flush=True)
@@ -164,6 +167,7 @@ class Trainer:
                     kill_after_step(os.environ.get(KILL_HOOK_ENV), step)
         finally:
             self.logger.close()
+        self.exported = self.export()
         return max(start, settings.steps)
 
     def cluster_report(self) -> None:
@@ -286,6 +290,8 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
 
     def save(self, step: int) -> Path:
+        """Every rank writes its shard into one temporary folder picked here; rank 0 adds the
+        small parts and commits it."""
         assert self.manager is not None
         state = {
             "step": step,
@@ -295,8 +301,10 @@ class Trainer:
         }
         controller_parts = {TRAINER_STATE: state, CONTROLLER_RNG: capture_rng_state()}
         rng_states = self.cluster.call_all("rng_state")
-        path = self.cluster.call_rank0(
+        temporary = self.manager.begin(step)
+        saved = self.cluster.call_all(
             "save_checkpoint",
+            str(temporary),
             str(self.manager.root),
             self.manager.run_id,
             self.manager.keep,
@@ -304,8 +312,33 @@ class Trainer:
             controller_parts,
             rng_states,
             os.environ.get(KILL_HOOK_ENV),  # read now: a test hook
+        )[0]
+        self.checkpoint_bytes = saved["bytes"]
+        self.say(f"checkpoint {saved['path']} ({format_bytes(saved['bytes'])} on disk)")
+        return Path(saved["path"])
+
+    def export(self) -> Path | None:
+        """The newest checkpoint as a Hugging Face folder, <run folder>/model."""
+        if self.manager is None or (latest := self.manager.latest()) is None:
+            return None
+        from rlx.trainer.checkpoint.export import export_checkpoint
+
+        try:
+            exported = export_checkpoint(latest, self.inputs.paths.run_dir / "model", replace=True)
+        except (RlxError, OSError, ValueError) as exc:
+            # The run itself succeeded and its checkpoint is complete: say how to retry.
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            print(
+                f"warning: no Hugging Face export ({first}); try `rlx export {latest} OUT`",
+                file=self.err,
+                flush=True,
+            )
+            return None
+        self.say(
+            f"exported {latest.name} to {exported.folder} ({exported.dtype}, "
+            f"{format_bytes(exported.bytes)})"
         )
-        return Path(path)
+        return exported.folder
 
     def resume(self) -> int:
         """Load the checkpoint the settings point at (none: start at step 0). Returns its step."""
@@ -321,7 +354,12 @@ class Trainer:
         if path is None:
             self.cluster.sync_weights(0, self.inputs.probe, push=False)
             return 0
-        parts = load_parts(path, (TRAINER_STATE, CONTROLLER_RNG))
+        parts = load_parts(path, (TRAINER_STATE, CONTROLLER_RNG, LEARNER_STATE))
+        if LEARNER_STATE not in parts:
+            raise RlxError(
+                f"checkpoint {path} is a single-file checkpoint of an older rlx; resume it "
+                "with that version, or set RLX_RUN_ID to start a new run"
+            )
         state = parts[TRAINER_STATE]
         if state["algorithm"] != self.settings.algorithm:
             raise RlxError(
@@ -333,10 +371,14 @@ class Trainer:
         except ValueError as exc:
             raise RlxError(f"cannot resume from {path}: {exc}") from None
         restore_rng_state(parts[CONTROLLER_RNG])
-        restored = self.cluster.call_all("load_checkpoint", str(path))
+        loaded = self.cluster.call_all("load_checkpoint", str(path))
         step = int(state["step"])
-        self.say(f"resumed from {path} (step {step})")
-        if not all(restored):
+        memory = max(report["host_bytes"] for report in loaded)
+        self.say(
+            f"resumed from {path} (step {step}); loading took at most {format_bytes(memory)} "
+            "of host memory per training worker"
+        )
+        if not all(report["rng"] for report in loaded):
             self.say(
                 f"note: the checkpoint has {state['world_size']} training workers' random "
                 f"states and this run has {self.cluster.plan.train_workers}; their random "
@@ -344,6 +386,15 @@ class Trainer:
             )
         self.cluster.sync_weights(step, self.inputs.probe)
         return step
+
+
+def format_bytes(count: int | None) -> str:
+    if count is None:
+        return "size unknown"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{count} B"
 
 
 class _Timer:

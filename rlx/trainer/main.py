@@ -222,6 +222,8 @@ def run_training(
         try:
             with training_session(recipe, env, paths, out, err, stop) as trainer:
                 result.last_step = trainer.run()
+                result.checkpoint_bytes = trainer.checkpoint_bytes
+                result.model = None if trainer.exported is None else str(trainer.exported)
             finish(result, paths)
             result.state, result.exit_code = "SUCCEEDED", 0
         except Stopped as stop:

@@ -36,6 +36,8 @@ class RunResult:
     plot: str | None = None
     log: str | None = None
     checkpoints: str | None = None
+    checkpoint_bytes: int | None = None  # size on disk of the last checkpoint saved
+    model: str | None = None  # the Hugging Face folder exported at the end
     error: str | None = None
 
 
@@ -94,5 +96,10 @@ def summary_lines(result: RunResult) -> list[str]:
         f"log: {result.log}",
     ]
     if result.checkpoints:
-        lines.append(f"checkpoints: {result.checkpoints}")
+        size = ""
+        if result.checkpoint_bytes is not None:
+            size = f" (last one {result.checkpoint_bytes / 2**20:.1f} MiB on disk)"
+        lines.append(f"checkpoints: {result.checkpoints}{size}")
+    if result.model:
+        lines.append(f"model (Hugging Face folder): {result.model}")
     return lines

@@ -17,8 +17,25 @@ import torch
 
 from rlx.recipe.model import TrainerSettings
 from rlx.trainer.batching import SequenceBatch
-from rlx.trainer.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
-from rlx.trainer.checkpointing import LEARNER_PARTS, WORKER_RNG, kill_hook_for_save, load_parts
+from rlx.trainer.checkpoint import (
+    CheckpointManager,
+    capture_rng_state,
+    read_marker,
+    restore_rng_state,
+)
+from rlx.trainer.checkpoint.training import (
+    EXPORT_INFO,
+    HF_FILES,
+    LEARNER_PARTS,
+    LEARNER_STATE,
+    WORKER_RNG,
+    copy_model_files,
+    kill_hook_for_save,
+    load_learner_state,
+    load_parts,
+    model_files_folder,
+    save_learner_state,
+)
 from rlx.trainer.engines import ColocatedEngine, EngineReport, Probe, make_colocated_engine
 from rlx.trainer.learner import Learner, UpdateStats, needs_old_logprobs
 from rlx.trainer.models import autocast, compute_dtype
@@ -101,6 +118,24 @@ def _rss_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _reset_peak_rss() -> bool:
+    """Start measuring the process's peak resident memory afresh (Linux: clear_refs 5)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def _peak_rss_bytes() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return _rss_bytes()
+
+
 def _vllm_options(settings: TrainerSettings, tensor_parallel: int) -> dict[str, Any]:
     rollout = settings.rollout
     return {
@@ -140,6 +175,7 @@ class TrainWorker:
         self.device = _prepare_process(spec, "train-worker")
         self.learner: Learner | None = None
         self.engine: ColocatedEngine | None = None
+        self.model_files: Path | None = None  # config and tokenizer files, for checkpoints
 
     # ------------------------------------------------------------------ set-up
 
@@ -279,6 +315,7 @@ class TrainWorker:
 
     def save_checkpoint(
         self,
+        folder: str,
         root: str,
         run_id: str,
         keep: int,
@@ -286,25 +323,59 @@ class TrainWorker:
         controller_parts: dict[str, Any],
         rng_states: list[dict[str, Any]],
         kill_spec: str | None,
-    ) -> str:
+    ) -> dict[str, Any] | None:
+        """Write this rank's shard into the save's temporary folder (every rank, together);
+        rank 0 then adds the small parts and commits the folder. Rank 0 returns the complete
+        checkpoint's path and size on disk, the other ranks None."""
+        learner = self._learner()
+        temporary = Path(folder)
+        save_learner_state(learner.sharded_state(), temporary / LEARNER_STATE)
+        if self.spec.rank != 0:
+            return None
+        hook = kill_hook_for_save(kill_spec, step)
+        if hook is not None:
+            hook(f"part:{LEARNER_STATE}")
+        manager = CheckpointManager(Path(root), run_id, keep)
         parts = {
-            **self._learner().state_parts(),
+            **learner.state_parts(),
             **controller_parts,
             WORKER_RNG: {"workers": rng_states},
+            EXPORT_INFO: {"dtype": dtype_name(learner.dtype)},
         }
-        manager = CheckpointManager(Path(root), run_id, keep)
-        return str(manager.save(step, parts, _after_phase=kill_hook_for_save(kill_spec, step)))
+        entries = manager.write_parts(temporary, parts, hook)
+        if self.model_files is None:
+            self.model_files = model_files_folder(self.spec.policy_path)
+        copy_model_files(self.model_files, temporary / HF_FILES)
+        entries[LEARNER_STATE] = {"file": LEARNER_STATE, "format": "dcp"}
+        entries[HF_FILES] = {"file": HF_FILES, "format": "folder"}
+        final = manager.commit(temporary, step, entries, _after_phase=hook)
+        marker = read_marker(final)
+        return {"path": str(final), "bytes": None if marker is None else marker["bytes"]}
 
-    def load_checkpoint(self, path: str) -> bool:
-        """Load this rank's parts; True when its RNG state was restored too (the checkpoint
-        came from a run with as many ranks)."""
-        parts = load_parts(Path(path), (*LEARNER_PARTS, WORKER_RNG))
-        self._learner().load_parts(parts)
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        """Load this rank's share of the checkpoint. Returns {"rng": whether its RNG state
+        was restored too (the checkpoint came from a run with as many ranks), "host_bytes":
+        the host memory the load took at its peak, above what the process held before}."""
+        parts = load_parts(Path(path), (LEARNER_STATE, *LEARNER_PARTS, WORKER_RNG))
+        if LEARNER_STATE not in parts:
+            raise ValueError(
+                f"{path} is a single-file checkpoint of an older rlx; resume it with that "
+                "version, or train anew"
+            )
+        learner = self._learner()
+        before = _rss_bytes()
+        peak_reset = _reset_peak_rss()
+        state = learner.sharded_state()
+        load_learner_state(state, parts[LEARNER_STATE])
+        learner.load_sharded_state(state)
+        del state
+        peak = _peak_rss_bytes() if peak_reset else _rss_bytes()
+        learner.load_parts(parts)
         states = parts.get(WORKER_RNG, {}).get("workers", [])
-        if len(states) == self.spec.world_size:
+        restored = len(states) == self.spec.world_size
+        if restored:
             restore_rng_state(states[self.spec.rank])
-            return True
-        return False
+        return {"rng": restored, "host_bytes": max(peak - before, 0)}
 
     def close(self) -> None:
         if self.engine is not None and not self.engine.shares_policy:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -397,3 +398,225 @@ def test_resolve_resume(tmp_path: Path) -> None:
         resolve_resume(str(newest / MARKER), manager)
     with pytest.raises(RlxError, match=r"run folder; did you mean .*step-000002"):
         resolve_resume(str(tmp_path / "run"), manager)
+
+
+# --------------------------------------------------------------------------- sharded (DCP)
+# Training workers as in a run (the same class Ray places), in processes of their own with
+# a real gloo group: a save at 2 ranks is read back at 3 ranks and exported.
+
+STRATEGIES = ("ddp", "fsdp")
+
+
+def _worker_settings(tmp: Path, strategy: str) -> Any:
+    from .helpers import make_recipe
+
+    recipe = make_recipe(
+        tmp,
+        algorithm="ppo",
+        rollout={"n": 4, "max_new_tokens": 12},
+        batch={"prompts_per_step": 3, "micro_batch_size": 2},
+        optim={"critic_lr": 2.0e-3},
+        parallel={"strategy": strategy},
+    )
+    return recipe.trainer
+
+
+def _start_worker(rank: int, world: int, port: int, tmp: Path, model: str, strategy: str) -> Any:
+    from rlx.trainer.workers import TrainWorker, WorkerSpec
+
+    spec = WorkerSpec(
+        _worker_settings(tmp, strategy), model, model, rank, world, world, 1, "hf", False, False
+    )
+    worker = TrainWorker(spec)
+    worker.setup("127.0.0.1", port)
+    return worker
+
+
+def _update_share(worker: Any, batch: Any, step: int) -> Any:
+    rank, world = worker.spec.rank, worker.spec.world_size
+    share = len(batch) // world
+    rows = range(rank * share, (rank + 1) * share)
+    return worker.update(batch.select(rows), step, True, None).stats
+
+
+def _full_state(worker: Any) -> dict[str, Any]:
+    """Every tensor of the policy, critic and both optimisers, whole, on the CPU (collective
+    under FSDP)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    learner = worker.learner
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    policy, optimizer = get_state_dict(learner.policy, learner.optimizer, options=options)
+    critic, critic_optimizer = get_state_dict(
+        learner.critic, learner.critic_optimizer, options=options
+    )
+    # Copies: on the CPU these are the live parameters, which the next update moves.
+    policy, critic, optimizer, critic_optimizer = copy.deepcopy(
+        (policy, critic, optimizer, critic_optimizer)
+    )
+    return {
+        "policy": policy,
+        "optimizer": optimizer.get("state", {}),  # rank 0 alone gets them whole
+        "critic": critic,
+        "critic_optimizer": critic_optimizer.get("state", {}),
+    }
+
+
+def _save_at(rank: int, world: int, port: int, tmp: str, model: str, strategy: str) -> None:
+    """One update at `world` ranks, then the run's save: every rank its shard, rank 0 the
+    rest; rank 0 keeps the whole state and the policy's logits as the reference."""
+    import torch.distributed as dist
+
+    from rlx.trainer.checkpoint.training import CONTROLLER_RNG, TRAINER_STATE
+
+    torch.set_num_threads(1)
+    folder = Path(tmp)
+    worker = _start_worker(rank, world, port, folder, model, strategy)
+    batch = torch.load(folder / "batch.pt", weights_only=False)
+    _update_share(worker, batch, 1)
+    rng_states: list[Any] = [None] * world
+    dist.all_gather_object(rng_states, worker.rng_state())
+    manager = CheckpointManager(folder / "ckpt", "run", 2)
+    temporary = [str(manager.begin(1)) if rank == 0 else ""]
+    dist.broadcast_object_list(temporary)
+    controller = {
+        TRAINER_STATE: {"step": 1, "world_size": world, "algorithm": "ppo"},
+        CONTROLLER_RNG: capture_rng_state(),
+    }
+    saved = worker.save_checkpoint(
+        temporary[0], str(manager.root), "run", 2, 1, controller, rng_states, None
+    )
+    full = _full_state(worker)
+    with torch.no_grad():
+        logits = worker.learner.policy(batch.input_ids).logits  # (B, T, V)
+    if rank == 0:
+        torch.save({"saved": saved, "state": full, "logits": logits}, folder / "reference.pt")
+    worker.close()
+
+
+def _resume_at(rank: int, world: int, port: int, tmp: str, model: str, strategy: str) -> None:
+    """Load the checkpoint at `world` ranks; rank 0 keeps the whole state as loaded, every
+    rank's load report, and the numbers of one more update."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    folder = Path(tmp)
+    worker = _start_worker(rank, world, port, folder, model, strategy)
+    path = torch.load(folder / "reference.pt", weights_only=False)["saved"]["path"]
+    report = worker.load_checkpoint(path)
+    full = _full_state(worker)
+    reports: list[Any] = [None] * world
+    dist.all_gather_object(reports, report)
+    batch = torch.load(folder / "batch.pt", weights_only=False)
+    stats = _update_share(worker, batch, 2)
+    if rank == 0:
+        torch.save({"state": full, "reports": reports, "stats": stats}, folder / "resumed.pt")
+    worker.close()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def ppo_batch(tiny_model_dir: Path) -> Any:
+    """12 samples (3 prompts x 4) with advantages and returns: splits over 2 and 3 ranks."""
+    from rlx.trainer.batching import pack_rollout
+    from rlx.trainer.learner import ADVANTAGES, RETURNS
+    from rlx.trainer.rollout import HFEngine
+
+    engine = HFEngine(tiny_model_dir)
+    prompts = [[256, 72, 105], [256, 65, 66, 67, 68], [256, 49]]
+    batch = pack_rollout(engine.generate(prompts, 4, max_new_tokens=12, min_new_tokens=3, seed=0))
+    generator = torch.Generator().manual_seed(0)
+    mask = batch.response_mask
+    advantages = torch.where(mask, torch.randn(mask.shape, generator=generator), 0.0)
+    return batch.with_fields(**{ADVANTAGES: advantages, RETURNS: torch.where(mask, 0.5, 0.0)})
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_save_at_two_ranks_resumes_at_three_and_exports(
+    tmp_path: Path, tiny_model_dir: Path, ppo_batch: Any, strategy: str
+) -> None:
+    import torch.multiprocessing as mp
+    from transformers import AutoModelForCausalLM
+
+    from rlx.trainer.checkpoint.export import export_checkpoint
+
+    torch.save(ppo_batch, tmp_path / "batch.pt")
+    model = str(tiny_model_dir)
+    mp.spawn(_save_at, args=(2, _free_port(), str(tmp_path), model, strategy), nprocs=2)
+    reference = torch.load(tmp_path / "reference.pt", weights_only=False)
+    saved = Path(reference["saved"]["path"])
+    assert read_marker(saved) is not None and reference["saved"]["bytes"] > 0
+    shards = sorted(p.name for p in (saved / "learner").glob("*.distcp"))
+    assert shards == ["__0_0.distcp", "__1_0.distcp"]  # each rank wrote its own file
+
+    mp.spawn(_resume_at, args=(3, _free_port(), str(tmp_path), model, strategy), nprocs=3)
+    resumed = torch.load(tmp_path / "resumed.pt", weights_only=False)
+    want, got = reference["state"], resumed["state"]
+    for part in ("policy", "critic"):
+        assert got[part].keys() == want[part].keys()
+        for name, tensor in want[part].items():
+            assert torch.equal(got[part][name], tensor), (part, name)
+    for part in ("optimizer", "critic_optimizer"):
+        assert got[part].keys() == want[part].keys()
+        for name, state in want[part].items():
+            for key, value in state.items():
+                assert torch.equal(torch.as_tensor(got[part][name][key]), torch.as_tensor(value))
+    assert [r["rng"] for r in resumed["reports"]] == [False] * 3  # 2 states for 3 ranks
+    learner_bytes = sum(p.stat().st_size for p in (saved / "learner").iterdir())
+    for report in resumed["reports"]:
+        assert 0 <= report["host_bytes"] < 256 * 2**20 + 4 * learner_bytes
+    assert math.isfinite(resumed["stats"].same["grad_norm"]) and resumed["stats"].updates > 0
+
+    out = tmp_path / "exported"
+    exported = export_checkpoint(saved, out)
+    assert exported.dtype == "float32" and (out / "model.safetensors").is_file()
+    assert {"config.json", "generation_config.json", "tokenizer.json"} <= {
+        p.name for p in out.iterdir()
+    }
+    hf_model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf_model(ppo_batch.input_ids).logits  # (B, T, V)
+    assert float((logits - reference["logits"]).abs().max()) <= 1e-5
+
+
+def rlx_export(*args: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLX_")}
+    env["PYTHONPATH"] = f"{REPO_ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    return subprocess.run(
+        [sys.executable, "-m", "rlx", "export", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+
+
+def test_export_refuses_what_it_cannot_export_in_one_line(tmp_path: Path) -> None:
+    old = CheckpointManager(tmp_path / "ckpt", "old", 1)
+    old_format = old.save(1, {"policy": {"w": torch.zeros(2)}})  # a single-file checkpoint
+    (old.run_dir / "step-000002").mkdir()  # an interrupted save
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "file.txt").write_text("x")
+    cases = {
+        tmp_path / "missing": "does not exist",
+        tmp_path / "file.txt": "is not a folder",
+        tmp_path / "plain": "is not a checkpoint",
+        old.run_dir / "step-000002": "interrupted save",
+        old.run_dir: f"did you mean {old_format}",
+        old_format: "written by an older rlx",
+    }
+    for source, message in cases.items():
+        result = rlx_export(source, tmp_path / "out")
+        assert result.returncode == 1, (source, result.stderr)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
+        assert message in lines[0], lines[0]
+    assert not (tmp_path / "out").exists()

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rlx.trainer.batching import SequenceBatch, pack_rollout
+from rlx.trainer.checkpoint.training import load_learner_state, save_learner_state
 from rlx.trainer.learner import (
     ADVANTAGES,
     OLD_LOGP,
@@ -174,6 +175,10 @@ def test_state_parts_restore_a_learner_exactly(tmp_path, tiny_model_dir, step_ba
     )
     first.update(batch, step=1)
     second = Learner(conf, str(tiny_model_dir), str(tiny_model_dir), torch.device("cpu"))
+    save_learner_state(first.sharded_state(), tmp_path / "learner")
+    state = second.sharded_state()
+    load_learner_state(state, tmp_path / "learner")
+    second.load_sharded_state(state)
     second.load_parts(copy.deepcopy(first.state_parts()))  # as if through a file
     first.update(batch, step=2)
     second.update(batch, step=2)

@@ -1,13 +1,16 @@
 """Atomic, resumable checkpoints: <root>/<run id>/step-000050/, one folder per saved step.
 
-A save writes every part into a hidden temporary sibling (.step-000050.tmp-<random>), fsyncs
-each file and the folder, renames it into place, and only then writes the COMPLETE marker
+A save writes every part into a hidden temporary sibling (.step-000050.tmp-<random>): the
+small parts as single files, the sharded training state as a torch.distributed.checkpoint
+folder to which every rank writes its own shard. One process then fsyncs each file and the
+folder, renames it into place, and only then writes the COMPLETE marker
 (itself written to a temporary name, fsynced and renamed) and fsyncs the parent. A folder
 without the marker is an interrupted save: it is never resumed from and the next save removes
 it, together with stale temporary folders. Older checkpoints are rotated out only once the
 new one is complete, so a save killed at any point leaves the previous checkpoint resumable.
 
-One process saves into a run folder at a time (the single controller on the head node).
+One save into a run folder at a time: the controller picks the temporary folder (begin),
+the ranks fill it, rank 0 commits it.
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ from typing import Any
 from rlx import __version__
 from rlx.errors import RlxError
 from rlx.trainer.checkpoint.parts import (
-    describe_file,
     fsync_path,
     read_part,
     sha256_of,
@@ -40,6 +42,9 @@ STEP_DIR = re.compile(r"step-(?P<step>[0-9]{6,})")
 LEFTOVER_DIR = re.compile(r"\.step-[0-9]{6,}\.(tmp|old)-[0-9a-f]+")
 PART_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")
 RESERVED_PART_NAMES = frozenset({"step", MARKER})
+
+# Files up to this size get a sha256 in the marker (the small parts); shards only a size.
+HASHED_BYTES = 64 << 20
 
 RUN_ID_CHARS = re.compile(r"[^A-Za-z0-9_.-]+")
 MAX_RUN_ID_LENGTH = 128
@@ -85,6 +90,49 @@ def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def check_part_name(name: str) -> None:
+    if not PART_NAME.fullmatch(name) or name in RESERVED_PART_NAMES:
+        raise ValueError(
+            f"checkpoint part name {name!r} must match {PART_NAME.pattern} "
+            f"and not be one of {sorted(RESERVED_PART_NAMES)}"
+        )
+
+
+def describe_tree(folder: Path) -> list[dict[str, Any]]:
+    """Every file under folder (fsynced, with the folders), by relative name: its size, and
+    for files up to HASHED_BYTES its sha256. Shards are not hashed: reading back every rank's
+    shard on one process would cost as much as the save."""
+    files = []
+    for path in sorted(folder.rglob("*")):
+        if path.is_dir():
+            fsync_path(path)
+            continue
+        fsync_path(path)
+        entry: dict[str, Any] = {
+            "name": path.relative_to(folder).as_posix(),
+            "bytes": path.stat().st_size,
+        }
+        if entry["bytes"] <= HASHED_BYTES:
+            entry["sha256"] = sha256_of(path)
+        files.append(entry)
+    fsync_path(folder)
+    return files
+
+
+def verify_files(path: Path, files: list[dict[str, Any]], prefixes: tuple[str, ...] = ()) -> None:
+    """Check the marker's files (those under prefixes, when given) against their recorded
+    size and digest, so damage is reported as such instead of failing inside a loader."""
+    for file in files:
+        name = file["name"]
+        if prefixes and not any(name == p or name.startswith(f"{p}/") for p in prefixes):
+            continue
+        target = path / name
+        if not target.is_file() or target.stat().st_size != file["bytes"]:
+            raise RlxError(f"checkpoint {path}: {name} is missing or truncated")
+        if "sha256" in file and sha256_of(target) != file["sha256"]:
+            raise RlxError(f"checkpoint {path}: {name} does not match its checksum")
+
+
 # --------------------------------------------------------------------------- the manager
 
 
@@ -128,35 +176,58 @@ class CheckpointManager:
         "written" once the temporary folder is synced, "renamed" once it is in place,
         "marked" once the marker is durable, and "rotated" at the end.
         """
+        temporary = self.begin(step)
+        try:
+            entries = self.write_parts(temporary, parts, _after_phase)
+        except BaseException:
+            shutil.rmtree(temporary, ignore_errors=True)
+            raise
+        return self.commit(temporary, step, entries, _after_phase=_after_phase)
+
+    def begin(self, step: int) -> Path:
+        """A fresh temporary folder for step's checkpoint, after clearing what interrupted
+        saves left. Several processes may write into it (each rank its own shard files);
+        one then calls commit."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        for name in parts:
-            if not PART_NAME.fullmatch(name) or name in RESERVED_PART_NAMES:
-                raise ValueError(
-                    f"checkpoint part name {name!r} must match {PART_NAME.pattern} "
-                    f"and not be one of {sorted(RESERVED_PART_NAMES)}"
-                )
-        hook = _after_phase or (lambda phase: None)
         self.root.mkdir(parents=True, exist_ok=True)
         if not self.run_dir.is_dir():
             self.run_dir.mkdir(exist_ok=True)
             fsync_path(self.root)
         self._remove_leftovers()
+        return self._fresh_sibling(self.run_dir / f"step-{step:06d}", "tmp")
 
-        final = self.run_dir / f"step-{step:06d}"
-        temporary = self._fresh_sibling(final, "tmp")
-        try:
-            entries = {}
-            for name, value in parts.items():
-                entries[name] = write_part(temporary, name, value)
-                hook(f"part:{name}")
-            fsync_path(temporary)
-            files = [describe_file(temporary / entry["file"]) for entry in entries.values()]
-        except BaseException:
-            shutil.rmtree(temporary, ignore_errors=True)
-            raise
+    def write_parts(
+        self, folder: Path, parts: Mapping[str, Any], _after_phase: PhaseHook | None = None
+    ) -> dict[str, dict[str, str]]:
+        """Write each part into folder (see save); returns the entries commit records."""
+        hook = _after_phase or (lambda phase: None)
+        for name in parts:
+            check_part_name(name)
+        entries = {}
+        for name, value in parts.items():
+            entries[name] = write_part(folder, name, value)
+            hook(f"part:{name}")
+        return entries
+
+    def commit(
+        self,
+        temporary: Path,
+        step: int,
+        entries: Mapping[str, Mapping[str, str]],
+        *,
+        _after_phase: PhaseHook | None = None,
+    ) -> Path:
+        """Make a filled temporary folder step's complete checkpoint: sync it, rename it into
+        place, write the COMPLETE marker (every file with its size; small files with their
+        sha256 too), then rotate. entries: each part's file (or folder) and format."""
+        hook = _after_phase or (lambda phase: None)
+        for name in entries:
+            check_part_name(name)
+        files = describe_tree(temporary)
         hook("written")
 
+        final = self.run_dir / f"step-{step:06d}"
         replaced = None
         if final.exists():
             # An older save of this step (complete or not): move it aside, drop it below.
@@ -172,7 +243,8 @@ class CheckpointManager:
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "unix_time": time.time(),
             "rlx_version": __version__,
-            "parts": entries,
+            "bytes": sum(file["bytes"] for file in files),
+            "parts": dict(entries),
             "files": files,
         }
         write_synced(final / f".{MARKER}.tmp", json.dumps(marker, indent=1).encode())
@@ -198,12 +270,7 @@ class CheckpointManager:
         if marker is None:
             raise RlxError(f"{path} is not a complete checkpoint (no valid {MARKER} marker)")
         if verify:
-            for file in marker["files"]:
-                target = path / file["name"]
-                if not target.is_file() or target.stat().st_size != file["bytes"]:
-                    raise RlxError(f"checkpoint {path}: {file['name']} is missing or truncated")
-                if sha256_of(target) != file["sha256"]:
-                    raise RlxError(f"checkpoint {path}: {file['name']} does not match its checksum")
+            verify_files(path, marker["files"])
         loaded: dict[str, Any] = {"step": marker["step"]}
         for name, entry in marker["parts"].items():
             loaded[name] = read_part(path, entry)

@@ -1,0 +1,160 @@
+"""What a training checkpoint holds, and reading back only the parts a process needs.
+
+Every training rank writes its own shard of the large state, rank 0 adds the small parts
+the controller hands it and commits the folder (store.py's protocol). Parts:
+
+    learner                 folder in torch.distributed.checkpoint (DCP) format: "policy",
+                            "optimizer", and for PPO "critic", "critic_optimizer", keyed by
+                            the model's parameter names; each rank writes its shard and
+                            reads back what its own sharding needs, at any number of ranks
+    scheduler               the schedules (identical on every rank)
+    critic_scheduler        PPO only
+    rng                     {"workers": [state of rank 0, 1, ...]}
+    controller_rng          the controller's generators
+    trainer_state           step, sampler position, ranks, algorithm (JSON)
+    export                  the dtype an export writes (the run's compute dtype)
+    hf/                     the policy's config, generation config and tokenizer files, so
+                            `rlx export` can write a Hugging Face folder from the checkpoint
+                            alone
+
+Every rank, and the controller, load their parts from the same folder on resume (shared
+storage on multi-node jobs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from rlx.errors import RlxError
+from rlx.trainer.checkpoint import read_marker
+from rlx.trainer.checkpoint.parts import read_part
+from rlx.trainer.checkpoint.store import verify_files
+
+LEARNER_STATE = "learner"
+LEARNER_PARTS = ("scheduler", "critic_scheduler")
+WORKER_RNG = "rng"
+CONTROLLER_RNG = "controller_rng"
+TRAINER_STATE = "trainer_state"
+HF_FILES = "hf"
+EXPORT_INFO = "export"  # {"dtype": the dtype an export writes: the run's compute dtype}
+
+# What a model folder holds besides its weights: copied into every checkpoint (small).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt", ".gguf")
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+# Test hook, read when a step ends or a save starts (never at import): "step:N" kills the
+# controller once step N (and its checkpoint) is done; "save:N:PHASE" kills the worker
+# writing step N's checkpoint right after PHASE (a CheckpointManager.save phase such as
+# "part:optimizer", "written", "renamed"). Used by the resume and crash tests.
+KILL_HOOK_ENV = "RLX_TEST_KILL_AT"
+
+
+def load_parts(path: Path, names: Iterable[str]) -> dict[str, Any]:
+    """The named parts of a complete checkpoint (those it has), each file checked against
+    the size (and for small files the digest) its COMPLETE marker recorded. A DCP part comes
+    back as its folder's path."""
+    marker = read_marker(path)
+    if marker is None:
+        raise RlxError(f"{path} is not a complete checkpoint (no valid COMPLETE marker)")
+    out: dict[str, Any] = {}
+    for name in names:
+        entry = marker["parts"].get(name)
+        if entry is None:
+            continue
+        verify_files(path, marker["files"], (entry["file"],))
+        out[name] = read_part(path, entry)
+    out["step"] = marker["step"]
+    return out
+
+
+# The small files of a hub model, fetched (or found in the cache) for a checkpoint's hf/.
+MODEL_FILE_PATTERNS = ["*.json", "*.txt", "*.model", "*.jinja", "*.py", "*.tiktoken"]
+
+
+def model_files_folder(policy_path: str) -> Path:
+    """A local folder holding the model's config and tokenizer files: policy_path itself, or
+    for a hub id its snapshot in the Hugging Face cache (small files only)."""
+    folder = Path(policy_path).expanduser()
+    if folder.is_dir():
+        return folder
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(policy_path, allow_patterns=MODEL_FILE_PATTERNS))
+
+
+def copy_model_files(source: Path, target: Path) -> None:
+    """The small files of a Hugging Face model folder (config, generation config, tokenizer,
+    chat template; not the weights) into target."""
+    target.mkdir(parents=True, exist_ok=True)
+    for path in sorted(Path(source).iterdir()):
+        if not path.is_file() or path.name.startswith("."):
+            continue
+        if path.name.endswith(WEIGHT_SUFFIXES) or path.name in WEIGHT_INDEXES:
+            continue
+        shutil.copyfile(path, target / path.name)
+
+
+def save_learner_state(state: dict[str, Any], folder: Path) -> None:
+    """Write this rank's shard of state (collective: every training rank calls it)."""
+    import torch.distributed.checkpoint as dcp
+
+    with single_process_quiet():
+        dcp.save(
+            state,
+            storage_writer=dcp.FileSystemWriter(str(folder), sync_files=True),
+            no_dist=not distributed(),
+        )
+
+
+def load_learner_state(state: dict[str, Any], folder: Path) -> None:
+    """Fill state in place from a DCP folder: each rank reads only what its tensors (whole,
+    or its FSDP shards) cover; DCP reshards when the rank count changed."""
+    import torch.distributed.checkpoint as dcp
+
+    with single_process_quiet():
+        reader = dcp.FileSystemReader(str(folder))
+        dcp.load(state, storage_reader=reader, no_dist=not distributed())
+
+
+@contextlib.contextmanager
+def single_process_quiet() -> Iterator[None]:
+    """Silence DCP's warning that it runs without a process group: one rank (or the
+    exporter) reading or writing alone is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to .* single")
+        yield
+
+
+def distributed() -> bool:
+    """Whether this process is one rank of a process group (else DCP works alone)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def kill_hook_for_save(spec: str | None, step: int) -> Callable[[str], None] | None:
+    """The CheckpointManager phase hook a 'save:N:PHASE' test spec asks for at this step."""
+    if not spec or not spec.startswith("save:"):
+        return None
+    _, at_step, phase = spec.split(":", 2)
+    if int(at_step) != step:
+        return None
+
+    def hook(current: str) -> None:
+        if current == phase:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
+
+
+def kill_after_step(spec: str | None, step: int) -> None:
+    """Honour a 'step:N' test spec: die at once, as a killed job would."""
+    if spec and spec.startswith("step:") and int(spec.split(":", 1)[1]) == step:
+        os.kill(os.getpid(), signal.SIGKILL)
