@@ -57,6 +57,7 @@ from rlx.trainer.metrics import (
     TOKENS_PER_S,
     MetricsLogger,
 )
+from rlx.trainer.parallel import resolve_strategy
 from rlx.trainer.progress import Progress
 from rlx.trainer.resolve import RunPaths
 from rlx.trainer.rewards import RewardFn, score
@@ -174,6 +175,13 @@ class Trainer:
         cluster = self.cluster
         ranks = ", ".join(f"rank {r} on {ip}" for r, ip in enumerate(cluster.train.ips))
         self.say(f"training workers: {ranks}")
+        strategy = resolve_strategy(self.settings.parallel, len(cluster.train.ips))
+        sharding = {
+            "single": "one rank, unsharded",
+            "ddp": "DDP (every rank a full replica)",
+            "fsdp": "FSDP2 (weights, gradients and optimiser state sharded over the ranks)",
+        }[strategy]
+        self.say(f"sharding: {sharding}")
         if cluster.rollout.ips:
             engines = ", ".join(f"{i} on {ip}" for i, ip in enumerate(cluster.rollout.ips))
             self.say(f"rollout workers: {engines}")

@@ -1,7 +1,8 @@
 """The trainer across emulated hosts: SkyPilot's rendered run block runs on each of three
 hosts with the variables SkyPilot injects; the head forms the Ray cluster and runs `rlx
-train`, which places one training worker on every host (CPU-only: one DDP rank per node,
-gloo between them) and trains to the end. Every host runs this checkout's rlx (PYTHONPATH).
+train`, which places one training worker on every host (CPU-only: one rank per node, FSDP2
+over gloo between them) and learns the quickstart task. Every host runs this checkout's rlx
+(PYTHONPATH).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ pytestmark = [pytest.mark.hosts, pytest.mark.timeout(900)]
 
 NODES = 3
 TASK_ID = "sky-train-test"
+STEPS = 40
 
 
 def node_env(tmp_path: Path) -> dict[str, str]:
@@ -46,10 +48,9 @@ def test_training_runs_on_every_host(hosts_factory, tmp_path: Path) -> None:
     hosts: Hosts = hosts_factory(NODES)
     section = trainer_section(
         tmp_path,
-        rollout={"n": 6, "max_new_tokens": 16},
-        batch={"prompts_per_step": 4, "micro_batch_size": 8},
-        steps=3,
-        checkpoint={"dir": str(tmp_path / "ckpt"), "every": 3},
+        batch={"prompts_per_step": 3, "micro_batch_size": 16},  # 48 samples, 16 per rank
+        steps=STEPS,
+        checkpoint={"dir": str(tmp_path / "ckpt"), "every": STEPS},
     )
     recipe = parse_recipe(
         yaml.safe_dump(
@@ -96,9 +97,15 @@ def test_training_runs_on_every_host(hosts_factory, tmp_path: Path) -> None:
         part.split(" on ")[1] for part in workers.removeprefix("training workers: ").split(", ")
     ), workers
     run_dir = tmp_path / "runs" / TASK_ID  # the run id is SkyPilot's task id
-    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [1, 2, 3]
+    assert "sharding: FSDP2" in head, head  # three ranks: sharded by default
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    rewards = [r["reward/mean"] for r in records]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    print(f"FSDP on {NODES} hosts: first 10 steps {first:.3f}, last 10 steps {last:.3f}")
+    assert last > first + 0.1, rewards  # the quickstart task is learned across the hosts
     assert workers in (run_dir / "train.log").read_text()
-    assert (tmp_path / "ckpt" / TASK_ID / "step-000003" / "COMPLETE").is_file()
+    assert (tmp_path / "ckpt" / TASK_ID / f"step-{STEPS:06d}" / "COMPLETE").is_file()
     for host in hosts:
         left = [p.cmdline for p in host.processes()]
         assert left == [], (host.name, left)
