@@ -1,4 +1,5 @@
-"""Checkpoints: exact resume, part formats, rotation, and saves killed at every phase."""
+"""Checkpoints: exact resume, part formats, rotation, saves killed at every phase, sharded
+saves read back at another rank count, and the Hugging Face export."""
 
 from __future__ import annotations
 
