@@ -1,4 +1,5 @@
-"""Checkpoints: exact resume, part formats, rotation, and saves killed at every phase."""
+"""Checkpoints: exact resume, part formats, rotation, saves killed at every phase, sharded
+saves read back at another rank count, and the Hugging Face export."""
 
 from __future__ import annotations
 
@@ -581,10 +582,15 @@ def test_a_save_at_two_ranks_resumes_at_three_and_exports(
     assert {"config.json", "generation_config.json", "tokenizer.json"} <= {
         p.name for p in out.iterdir()
     }
-    hf_model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = hf_model(ppo_batch.input_ids).logits  # (B, T, V)
-    assert float((logits - reference["logits"]).abs().max()) <= 1e-5
+    # Large models go to several files and an index: the same weights, split.
+    split = export_checkpoint(saved, tmp_path / "split", max_shard_bytes=200_000)
+    index = json.loads((tmp_path / "split" / "model.safetensors.index.json").read_text())
+    assert split.files > 1 and len(set(index["weight_map"].values())) == split.files
+    for folder in (out, tmp_path / "split"):
+        hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits = hf_model(ppo_batch.input_ids).logits  # (B, T, V)
+        assert float((logits - reference["logits"]).abs().max()) <= 1e-5
 
 
 def rlx_export(*args: Path) -> subprocess.CompletedProcess[str]:
