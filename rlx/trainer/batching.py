@@ -93,6 +93,28 @@ class SequenceBatch:
         )
 
 
+def micro_batch_rows(
+    batch: SequenceBatch, size: int, max_tokens: int | None = None
+) -> list[list[int]]:
+    """The rows of each forward/backward pass: consecutive pieces of `size` rows, or, with
+    `max_tokens`, rows sorted longest first and packed greedily so that each piece holds at
+    most max_tokens real (prompt + response) tokens; a longer row goes alone. Which rows
+    share a pass never changes the update: losses are divided by the minibatch's counts."""
+    if max_tokens is None:
+        return [list(range(s, min(s + size, len(batch)))) for s in range(0, len(batch), size)]
+    tokens = batch.attention_mask.sum(dim=1).tolist()  # (B,) real tokens per row
+    order = sorted(range(len(batch)), key=lambda row: -tokens[row])
+    pieces: list[list[int]] = []
+    held = 0
+    for row in order:
+        if not pieces or held + tokens[row] > max_tokens:
+            pieces.append([])
+            held = 0
+        pieces[-1].append(row)
+        held += tokens[row]
+    return pieces
+
+
 def concat_rollouts(batches: Sequence[RolloutBatch]) -> RolloutBatch:
     """Join the batches of several engines, in the order given (each keeps its prompt groups)."""
     if not batches:

@@ -290,11 +290,16 @@ class Cluster:
         engines = self.engines
         ranges = split_evenly(len(prompt_ids), len(engines))
         refs = {}
+        idle = []
         for index, (engine, rows) in enumerate(zip(engines, ranges, strict=True)):
             if len(rows):
                 seed = derive_seed(self.settings.seed, "generate", step, index)
                 chunk = [prompt_ids[i] for i in rows]
                 refs[index] = engine.generate.remote(chunk, self.sampling, seed)
+            elif not self.rollout.handles:
+                # A training worker without prompts still takes part: a sharded policy's
+                # forwards are collectives of every rank.
+                idle.append(engine.generate.remote([], self.sampling, 0))
         pending = list(refs.values())
         total = len(prompt_ids) * self.sampling.n
         with _maybe_progress(show_progress, total, "rollout") as progress:
@@ -304,6 +309,7 @@ class Cluster:
                 progress.update(sum(rows_done) * self.sampling.n)
         what = "rollout worker" if self.rollout.handles else "training worker"
         batches = gather([refs[i] for i in sorted(refs)], what)
+        gather(idle, what)
         return concat_rollouts(batches)
 
     def sync_weights(self, version: int, probe: Probe, *, push: bool = True) -> float:
@@ -316,14 +322,17 @@ class Cluster:
                 [w.refresh_engine.remote(version, probe) for w in train], "training worker"
             )
             return self._check_colocated(results, version, probe)
-        policy_ref = train[0].policy_probe.remote(probe)
+        # Every rank scores and publishes (collectives under FSDP); rank 0's result is used.
+        policy_refs = [w.policy_probe.remote(probe) for w in train]
         if push:
-            weights = train[0].publish_weights.remote(self.engine_dtype)  # one object
+            published = [w.publish_weights.remote(self.engine_dtype) for w in train]
+            weights = published[0]  # one object
             refs = [r.load_weights.remote(weights, version, probe) for r in self.rollout.handles]
+            gather(published[1:], "training worker")
         else:
             refs = [r.report.remote(probe) for r in self.rollout.handles]
         reports = gather(refs, "rollout worker")
-        policy_logprob = gather([policy_ref], "training worker")[0]
+        policy_logprob = gather(policy_refs, "training worker")[0]
         return check_engines(reports, version, policy_logprob, probe.tolerance(self.engine_dtype))
 
     def _check_colocated(

@@ -15,7 +15,7 @@ samples from other weights than the ones being updated silently breaks the algor
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,7 +118,10 @@ class ColocatedEngine:
         if self._asleep:
             self.engine.llm.wake_up()  # type: ignore[attr-defined]
             self._asleep = False
-        self.engine.load_weights(policy.state_dict(), version)
+        from rlx.trainer.parallel import named_full_tensors
+
+        # Whole tensors one at a time (a sharded policy gathers each on every rank).
+        self.engine.load_weights(named_full_tensors(policy), version)
 
 
 def make_colocated_engine(
@@ -128,10 +131,14 @@ def make_colocated_engine(
     *,
     dtype: str,
     vllm_options: Mapping[str, Any],
+    collective: Callable[[bool], bool] | None = None,
 ) -> ColocatedEngine:
-    """kind is 'hf' or 'vllm' (already resolved from 'auto')."""
+    """kind is 'hf' or 'vllm' (already resolved from 'auto'). collective: the policy is
+    sharded over the ranks (see HFEngine)."""
     if kind == "hf":
-        return ColocatedEngine(SharedModuleEngine(policy), shares_policy=True)
+        return ColocatedEngine(
+            SharedModuleEngine(policy, collective=collective), shares_policy=True
+        )
     from rlx.trainer.rollout_vllm import VLLMEngine
 
     options = {"enable_sleep_mode": True, **vllm_options}

@@ -5,9 +5,13 @@ ranks); the Ray actor in workers.py only moves batches in and numbers out.
 The update, per step: ppo_epochs passes over this rank's share of the samples, each cut into
 minibatches (one optimiser step each) and those into micro-batches (one forward/backward
 each). Every micro-batch loss is divided by the token and sequence counts of the WHOLE
-minibatch across all ranks (algos.loss_denominators, summed over ranks), and multiplied by
-the world size because DDP averages gradients: the gradient is then the same however the
-minibatch is split over ranks and micro-batches.
+minibatch across all ranks (algos.loss_denominators, summed over ranks), so the gradient the
+optimiser needs is the SUM over ranks and micro-batches. DDP averages, so under DDP the loss
+is multiplied by the world size; FSDP2 is set to sum (parallel.shard). The gradient is then
+the same however the minibatch is split over ranks and micro-batches (test_parallel.py).
+
+How the models are shared between ranks (one module, DDP, FSDP2) is parallel.py's business;
+under FSDP every rank runs the same number of forwards (see _passes).
 """
 
 from __future__ import annotations
@@ -22,17 +26,18 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from rlx.recipe.model import TrainerSettings
-from rlx.trainer import algos
-from rlx.trainer.batching import SequenceBatch
+from rlx.trainer import algos, parallel
+from rlx.trainer.batching import SequenceBatch, micro_batch_rows
 from rlx.trainer.models import (
-    ResponseLogits,
+    ResponseScorer,
+    TokenScores,
     autocast,
     compute_dtype,
     load_causal_lm,
     load_value_model,
     make_optimizer,
-    response_logits,
     response_values,
+    score_responses,
     sequence_logprob,
 )
 from rlx.trainer.seeding import derive_seed
@@ -121,32 +126,74 @@ class Learner:
         self.dtype = compute_dtype(settings.model.dtype, device)
         self.temperature = settings.rollout.temperature
         algo = settings.algo
+        self.strategy = parallel.resolve_strategy(settings.parallel, world_size)
+        trained_shard = frozen_shard = None
+        agree = None
+        if self.strategy == "fsdp":
+            mesh = parallel.make_mesh(device)
+            mixed = self.dtype if self.dtype != torch.float32 else None
+            trained_shard = parallel.ShardSpec(
+                mesh,
+                device,
+                param_dtype=mixed,
+                offload=settings.parallel.offload_optimizer,
+                reshard_after_forward=settings.parallel.reshard_after_forward,
+            )
+            # The frozen reference is stored in the compute dtype already.
+            frozen_shard = parallel.ShardSpec(
+                mesh,
+                device,
+                offload=settings.parallel.offload_reference,
+                reshard_after_forward=settings.parallel.reshard_after_forward,
+            )
+            agree = self._all_ranks
 
-        self.policy = load_causal_lm(settings.model, policy_path, device, trainable=True)
+        self.policy = load_causal_lm(
+            settings.model, policy_path, device, trainable=True, shard=trained_shard
+        )
         self.optimizer, self.scheduler = make_optimizer(
             self.policy, settings.optim, settings.optim.lr, settings.steps
         )
-        self.reference = self.reference_logits = None
+        self.reference = self.reference_scorer = None
         if algo.kl.coef > 0:
-            self.reference = load_causal_lm(settings.model, policy_path, device, trainable=False)
-            self.reference_logits = ResponseLogits(self.reference)
+            self.reference = load_causal_lm(
+                settings.model, policy_path, device, trainable=False, shard=frozen_shard
+            )
+            self.reference_scorer = ResponseScorer(self.reference, agree=agree)
         self.critic = self.critic_optimizer = self.critic_scheduler = None
         if settings.algorithm == "ppo":
             if critic_path is None:
                 raise ValueError("ppo needs a critic model path")
             critic_settings = settings.critic_model or settings.model
-            self.critic = load_value_model(critic_settings, critic_path, device)
+            self.critic = load_value_model(
+                critic_settings, critic_path, device, shard=trained_shard
+            )
             self.critic_optimizer, self.critic_scheduler = make_optimizer(
                 self.critic, settings.optim, settings.optim.critic_lr, settings.steps
             )
-        self.policy_logits = ResponseLogits(self.policy)
-        self.policy_ddp = self._data_parallel(self.policy_logits)
+        self.policy_scorer = ResponseScorer(self.policy, agree=agree)
+        self.policy_ddp = self._data_parallel(self.policy_scorer)
         self.critic_ddp = self._data_parallel(self.critic) if self.critic is not None else None
         self.kl_estimator = algos.get_kl_estimator(algo.kl.estimator)
         self.policy.eval()  # generation (colocated) and probes see eval mode; update() flips
 
+    def _all_ranks(self, flag: bool) -> bool:
+        return parallel.all_ranks(flag, self.device)
+
+    @property
+    def collective(self) -> Callable[[bool], bool] | None:
+        """For code that runs the policy's forward outside the Learner (a colocated HF
+        engine): the AND over ranks when every forward is a collective (FSDP), else None."""
+        return self._all_ranks if self.strategy == "fsdp" else None
+
+    @property
+    def loss_scale(self) -> int:
+        """What each rank's loss is multiplied by so that the reduced gradient is the sum of
+        the ranks' gradients: DDP averages (x world size); FSDP2 here sums (x 1)."""
+        return self.world_size if self.strategy == "ddp" else 1
+
     def _data_parallel(self, module: nn.Module) -> nn.Module:
-        if self.world_size == 1:
+        if self.strategy != "ddp":
             return module
         from torch.nn.parallel import DistributedDataParallel
 
@@ -155,29 +202,40 @@ class Learner:
 
     # ------------------------------------------------------------------ forwards
 
-    def _logprobs(self, scorer: nn.Module, mb: SequenceBatch) -> tuple[Tensor, Tensor]:
-        """(log-probs of the response tokens, logits they came from), both (b, r[, V]), at the
-        sampling temperature: the distribution the rollout engine drew from. scorer: a
-        ResponseLogits, or DDP over one."""
+    def _scores(self, scorer: nn.Module, mb: SequenceBatch, *, entropy_grad: bool) -> TokenScores:
+        """Log-probs and entropies of the response tokens, (b, r) each, at the sampling
+        temperature: the distribution the rollout engine drew from. scorer: a
+        ResponseScorer, or DDP over one."""
         with autocast(self.device, self.dtype):
-            logits = response_logits(scorer, mb)  # (b, r, V)
-        logits = logits.float()
-        if self.temperature != 1.0:
-            logits = logits / self.temperature
-        return algos.logprobs_from_logits(logits, mb.response_ids), logits  # (b, r)
+            return score_responses(scorer, mb, self.temperature, entropy_grad=entropy_grad)
 
     def _values(self, critic: nn.Module, mb: SequenceBatch) -> Tensor:
         with autocast(self.device, self.dtype):
             return response_values(critic, mb).float()  # (b, r)
 
+    def _passes(self, batch: SequenceBatch) -> list[tuple[list[int], bool]]:
+        """The forward/backward passes over a batch: (rows, counts). With several ranks every
+        rank makes as many passes as the busiest one (FSDP's forwards and DDP's buffer
+        broadcasts are collectives); the extra ones repeat the first rows and count for
+        nothing (counts False: outputs dropped, loss x 0)."""
+        batch_settings = self.settings.batch
+        rows = micro_batch_rows(
+            batch, batch_settings.micro_batch_size, batch_settings.max_tokens_per_micro_batch
+        )
+        passes = [(piece, True) for piece in rows]
+        if self.world_size > 1 and self.strategy != "single":
+            needed = parallel.most_over_ranks(len(passes), self.device)
+            passes += [(rows[0], False)] * (needed - len(passes))
+        return passes
+
     def _per_token(self, batch: SequenceBatch, fn: Callable[[SequenceBatch], Tensor]) -> Tensor:
         """fn over micro-batches (trimmed of padding), reassembled as one (B, R) tensor."""
         out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)  # (B, R)
-        size = self.settings.batch.micro_batch_size
-        for start, mb in zip(range(0, len(batch), size), batch.chunks(size), strict=True):
-            mb = mb.trimmed().to(self.device)
+        for rows, counts in self._passes(batch):
+            mb = batch.select(rows).trimmed().to(self.device)
             values = fn(mb).float().cpu()  # (b, r)
-            out[start : start + len(mb), : values.shape[1]] = values
+            if counts:
+                out[rows, : values.shape[1]] = values
         return torch.where(batch.response_mask, out, 0.0)
 
     @torch.inference_mode()
@@ -185,19 +243,26 @@ class Learner:
         """What the advantages and the update need besides the samples, each (B, R): reference
         log-probs (KL on), critic values (PPO), old log-probs (when needs_old_logprobs)."""
         out: dict[str, Tensor] = {}
-        if self.reference_logits is not None:
-            reference = self.reference_logits
-            out[REF_LOGP] = self._per_token(batch, lambda mb: self._logprobs(reference, mb)[0])
+        if self.reference_scorer is not None:
+            reference = self.reference_scorer
+            out[REF_LOGP] = self._per_token(
+                batch, lambda mb: self._scores(reference, mb, entropy_grad=False).logprobs
+            )
         if self.critic is not None:
             critic = self.critic
             out[VALUES] = self._per_token(batch, lambda mb: self._values(critic, mb))
         if old_logprobs:
-            policy = self.policy_logits
-            out[OLD_LOGP] = self._per_token(batch, lambda mb: self._logprobs(policy, mb)[0])
+            policy = self.policy_scorer
+            out[OLD_LOGP] = self._per_token(
+                batch, lambda mb: self._scores(policy, mb, entropy_grad=False).logprobs
+            )
         return out
 
     def probe(self, prompt_ids: list[int], response_ids: list[int]) -> float:
-        return sequence_logprob(self.policy, prompt_ids, response_ids)
+        """The policy's log-prob of a fixed sequence. A collective forward under FSDP: every
+        rank calls it."""
+        with torch.inference_mode():
+            return sequence_logprob(self.policy, prompt_ids, response_ids)
 
     # ------------------------------------------------------------------ the update
 
@@ -244,23 +309,23 @@ class Learner:
         return tokens, seqs
 
     def _update_minibatch(self, minibatch: SequenceBatch, stats: UpdateStats) -> None:
-        settings = self.settings
         tokens, seqs = self._global_counts(minibatch.response_mask)
-        micro = minibatch.chunks(settings.batch.micro_batch_size)
-        for index, mb in enumerate(micro):
-            mb = mb.trimmed().to(self.device)
-            sync = index == len(micro) - 1  # DDP all-reduces once, after the last backward
+        passes = self._passes(minibatch)
+        for index, (rows, counts) in enumerate(passes):
+            mb = minibatch.select(rows).trimmed().to(self.device)
+            sync = index == len(passes) - 1  # DDP all-reduces once, after the last backward
             with self._maybe_no_sync(self.policy_ddp, sync):
-                self._policy_backward(mb, tokens, seqs, stats)
+                self._policy_backward(mb, tokens, seqs, stats, counts)
             if self.critic_ddp is not None:
                 with self._maybe_no_sync(self.critic_ddp, sync):
-                    self._critic_backward(mb, tokens, seqs, stats)
-        clip = settings.optim.grad_clip
-        stats.add("grad_norm", nn.utils.clip_grad_norm_(self.policy.parameters(), clip), "same")
+                    self._critic_backward(mb, tokens, seqs, stats, counts)
+        clip = self.settings.optim.grad_clip
+        norm = parallel.clip_grad_norm(list(self.policy.parameters()), clip)
+        stats.add("grad_norm", norm, "same")
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.critic is not None and self.critic_optimizer is not None:
-            norm = nn.utils.clip_grad_norm_(self.critic.parameters(), clip)
+            norm = parallel.clip_grad_norm(list(self.critic.parameters()), clip)
             stats.add("critic/grad_norm", norm, "same")
             self.critic_optimizer.step()
             self.critic_optimizer.zero_grad(set_to_none=True)
@@ -294,7 +359,8 @@ class Learner:
         loss/kl, per-token means kl and entropy, and ppo_policy_loss's metrics."""
         algo = self.settings.algo
         mask = mb.response_mask
-        logp, logits = self._logprobs(self.policy_ddp, mb)  # (b, r), (b, r, V)
+        scores = self._scores(self.policy_ddp, mb, entropy_grad=algo.entropy_coef > 0)
+        logp, entropy = scores.logprobs, scores.entropy  # (b, r) each
         old_logp = mb.fields[OLD_LOGP] if OLD_LOGP in mb.fields else logp.detach()
         pg_per_token, pieces = algos.ppo_policy_loss(
             logp,
@@ -314,18 +380,18 @@ class Learner:
             loss = loss + algo.kl.coef * kl_loss
             pieces["loss/kl"] = kl_loss.detach()
             pieces["kl"] = algos.masked_mean(kl_per_token.detach(), mask)
-        with torch.set_grad_enabled(algo.entropy_coef > 0 and torch.is_grad_enabled()):
-            entropy = algos.entropy_from_logits(logits)  # (b, r)
         if algo.entropy_coef > 0:
             loss = loss - algo.entropy_coef * self._aggregate(entropy, mask, tokens, seqs)
         pieces["entropy"] = algos.masked_mean(entropy.detach(), mask)
         return loss, pieces
 
     def _policy_backward(
-        self, mb: SequenceBatch, tokens: Tensor, seqs: Tensor, stats: UpdateStats
+        self, mb: SequenceBatch, tokens: Tensor, seqs: Tensor, stats: UpdateStats, counts: bool
     ) -> None:
         loss, pieces = self.policy_loss(mb, tokens, seqs)
-        (loss * self.world_size).backward()
+        (loss * (self.loss_scale if counts else 0.0)).backward()
+        if not counts:
+            return
         count = int(mb.response_mask.sum())
         for name, value in pieces.items():
             if name.startswith("loss/"):  # already divided by the global counts: summed
@@ -334,7 +400,7 @@ class Learner:
                 stats.mean(name, value, count)
 
     def _critic_backward(
-        self, mb: SequenceBatch, tokens: Tensor, seqs: Tensor, stats: UpdateStats
+        self, mb: SequenceBatch, tokens: Tensor, seqs: Tensor, stats: UpdateStats, counts: bool
     ) -> None:
         assert self.critic_ddp is not None
         algo = self.settings.algo
@@ -344,7 +410,9 @@ class Learner:
             values, mb.fields[VALUES], mb.fields[RETURNS], mask, clip_eps=algo.value_clip
         )
         vf_loss = self._aggregate(vf_per_token, mask, tokens, seqs)
-        (algo.vf_coef * vf_loss * self.world_size).backward()
+        (algo.vf_coef * vf_loss * (self.loss_scale if counts else 0.0)).backward()
+        if not counts:
+            return
         stats.add("loss/value", vf_loss.detach())
         stats.mean("vf_clipfrac", vf_metrics["vf_clipfrac"], int(mask.sum()))
 

@@ -4,6 +4,8 @@ head), and the optimiser and learning-rate schedule that go with each trained on
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -15,6 +17,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from rlx.trainer.batching import SequenceBatch
+    from rlx.trainer.parallel import ShardSpec
 
 
 FUSED_ADAM_DEVICES = ("cpu", "cuda")
@@ -36,26 +39,56 @@ def quiet_transformers() -> None:
 
 
 def load_causal_lm(
-    settings: ModelSettings, path: str, device: torch.device, *, trainable: bool
+    settings: ModelSettings,
+    path: str,
+    device: torch.device,
+    *,
+    trainable: bool,
+    shard: ShardSpec | None = None,
 ) -> PreTrainedModel:
     """A causal LM on `device`. A trained model keeps float32 master weights on GPU (the
-    forward runs under bf16 autocast, see autocast()); a frozen one is stored in the compute
-    dtype."""
-    from transformers import AutoModelForCausalLM
+    forward runs in bf16: autocast, or FSDP's mixed precision); a frozen one is stored in the
+    compute dtype. With `shard`, FSDP2-sharded, each rank reading only its own rows."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     dtype = compute_dtype(settings.dtype, device)
     storage = torch.float32 if trainable and device.type == "cuda" else dtype
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=storage, trust_remote_code=settings.trust_remote_code
-    ).to(device)
+    if shard is None:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=storage, trust_remote_code=settings.trust_remote_code
+        ).to(device)
+    else:
+        from rlx.trainer.parallel import build_sharded
+
+        config = AutoConfig.from_pretrained(path, trust_remote_code=settings.trust_remote_code)
+        _prepare_config(config, settings, trainable)
+        model = build_sharded(
+            lambda: AutoModelForCausalLM.from_config(
+                config, dtype=storage, trust_remote_code=settings.trust_remote_code
+            ),
+            path,
+            shard,
+        )
+    _prepare(model, settings, trainable)
+    return model
+
+
+def _prepare_config(config: Any, settings: ModelSettings, trainable: bool) -> None:
+    if trainable and settings.gradient_checkpointing:
+        config.use_cache = False
+
+
+def _prepare(model: nn.Module, settings: ModelSettings, trainable: bool) -> None:
     if trainable:
         if settings.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
-            model.config.use_cache = False
+            # Non-reentrant: works with FSDP2's hooks and with inputs that need no grad.
+            model.gradient_checkpointing_enable(  # type: ignore[operator]
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+            model.config.use_cache = False  # type: ignore[union-attr]
         model.train()
     else:
         model.eval().requires_grad_(False)
-    return model
 
 
 def autocast(device: torch.device, dtype: torch.dtype) -> torch.autocast:
@@ -84,17 +117,35 @@ class ValueModel(nn.Module):
         return self.value_head(hidden.to(head_dtype)).squeeze(-1).float()  # (B, L)
 
 
-def load_value_model(settings: ModelSettings, path: str, device: torch.device) -> ValueModel:
-    from transformers import AutoModel
+def load_value_model(
+    settings: ModelSettings, path: str, device: torch.device, *, shard: ShardSpec | None = None
+) -> ValueModel:
+    """The critic from a causal LM's folder: its body, and a value head at zero."""
+    from transformers import AutoConfig, AutoModel
 
-    body = AutoModel.from_pretrained(
-        path,
-        dtype=torch.float32 if device.type == "cuda" else compute_dtype(settings.dtype, device),
-        trust_remote_code=settings.trust_remote_code,
-    )
+    dtype = torch.float32 if device.type == "cuda" else compute_dtype(settings.dtype, device)
+    if shard is None:
+        body = AutoModel.from_pretrained(
+            path, dtype=dtype, trust_remote_code=settings.trust_remote_code
+        )
+        critic = ValueModel(body, body.config.hidden_size).to(device)
+    else:
+        from rlx.trainer.parallel import build_sharded
+
+        config = AutoConfig.from_pretrained(path, trust_remote_code=settings.trust_remote_code)
+        _prepare_config(config, settings, trainable=True)
+
+        def build() -> ValueModel:
+            body = AutoModel.from_config(
+                config, dtype=dtype, trust_remote_code=settings.trust_remote_code
+            )
+            return ValueModel(body, config.hidden_size)
+
+        critic = build_sharded(build, path, shard, zero=lambda name: name.startswith("value_head"))
     if settings.gradient_checkpointing:
-        body.gradient_checkpointing_enable()
-    critic = ValueModel(body, body.config.hidden_size).to(device)
+        critic.body.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False}
+        )
     return critic.train()
 
 
@@ -128,75 +179,244 @@ def shared_prompt_cache(
     model: nn.Module, groups: tuple[Tensor, Tensor], prompt_ids: Tensor, prompt_mask: Tensor
 ) -> tuple[Any, Tensor]:
     """Run each distinct prompt through `model` once and give every row its prompt's keys
-    and values: (the cache, (B, 1, V) logits of each row's last prompt position)."""
+    and values: (the cache, each row's output at its last prompt position: (B, 1, V) logits
+    of a causal LM, or (B, 1, H) hidden state of a decoder body)."""
     from transformers import DynamicCache
 
     first, inverse = groups
     positions = (prompt_mask.cumsum(dim=-1) - 1).clamp(min=0)  # (B, P) as SequenceBatch's
     cache = DynamicCache(config=model.config)
-    head = model(
-        input_ids=prompt_ids[first],
-        attention_mask=prompt_mask[first],
-        position_ids=positions[first],
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    ).logits  # (U, 1, V)
+    inputs: dict[str, Any] = {
+        "input_ids": prompt_ids[first],
+        "attention_mask": prompt_mask[first],
+        "position_ids": positions[first],
+        "past_key_values": cache,
+        "use_cache": True,
+    }
+    is_lm = getattr(model, "get_output_embeddings", lambda: None)() is not None
+    if is_lm:
+        head = model(**inputs, logits_to_keep=1).logits  # (U, 1, V)
+    else:
+        head = model(**inputs).last_hidden_state[:, -1:]  # (U, 1, H)
     cache.batch_select_indices(inverse)  # indexing: gradients flow back to the U prompts
     return cache, head[inverse]
 
 
-class ResponseLogits(nn.Module):
-    """A causal LM as a function of a SequenceBatch's tensors: the logits that predict each
-    response token, (B, R, V). Only the positions that predict a response token go through
-    the LM head.
+# Tokens whose logits one chunk of the LM head computes: about this many bytes of fp32 logits
+# live at once, whatever the micro-batch holds.
+LOGITS_CHUNK_BYTES = 1 << 28
+
+
+@dataclass(frozen=True)
+class TokenScores:
+    """Per response token, (B, R) each, zero on padding: log-prob of the token at the
+    sampling temperature, and the entropy of that distribution (with a graph only when
+    asked for)."""
+
+    logprobs: Tensor
+    entropy: Tensor
+
+
+class ResponseScorer(nn.Module):
+    """A causal LM as a function of a SequenceBatch's tensors: the log-prob of each response
+    token and the entropy of the distribution it was drawn from, at temperature T.
+
+    Memory: only the hidden states of real response tokens reach the LM head, in chunks of
+    `chunk_tokens`; with gradients on, each chunk is recomputed in the backward
+    (torch.utils.checkpoint), so one chunk's (tokens x vocab) fp32 logits live at a time.
 
     Rows that hold the same prompt (GRPO's n samples per prompt) run it once: the distinct
-    prompts go through the model first, each row gets its prompt's keys and values, and only
-    the responses run on top. The prompt's share of the work is paid per prompt, not per
-    sample, and gradients flow back through the shared keys and values, so the result is a
-    full forward's up to float rounding. Under DDP wrap this module, not the LM: the two
-    passes are then one forward to DDP.
+    prompts go through the body first, each row gets its prompt's keys and values, and only
+    the responses run on top. Gradients flow back through the shared keys and values, so the
+    result is a full forward's up to float rounding. Everything runs as one forward of the LM
+    (parallel.run_as_forward): one DDP forward when DDP wraps this module, one FSDP2 forward
+    of the sharded root. `agree` (all ranks' AND) makes every rank take the same path, which
+    FSDP's collective forwards need.
     """
 
-    def __init__(self, lm: nn.Module):
+    def __init__(
+        self,
+        lm: nn.Module,
+        *,
+        chunk_tokens: int | None = None,
+        agree: Callable[[bool], bool] | None = None,
+    ):
         super().__init__()
+        config = lm.config  # type: ignore[union-attr]
+        if getattr(config, "final_logit_softcapping", None):
+            raise ValueError(
+                f"{type(lm).__name__} caps its logits (final_logit_softcapping), which the "
+                "chunked log-probs do not apply; this trainer does not support it yet"
+            )
         self.lm = lm
+        vocab = config.vocab_size
+        self.chunk_tokens = chunk_tokens or max(1, LOGITS_CHUNK_BYTES // (4 * vocab))
+        self.agree = agree
 
     def forward(
-        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_width: int
-    ) -> Tensor:
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        position_ids: Tensor,
+        prompt_width: int,
+        response_mask: Tensor,
+        temperature: float,
+        entropy_grad: bool,
+    ) -> tuple[Tensor, Tensor]:
+        from rlx.trainer.parallel import run_as_forward
+
+        return run_as_forward(
+            self.lm,
+            self._score,
+            input_ids,
+            attention_mask,
+            position_ids,
+            prompt_width,
+            response_mask,
+            temperature,
+            entropy_grad,
+        )
+
+    def _can_share(self, input_ids: Tensor, attention_mask: Tensor, prompt_width: int) -> Any:
         width = input_ids.shape[1] - prompt_width  # R
         groups = None
-        if prompt_width > 0 and width > 0 and can_share_prompts(self.lm):
+        if prompt_width > 0 and width > 1 and can_share_prompts(self.lm):
             groups = prompt_groups(input_ids[:, :prompt_width], attention_mask[:, :prompt_width])
+        if self.agree is not None and not self.agree(groups is not None):
+            return None
+        return groups
+
+    def response_hidden(
+        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_width: int
+    ) -> Tensor:
+        """(B, R, H) final hidden states at the positions that predict each response token.
+        Call inside the LM's forward (see forward)."""
+        body = self.lm.get_decoder()  # type: ignore[operator]
+        width = input_ids.shape[1] - prompt_width  # R
+        groups = self._can_share(input_ids, attention_mask, prompt_width)
         if groups is None:
-            logits = self.lm(
+            hidden = body(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
-                logits_to_keep=width + 1,
                 use_cache=False,
-            ).logits  # (B, R + 1, V)
-            return logits[:, :-1]  # (B, R, V): position P - 1 + t predicts response token t
+            ).last_hidden_state  # (B, P + R, H)
+            # position P - 1 + t predicts response token t
+            return hidden[:, prompt_width - 1 : prompt_width - 1 + width]  # (B, R, H)
         cache, head = shared_prompt_cache(
-            self.lm, groups, input_ids[:, :prompt_width], attention_mask[:, :prompt_width]
-        )  # head (B, 1, V) predicts response token 0
-        if width == 1:
-            return head
-        tail = self.lm(
+            body, groups, input_ids[:, :prompt_width], attention_mask[:, :prompt_width]
+        )  # head (B, 1, H) predicts response token 0
+        tail = body(
             input_ids=input_ids[:, prompt_width:-1],
             attention_mask=attention_mask[:, :-1],
             position_ids=position_ids[:, prompt_width:-1],
             past_key_values=cache,
             use_cache=True,
-        ).logits  # (B, R - 1, V) predict response tokens 1..R-1
-        return torch.cat([head, tail], dim=1)  # (B, R, V)
+        ).last_hidden_state  # (B, R - 1, H) predict response tokens 1..R-1
+        return torch.cat([head, tail], dim=1)  # (B, R, H)
+
+    def _score(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        position_ids: Tensor,
+        prompt_width: int,
+        response_mask: Tensor,
+        temperature: float,
+        entropy_grad: bool,
+    ) -> tuple[Tensor, Tensor]:
+        hidden = self.response_hidden(input_ids, attention_mask, position_ids, prompt_width)
+        targets = input_ids[:, prompt_width:]  # (B, R)
+        real_hidden = hidden[response_mask]  # (N, H): padding never reaches the head
+        real_targets = targets[response_mask]  # (N,)
+        head = self.lm.get_output_embeddings()  # type: ignore[operator]
+        logprobs, entropy = chunked_token_scores(
+            real_hidden,
+            head.weight,
+            getattr(head, "bias", None),
+            real_targets,
+            temperature=temperature,
+            entropy_grad=entropy_grad,
+            chunk_tokens=self.chunk_tokens,
+        )  # (N,) each
+        zeros = torch.zeros(response_mask.shape, dtype=torch.float32, device=hidden.device)
+        return zeros.masked_scatter(response_mask, logprobs), zeros.masked_scatter(
+            response_mask, entropy
+        )  # (B, R) each
 
 
-def response_logits(scorer: nn.Module, batch: SequenceBatch) -> Tensor:
-    """(B, R, V) logits predicting each response token, from a ResponseLogits (or DDP of one)."""
-    return scorer(batch.input_ids, batch.attention_mask, batch.position_ids, batch.prompt_width)
+def _chunk_scores(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    temperature: float,
+    entropy_grad: bool,
+) -> tuple[Tensor, Tensor]:
+    """Log-probs and entropies of one chunk of tokens: hidden (n, H), targets (n,) -> (n,)."""
+    logits = nn.functional.linear(hidden, weight, bias).float()  # (n, V)
+    if temperature != 1.0:
+        logits = logits / temperature
+    logz = torch.logsumexp(logits, dim=-1)  # (n,)
+    logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - logz  # (n,)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        # H = logsumexp(z) - sum_v p_v z_v
+        entropy = logz - torch.einsum("nv,nv->n", torch.softmax(logits, dim=-1), logits)
+    return logprobs, entropy
+
+
+def chunked_token_scores(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    *,
+    temperature: float,
+    entropy_grad: bool,
+    chunk_tokens: int,
+) -> tuple[Tensor, Tensor]:
+    """Log-probs of `targets` and entropies under softmax((hidden @ weight.T + bias) / T),
+    chunk by chunk of tokens: hidden (N, H), targets (N,) -> (N,), (N,) fp32. With gradients
+    on, each chunk's logits are recomputed in the backward instead of kept."""
+    from torch.utils.checkpoint import checkpoint
+
+    logprobs, entropies = [], []
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        piece = (
+            hidden[start : start + chunk_tokens],
+            weight,
+            bias,
+            targets[start : start + chunk_tokens],
+            temperature,
+            entropy_grad,
+        )
+        if torch.is_grad_enabled():
+            lp, ent = checkpoint(_chunk_scores, *piece, use_reentrant=False)
+        else:
+            lp, ent = _chunk_scores(*piece)
+        logprobs.append(lp)
+        entropies.append(ent)
+    if not logprobs:
+        empty = hidden.new_zeros((0,), dtype=torch.float32)
+        return empty, empty
+    return torch.cat(logprobs), torch.cat(entropies)
+
+
+def score_responses(
+    scorer: nn.Module, batch: SequenceBatch, temperature: float, *, entropy_grad: bool
+) -> TokenScores:
+    """(B, R) log-probs and entropies of a batch's responses, from a ResponseScorer (or DDP of
+    one)."""
+    logprobs, entropy = scorer(
+        batch.input_ids,
+        batch.attention_mask,
+        batch.position_ids,
+        batch.prompt_width,
+        batch.response_mask,
+        temperature,
+        entropy_grad,
+    )
+    return TokenScores(logprobs, entropy)
 
 
 def response_values(critic: nn.Module, batch: SequenceBatch) -> Tensor:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import abc
 import importlib.util
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -238,7 +238,11 @@ class HFEngine(RolloutEngine):
         device: str | torch.device | None = None,
         dtype: torch.dtype | str | None = None,
         max_batch_size: int | None = None,
+        collective: Callable[[bool], bool] | None = None,
     ):
+        """collective: for a model sharded over ranks (FSDP), the AND of a flag over all
+        ranks. Every rank then runs as many forwards as the longest generation needs
+        (transformers' synced_gpus) and takes the same prefill path."""
         from transformers import AutoModelForCausalLM, GenerationConfig
 
         if isinstance(dtype, str) and dtype != "auto":
@@ -266,6 +270,7 @@ class HFEngine(RolloutEngine):
         # Without a pad token, EOS pads: masks come from positions, never from token values.
         self.pad_token_id: int = self.eos_ids[0] if pad_token_id is None else int(pad_token_id)
         self.max_batch_size = max_batch_size
+        self.collective = collective
         self.model.generation_config = GenerationConfig(
             eos_token_id=self.eos_ids, pad_token_id=self.pad_token_id
         )
@@ -308,6 +313,7 @@ class HFEngine(RolloutEngine):
             top_p=1.0,
             max_new_tokens=max_new_tokens,
             logits_processor=LogitsProcessorList([distribution]),
+            synced_gpus=self.collective is not None,
             **self._shared_prefill(input_ids, attention_mask),
         )
         response = sequences[:, input_ids.shape[1] :]  # (B, R)
@@ -320,14 +326,23 @@ class HFEngine(RolloutEngine):
         repeats or the model cannot share (see can_share_prompts)."""
         from rlx.trainer.models import can_share_prompts, prompt_groups, shared_prompt_cache
 
-        if input_ids.shape[1] < 2 or not can_share_prompts(self.model):
-            return {}
         head_ids, head_mask = input_ids[:, :-1], attention_mask[:, :-1]  # (B, P - 1)
-        groups = prompt_groups(head_ids, head_mask)
+        groups = None
+        if input_ids.shape[1] >= 2 and can_share_prompts(self.model):
+            groups = prompt_groups(head_ids, head_mask)
+        if self.collective is not None and not self.collective(groups is not None):
+            return {}  # a sharded model's ranks take one path: the prefill is a forward
         if groups is None:
             return {}
         cache, _ = shared_prompt_cache(self.model, groups, head_ids, head_mask)
         return {"past_key_values": cache}
+
+    def take_part(self, max_new_tokens: int) -> None:
+        """A rank without prompts of its own joins the other ranks' generate (collective
+        engines only): it runs the same forwards on one placeholder row and keeps nothing."""
+        if self.collective is None:
+            return
+        self._generate_chunk([[self.pad_token_id]], max_new_tokens, 0, 1.0, 1.0)
 
     def generate(
         self,

@@ -23,7 +23,7 @@ from rlx.trainer.engines import ColocatedEngine, EngineReport, Probe, make_coloc
 from rlx.trainer.learner import Learner, UpdateStats, needs_old_logprobs
 from rlx.trainer.models import autocast, compute_dtype
 from rlx.trainer.placement import threads_for
-from rlx.trainer.rollout import RolloutBatch, RolloutEngine, make_engine
+from rlx.trainer.rollout import HFEngine, RolloutBatch, RolloutEngine, make_engine
 from rlx.trainer.seeding import derive_seed
 
 DIST_TIMEOUT = timedelta(minutes=30)
@@ -157,7 +157,8 @@ class TrainWorker:
             import torch.distributed as dist
 
             dist.init_process_group(
-                "nccl" if spec.use_gpu else "gloo",
+                # gloo beside nccl: FSDP's CPU offload reduces host tensors (grad norms).
+                "cpu:gloo,cuda:nccl" if spec.use_gpu else "gloo",
                 init_method=f"tcp://{master_addr}:{master_port}",
                 rank=spec.rank,
                 world_size=spec.world_size,
@@ -178,6 +179,7 @@ class TrainWorker:
                 spec.policy_path,
                 dtype=dtype_name(compute_dtype(spec.settings.model.dtype, self.device)),
                 vllm_options=_vllm_options(spec.settings, 1),
+                collective=self.learner.collective,
             )
 
     def _learner(self) -> Learner:
@@ -193,6 +195,12 @@ class TrainWorker:
         learner = self._learner()
         # HF generate over the float32 master weights on GPU: bf16 compute, as training.
         with autocast(self.device, learner.dtype):
+            if not prompt_ids:  # a sharded policy: join the other ranks' forwards
+                engine = self.engine.engine
+                if isinstance(engine, HFEngine):
+                    with torch.inference_mode():
+                        engine.take_part(sampling.max_new_tokens)
+                return None
             return _generate(self.engine.engine, prompt_ids, sampling, seed)
 
     def prepare(self, batch: SequenceBatch, old_logprobs: bool) -> dict[str, torch.Tensor]:
@@ -240,14 +248,25 @@ class TrainWorker:
         return EngineReport(self.spec.rank, _node_ip(), engine.weight_version, value), own
 
     def policy_probe(self, probe: Probe) -> float:
+        """The policy's probe log-prob; every rank is called (a collective under FSDP)."""
         return self._learner().probe(*_probe_ids(probe))
 
     def publish_weights(self, dtype: str | None) -> dict[str, torch.Tensor]:
-        """The policy's tensors for split engines, on the CPU (in the engines' dtype when
-        given): returned once, they travel through Ray's object store to every engine."""
+        """The policy's whole tensors for split engines, on the CPU (in the engines' dtype
+        when given), from rank 0: returned once, they travel through Ray's object store to
+        every engine. Every rank is called: a sharded policy gathers each tensor from all
+        of them (one at a time); the other ranks return nothing."""
+        from rlx.trainer.parallel import named_full_tensors
+
+        learner = self._learner()
+        if learner.strategy != "fsdp" and self.spec.rank != 0:
+            return {}
         target = None if dtype in (None, "auto") else getattr(torch, dtype)
-        state = self._learner().policy.state_dict()
-        return {name: t.detach().to("cpu", dtype=target or t.dtype) for name, t in state.items()}
+        out = {}
+        for name, tensor in named_full_tensors(learner.policy):
+            if self.spec.rank == 0:
+                out[name] = tensor.to("cpu", dtype=target or tensor.dtype)
+        return out
 
     # ------------------------------------------------------------------ state
 

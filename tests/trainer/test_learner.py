@@ -27,6 +27,7 @@ from rlx.trainer.learner import (
 from rlx.trainer.models import lr_multiplier
 from rlx.trainer.rollout import HFEngine
 
+from .gradients import assert_same_gradients, record_gradients
 from .helpers import make_recipe
 
 pytestmark = pytest.mark.timeout(300)
@@ -55,20 +56,16 @@ def params(learner: Learner) -> dict[str, torch.Tensor]:
 
 
 def gradient_of_update(learner: Learner, batch: SequenceBatch) -> dict[str, torch.Tensor]:
-    """The summed gradient one update applies: with plain SGD at lr 1 (and no clipping in
-    the settings) the weights move by exactly minus the gradient. Adam would hide a uniform
-    scale error, since its first step is scale-free."""
-    learner.optimizer = torch.optim.SGD(learner.policy.parameters(), lr=1.0)
-    before = params(learner)
+    """The summed gradient one update applies (no clipping in the settings), read from the
+    gradients themselves: an optimiser that records them instead of stepping."""
+    recorder = record_gradients(learner.policy)
+    learner.optimizer = recorder
     learner.update(batch, step=1)
-    return {k: before[k] - v for k, v in params(learner).items()}
+    return recorder.gradients
 
 
 def assert_same_gradient(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    scale = max(float(g.abs().max()) for g in want.values())
-    assert scale > 0
-    for name, value in want.items():
-        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-6 * scale)
+    assert_same_gradients(got, want, relative=1e-5)
 
 
 def small(tmp_path: Path, **overrides):
