@@ -1,15 +1,16 @@
 """Per-rank memory and seconds per update of the trainer's Learner, DDP and FSDP, 1/2/4 ranks.
 
-    python bench/scale.py [--layers 2] [--ranks 1 2 4] [--strategies ddp fsdp] [--updates 3]
+    python bench/scale.py [--layers 1] [--ranks 1 2 4] [--strategies ddp fsdp] [--updates 3]
 
 The model: Qwen2.5-0.5B's shape (hidden 896, 14 heads, 2 key/value heads, MLP 4864,
 vocabulary 151936, tied embeddings) with --layers decoder layers, random init, float32
-(bench/shapes.py). Every row is fresh processes, one per rank, joined by a real gloo
-process group; each builds the Learner from a GRPO recipe with `trainer.parallel.strategy`
-set and runs Learner.update on its share of one fixed synthetic global batch (--prompts
-prompts x --n samples, --prompt-tokens + --response-tokens each, random advantages): the
-same global batch at every rank count, one optimiser step per update, no reference model
-(KL off) so the state is the policy's alone.
+(bench/shapes.py). The default, 1 layer, is 151M parameters, most of them the embedding, and
+keeps DDP at 4 ranks near 16 GiB of RSS in all; each layer adds 14.9M. Every row is fresh
+processes, one per rank, joined by a real gloo process group; each builds the Learner from
+a GRPO recipe with `trainer.parallel.strategy` set and runs Learner.update on its share of
+one fixed synthetic global batch (--prompts prompts x --n samples, --prompt-tokens +
+--response-tokens each, random advantages): the same global batch at every rank count, one
+optimiser step per update, no reference model (KL off) so the state is the policy's alone.
 
 Per rank:
   - state: bytes of the tensors the rank holds for weights, gradients and optimiser state,
@@ -20,7 +21,8 @@ Per rank:
     built, before any update (loading the weights has its own transient).
   - seconds per update: wall time of Learner.update, ranks started together by a barrier;
     per update the slowest rank; the median over --updates after --warmup.
-The table shows, per row, the largest rank's state and peak RSS, the sum of peak RSS over
+One rank is a plain module whichever strategy is asked for ("runs as": single). The table
+shows, per row, the largest rank's state and peak RSS, the sum of peak RSS over
 ranks, FSDP's state against DDP's divided by the rank count, and rlx.plan's figure for the
 same shape (n/a when the installed rlx has no planner). A measurement, not a test.
 """
@@ -126,9 +128,14 @@ def child(args: argparse.Namespace) -> None:
         settings, str(args.model), None, torch.device("cpu"), rank=rank, world_size=world
     )
     load_s = time.perf_counter() - start
-    result: dict[str, Any] = {"rank": rank, "load_s": load_s, "load_peak": status_bytes("VmHWM")}
+    result: dict[str, Any] = {
+        "rank": rank,
+        "load_s": load_s,
+        "load_peak": status_bytes("VmHWM"),
+        "runs_as": getattr(learner, "strategy", "ddp" if world > 1 else "single"),
+    }
     sharded = any(isinstance(p, DTensor) for p in learner.policy.parameters())
-    if args.strategy == "fsdp" and not sharded:
+    if args.strategy == "fsdp" and world > 1 and not sharded:
         result["skipped"] = "this rlx's Learner does not shard (no DTensor parameters)"
         (args.out / f"rank{rank}.json").write_text(json.dumps(result))
         dist.destroy_process_group()
@@ -183,13 +190,15 @@ def write_batch(path: Path, args: argparse.Namespace) -> None:
 
 
 def plan_bytes(model: Path, ranks: int, strategy: str) -> int | None:
-    """rlx.plan's training-state figure for one rank, or None without a planner."""
+    """rlx.plan's figure for one rank's weights + gradients + optimiser state (what the
+    bench measures; its DDP bucket item is left out), or None without a planner."""
     try:
         from rlx.plan import ModelShape, training_state_bytes
     except ImportError:
         return None
     config = json.loads((model / "config.json").read_text())
-    return int(training_state_bytes(ModelShape.from_config(config), ranks=ranks, strategy=strategy))
+    plan = training_state_bytes(ModelShape.from_config(config), ranks=ranks, strategy=strategy)
+    return int(plan["weights"] + plan["grads"] + plan["optimizer"])
 
 
 @dataclass
@@ -289,6 +298,7 @@ def fmt_mib(value: float | None) -> str:
 COLUMNS: tuple[tuple[str, str], ...] = (
     ("strategy", ""),
     ("ranks", ""),
+    ("runs as", ""),
     ("weights", "MiB/rank"),
     ("grads", "MiB/rank"),
     ("optim", "MiB/rank"),
@@ -325,6 +335,7 @@ def print_table(rows: list[Row]) -> None:
         cells = [
             row.strategy,
             str(row.ranks),
+            row.ranks_out[0]["runs_as"],
             fmt_mib(row.most("weights")),
             fmt_mib(row.most("grads")),
             fmt_mib(row.most("optimizer")),
@@ -342,7 +353,7 @@ def print_table(rows: list[Row]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
+    parser.add_argument("--layers", type=int, default=1, help="decoder layers (default 1)")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--strategies", nargs="+", choices=("ddp", "fsdp"), default=["ddp", "fsdp"])
     parser.add_argument("--prompts", type=int, default=2, help="prompts in the global batch")
