@@ -62,6 +62,7 @@ THREADS = 2
 SEED = 0
 DATA_ROWS = 256
 SAMPLE_EVERY_S = 0.2
+SIDES = ("rlx", "trl")
 PSS_EVERY = 10  # samples between two PSS readings (2 s)
 
 
@@ -362,12 +363,17 @@ def side_figures(runs: Sequence[RunResult]) -> dict[str, float]:
 
 
 def print_table(results: Sequence[RunResult]) -> None:
-    rlx = side_figures([r for r in results if r.side == "rlx"])
-    trl = side_figures([r for r in results if r.side == "trl"])
+    """The two sides' figures and their ratio (a side that did not run shows n/a)."""
+    figures = {
+        side: side_figures(runs) if (runs := [r for r in results if r.side == side]) else None
+        for side in SIDES
+    }
+    rlx, trl = figures["rlx"], figures["trl"]
     print(f"{'':<15} {'rlx':>8} {'TRL':>8} {'rlx/TRL':>8}")
     for key, label, fmt in TABLE_ROWS:
-        ratio = f"{rlx[key] / trl[key]:.2f}x"
-        print(f"{label:<15} {rlx[key]:>8{fmt}} {trl[key]:>8{fmt}} {ratio:>8}")
+        cells = [f"{f[key]:>8{fmt}}" if f else f"{'n/a':>8}" for f in (rlx, trl)]
+        ratio = f"{rlx[key] / trl[key]:.2f}x" if rlx and trl else "n/a"
+        print(f"{label:<15} {cells[0]} {cells[1]} {ratio:>8}")
 
 
 def main() -> None:
@@ -376,6 +382,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, help="runs per side (default: per model)")
     parser.add_argument("--steps", type=int, help="steps per run (default: per model)")
     parser.add_argument("--warmup", type=int, help="steps dropped per run (default: per model)")
+    parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
     parser.add_argument("--child", choices=("rlx", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
@@ -400,7 +407,7 @@ def main() -> None:
         )
         results = []
         for round_index in range(args.rounds):
-            for side in ("rlx", "trl"):
+            for side in args.sides:
                 before = load_average()
                 result = one_run(side, model, data, args.steps, args.warmup)
                 results.append(result)
