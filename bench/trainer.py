@@ -1,14 +1,19 @@
 """Seconds per GRPO step and peak memory: rlx's trainer next to TRL's GRPOTrainer.
 
-    python bench/trainer.py [--rounds 3] [--steps 14] [--warmup 4]
+    python bench/trainer.py [--model tiny|qwen2.5-0.5b] [--rounds R] [--steps S] [--warmup W]
 
-Both sides train the same saved tiny model (Qwen2 config, hidden 256, 4 layers, built once
-with rlx.trainer.tiny.build_tiny_model), on the synthetic letters_or_digits prompts in file
-order, with the same settings: 2 prompts x 8 completions of exactly 32 tokens per step
-(min_new_tokens = max_new_tokens = 32), temperature 1, GRPO advantages (group mean and std),
-clipped ratio (eps 0.2), a k3 KL-to-reference term in the loss (beta 0.04), token-mean
-aggregation over all the step's completion tokens (TRL's loss_type "dapo"), AdamW at a
-constant 1e-4, grad-norm clip 1.0, one optimiser update per step, 2 torch threads
+Both sides train the same saved model, on the synthetic letters_or_digits prompts in file
+order. --model tiny (the default): a tiny Qwen2 (hidden 256, 4 layers, built once with
+rlx.trainer.tiny.build_tiny_model; 3 rounds x 14 steps, 4 dropped). --model qwen2.5-0.5b:
+random weights with Qwen2.5-0.5B's full config (hidden 896, 24 layers, 14 heads, 2 key/value
+heads, vocabulary 151936, tied embeddings; bench/shapes.py), 494M parameters in float32,
+and the tiny byte-level tokenizer (sampled ids above its 260 decode to nothing; both sides
+see the same ids); 2 rounds x 5 steps, 2 dropped. The same settings on both sides:
+2 prompts x 8 completions of exactly 32 tokens per step (min_new_tokens = max_new_tokens
+= 32), temperature 1, GRPO advantages (group mean and std), clipped ratio (eps 0.2), a k3
+KL-to-reference term in the loss (beta 0.04), token-mean aggregation over all the step's
+completion tokens (TRL's loss_type "dapo"), AdamW at a constant 1e-4, grad-norm clip 1.0,
+one optimiser update per step, 2 torch threads
 (RLX_NUM_THREADS=2 for rlx's actors, torch.set_num_threads(2) for TRL).
 
 Each run is a fresh subprocess; runs alternate rlx, TRL, rlx, TRL, ... for --rounds rounds.
@@ -57,20 +62,39 @@ THREADS = 2
 SEED = 0
 DATA_ROWS = 256
 SAMPLE_EVERY_S = 0.2
+SIDES = ("rlx", "trl")
 PSS_EVERY = 10  # samples between two PSS readings (2 s)
 
 
 # --------------------------------------------------------------------------- shared inputs
 
 
-def build_inputs(folder: Path) -> tuple[Path, Path]:
-    """The saved tiny model and the prompt file both sides read."""
+@dataclass(frozen=True)
+class ModelChoice:
+    rounds: int
+    steps: int
+    warmup: int
+
+
+MODELS: dict[str, ModelChoice] = {
+    "tiny": ModelChoice(rounds=3, steps=14, warmup=4),
+    "qwen2.5-0.5b": ModelChoice(rounds=2, steps=5, warmup=2),
+}
+
+
+def build_inputs(folder: Path, choice: str) -> tuple[Path, Path]:
+    """The saved model and the prompt file both sides read."""
     from rlx.trainer.synthetic import write_synthetic_dataset
     from rlx.trainer.tiny import build_tiny_model
 
-    model = build_tiny_model(
-        folder / "model", arch="qwen2", hidden_size=256, num_layers=4, num_heads=4, seed=SEED
-    )
+    if choice == "tiny":
+        model = build_tiny_model(
+            folder / "model", arch="qwen2", hidden_size=256, num_layers=4, num_heads=4, seed=SEED
+        )
+    else:
+        from shapes import QWEN25_05B_LAYERS, write_qwen25_05b
+
+        model = write_qwen25_05b(folder / "model", QWEN25_05B_LAYERS, seed=SEED)
     data = write_synthetic_dataset(folder / "prompts.jsonl", DATA_ROWS, seed=SEED)
     return model, data
 
@@ -284,7 +308,7 @@ class RunResult:
 def one_run(side: str, model: Path, data: Path, steps: int, warmup: int) -> RunResult:
     with tempfile.TemporaryDirectory(prefix=f"bench-{side}-") as scratch:
         out = Path(scratch)
-        argv = [sys.executable, __file__, "--child", side, "--model", str(model)]
+        argv = [sys.executable, __file__, "--child", side, "--model-dir", str(model)]
         argv += ["--data", str(data), "--steps", str(steps), "--out", str(out)]
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
         env["TOKENIZERS_PARALLELISM"] = "false"
@@ -339,35 +363,51 @@ def side_figures(runs: Sequence[RunResult]) -> dict[str, float]:
 
 
 def print_table(results: Sequence[RunResult]) -> None:
-    rlx = side_figures([r for r in results if r.side == "rlx"])
-    trl = side_figures([r for r in results if r.side == "trl"])
+    """The two sides' figures and their ratio (a side that did not run shows n/a)."""
+    figures = {
+        side: side_figures(runs) if (runs := [r for r in results if r.side == side]) else None
+        for side in SIDES
+    }
+    rlx, trl = figures["rlx"], figures["trl"]
     print(f"{'':<15} {'rlx':>8} {'TRL':>8} {'rlx/TRL':>8}")
     for key, label, fmt in TABLE_ROWS:
-        ratio = f"{rlx[key] / trl[key]:.2f}x"
-        print(f"{label:<15} {rlx[key]:>8{fmt}} {trl[key]:>8{fmt}} {ratio:>8}")
+        cells = [f"{f[key]:>8{fmt}}" if f else f"{'n/a':>8}" for f in (rlx, trl)]
+        ratio = f"{rlx[key] / trl[key]:.2f}x" if rlx and trl else "n/a"
+        print(f"{label:<15} {cells[0]} {cells[1]} {ratio:>8}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=14)
-    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny", dest="shape")
+    parser.add_argument("--rounds", type=int, help="runs per side (default: per model)")
+    parser.add_argument("--steps", type=int, help="steps per run (default: per model)")
+    parser.add_argument("--warmup", type=int, help="steps dropped per run (default: per model)")
+    parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
     parser.add_argument("--child", choices=("rlx", "trl"), help=argparse.SUPPRESS)
-    parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))  # this checkout's rlx, here and in the children
     if args.child:
-        child(args.child, args.model, args.data, args.steps, args.out)
+        child(args.child, args.model_dir, args.data, args.steps, args.out)
         return
+    defaults = MODELS[args.shape]
+    args.rounds = args.rounds or defaults.rounds
+    args.steps = args.steps or defaults.steps
+    args.warmup = args.warmup or defaults.warmup
     if not 1 <= args.warmup < args.steps:
         parser.error("--warmup must be at least 1 and below --steps")
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as scratch:
-        model, data = build_inputs(Path(scratch))
+        model, data = build_inputs(Path(scratch), args.shape)
+        print(
+            f"model {args.shape}, {args.rounds} rounds x {args.steps} steps "
+            f"({args.warmup} dropped), torch threads {THREADS}, load {load_average()}",
+            flush=True,
+        )
         results = []
         for round_index in range(args.rounds):
-            for side in ("rlx", "trl"):
+            for side in args.sides:
                 before = load_average()
                 result = one_run(side, model, data, args.steps, args.warmup)
                 results.append(result)
