@@ -199,6 +199,37 @@ def _load_checked(
 
 
 @app.command()
+@expected_errors
+def plan(
+    recipe: Path = typer.Argument(..., help="Recipe file."),
+    as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
+) -> None:
+    """Memory per GPU and per node (weights, grads, optimiser, reference, critic,
+    activations, logits, rollout engine), checkpoint size, and whether it fits. Exit 1 when
+    it does not."""
+    import json
+
+    from rlx.errors import RecipeError
+    from rlx.plan import plan_recipe
+    from rlx.plan.report import print_plan
+    from rlx.recipe import load_recipe
+
+    try:
+        loaded = load_recipe(recipe)
+    except RecipeError as exc:
+        for finding in exc.findings:
+            typer.echo(finding.format(), err=True)
+        fail(f"{recipe} has {len(exc.findings)} error(s); fix them (see `rlx lint {recipe}`)")
+    result = plan_recipe(loaded.recipe)
+    if as_json:
+        typer.echo(json.dumps(result.to_json(), indent=2))
+    else:
+        print_plan(result)
+    if not result.fits:
+        raise typer.Exit(1)
+
+
+@app.command()
 def schema() -> None:
     """Print the recipe's JSON Schema (for editor completion and validation)."""
     import json

@@ -219,6 +219,112 @@ def check_layout(lr: LoadedRecipe) -> Iterator[Finding]:
         )
 
 
+def check_colocated_tensor_parallel(lr: LoadedRecipe) -> Iterator[Finding]:
+    trainer = lr.recipe.trainer
+    if trainer is None or trainer.layout != "colocated":
+        return
+    tp = trainer.rollout.tensor_parallel_size
+    if tp > 1 and lr.recipe.resources.gpus_per_node > 0:
+        vllm = trainer.rollout.engine != "hf"
+        yield lr.finding(
+            ("trainer", "rollout", "tensor_parallel_size"),
+            ERROR if vllm else WARNING,
+            f"tensor_parallel_size {tp} needs layout: split with rollout_gpus a multiple of "
+            f"{tp} (colocated engines run one per training GPU)"
+            + ("" if vllm else "; the hf engine ignores it"),
+        )
+
+
+# Synthetic tasks rlx.trainer.resolve can generate (kept equal to it by a test).
+SYNTHETIC_TASKS = ("letters_or_digits", "arithmetic")
+
+
+def check_trainer_specs(lr: LoadedRecipe) -> Iterator[Finding]:
+    """The names the trainer resolves on the head before any worker starts: tiny model
+    specs, synthetic tasks and built-in rewards."""
+    from rlx.plan.shapes import TINY_HEADS, TINY_SPEC
+    from rlx.trainer.rewards import REWARD_FUNCTIONS
+    from rlx.trainer.tiny import ARCHS
+
+    trainer = lr.recipe.trainer
+    if trainer is None:
+        return
+    models = [("model", trainer.model.path)]
+    if trainer.algorithm == "ppo" and trainer.critic_model is not None:
+        models.append(("critic_model", trainer.critic_model.path))
+    for field, spec in models:
+        if not spec.startswith("tiny:"):
+            continue
+        match = TINY_SPEC.fullmatch(spec)
+        problem = None
+        if match is None:
+            problem = "is not a tiny model spec; write tiny:<arch>-h<hidden>-l<layers>"
+        elif match["arch"] not in ARCHS:
+            problem = f"tiny arch {match['arch']!r} is not one of {', '.join(ARCHS)}"
+        elif int(match["hidden"]) < TINY_HEADS or int(match["hidden"]) % TINY_HEADS:
+            problem = f"tiny models need a hidden size that is a multiple of {TINY_HEADS}"
+        elif int(match["layers"]) < 1:
+            problem = "tiny models need at least one layer"
+        if problem:
+            yield lr.finding(("trainer", field, "path"), ERROR, f"{spec!r} {problem}")
+    data = trainer.data.train
+    if data.startswith("synthetic:") and data.removeprefix("synthetic:") not in SYNTHETIC_TASKS:
+        yield lr.finding(
+            ("trainer", "data", "train"),
+            ERROR,
+            f"unknown synthetic task {data!r}; valid: "
+            + ", ".join(f"synthetic:{task}" for task in SYNTHETIC_TASKS),
+        )
+    reward = trainer.reward.function
+    target, colon, name = reward.rpartition(":")
+    if not colon and reward not in REWARD_FUNCTIONS:
+        yield lr.finding(
+            ("trainer", "reward", "function"),
+            ERROR,
+            f"unknown reward {reward!r}; valid: {', '.join(sorted(REWARD_FUNCTIONS))}, or "
+            "'package.module:function' or 'path/to/file.py:function'",
+        )
+    elif colon and (not target or not name.isidentifier()):
+        yield lr.finding(
+            ("trainer", "reward", "function"),
+            ERROR,
+            f"bad reward spec {reward!r}; write 'package.module:function' or "
+            "'path/to/file.py:function'",
+        )
+    elif reward == "math_exact" and "math" in data.lower():
+        yield lr.finding(
+            ("trainer", "reward", "function"),
+            WARNING,
+            "math_exact scores 1 only when the WHOLE response equals the answer, so "
+            "'The answer is \\boxed{5}.' scores 0; use math_verify for MATH-style answers",
+        )
+
+
+def check_memory_plan(lr: LoadedRecipe) -> Iterator[Finding]:
+    """`rlx plan`'s verdict: a plan that does not fit is an error saying what to change."""
+    from rlx.plan import PlanError, plan_recipe
+
+    recipe = lr.recipe
+    if recipe.trainer is None or recipe.command is not None:
+        return
+    try:
+        plan = plan_recipe(recipe)
+    except PlanError as exc:
+        yield lr.finding(
+            ("trainer", "model", "path"), WARNING, f"memory not checked: {str(exc).rstrip('.')}"
+        )
+        return
+    except RlxError:  # an impossible layout: check_layout says so
+        return
+    where = ("resources", "accelerators") if recipe.resources.accelerators else ("resources",)
+    for problem in plan.problems:
+        field = ("resources", "memory") if problem.startswith("host") else where
+        yield lr.finding(field, ERROR, f"does not fit: {problem}")
+    for warning in plan.warnings:
+        field = ("resources", "memory") if warning.startswith("host") else where
+        yield lr.finding(field, WARNING, f"tight: {warning}")
+
+
 def check_ray_ports(lr: LoadedRecipe) -> Iterator[Finding]:
     ports = _ray_ports(lr.recipe)
     worker_range = range(lr.recipe.ray.min_worker_port, lr.recipe.ray.max_worker_port + 1)
@@ -591,6 +697,9 @@ CHECKS: list[Check] = [
     check_rollout_engine,
     check_group_size,
     check_layout,
+    check_colocated_tensor_parallel,
+    check_trainer_specs,
+    check_memory_plan,
     check_ray_ports,
     check_public_ports,
     check_dashboard_host,

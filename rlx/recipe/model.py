@@ -260,7 +260,9 @@ class RolloutSettings(StrictModel):
 class RewardSettings(StrictModel):
     function: Str = Field(
         "gsm8k",
-        description="Reward: a built-in name (gsm8k, math_exact, synthetic names) or a custom "
+        description="Reward: a built-in name (gsm8k; math_verify: the final answer, e.g. "
+        "\\boxed{}, equal to the reference by math-verify; math_exact: the whole response "
+        "equal to the reference; synthetic names) or a custom "
         "function as 'module:function' or 'path/to/file.py:function'.",
     )
     gsm8k_mode: Literal["strict", "flexible"] = Field(

@@ -9,8 +9,9 @@ completion (special tokens removed), `answer` the row's reference answer or None
 dataset has none. It returns a finite number, usually in [0, 1]; it must not mutate state
 it shares with other calls, because batches may be scored in any order.
 
-A spec names a built-in (`gsm8k`, `gsm8k_flexible`, `math_exact`, `letters_or_digits`) or a
-user function: `package.module:function` (importable) or `path/to/file.py:function`.
+A spec names a built-in (`gsm8k`, `gsm8k_flexible`, `math_verify`, `math_exact`,
+`letters_or_digits`) or a user function: `package.module:function` (importable) or
+`path/to/file.py:function`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import importlib
 import importlib.util
 import math
 import re
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -41,6 +43,7 @@ _NUMBER = r"[-+]?\$?\s?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\$?\s?\.\d+"
 _ANY_NUMBER = re.compile(_NUMBER)
 _LEADING_NUMBER = re.compile(r"\s*(" + _NUMBER + ")")
 _MARKER = "####"
+MATH_VERIFY_TIMEOUT_S = 5  # per parse and per comparison: untrusted LaTeX can be slow
 
 
 _PLAIN_NUMBER = re.compile(r"([-+]?)(\d*)(?:\.(\d*))?")
@@ -112,16 +115,40 @@ def _normalize_text(text: str) -> str:
 
 
 def math_exact(prompt: str, response: str, answer: str | None) -> float:
-    """1.0 if response and answer are equal after collapsing whitespace (and, when both are
-    numbers, after normalising them: "1,000.0" equals "1000"), else 0."""
+    """1.0 if the WHOLE response equals the answer after collapsing whitespace (and, when
+    both are numbers, after normalising them: "1,000.0" equals "1000"), else 0. Nothing is
+    extracted: "The answer is \\boxed{5}." scores 0 against "5"; use math_verify for that."""
     if answer is None:
         raise ValueError("math_exact needs a reference answer; the dataset gave none")
     return float(_normalize_text(response) == _normalize_text(answer))
 
 
+def math_verify(prompt: str, response: str, answer: str | None) -> float:
+    """1.0 if the response's final answer is mathematically equal to the reference, else 0,
+    judged by Hugging Face's math-verify: it extracts the answer (\\boxed{} first, then
+    LaTeX or plain expressions) and compares symbolically, so "\\frac{1}{2}" equals "0.5".
+    A response with no extractable answer scores 0."""
+    if answer is None:
+        raise ValueError("math_verify needs a reference answer; the dataset gave none")
+    try:
+        from math_verify import parse, verify
+    except ImportError as exc:
+        raise RewardSpecError(
+            'reward math_verify needs the math-verify package; pip install "rlx[train]"'
+        ) from exc
+    # math-verify's timeouts are signal alarms, which work only in the main thread.
+    limit = MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    gold = parse(answer, parsing_timeout=limit) or parse(f"${answer}$", parsing_timeout=limit)
+    if not gold:
+        raise ValueError(f"math_verify: reference answer {answer!r} has no parsable answer")
+    found = parse(response, parsing_timeout=limit)
+    return float(bool(found) and verify(gold, found, timeout_seconds=limit))
+
+
 REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "gsm8k": gsm8k_strict,
     "gsm8k_flexible": gsm8k_flexible,
+    "math_verify": math_verify,
     "math_exact": math_exact,
     "letters_or_digits": letters_or_digits_reward,
 }

@@ -122,6 +122,33 @@ def test_math_exact(response: str, answer: str, expected: float) -> None:
     assert math_exact("q", response, answer) == expected
 
 
+def test_math_exact_extracts_nothing() -> None:
+    # It does what its name says: the whole response must be the answer.
+    assert math_exact("q", "The answer is \\boxed{5}.", "5") == 0.0
+
+
+@pytest.mark.parametrize(
+    ("response", "answer", "expected"),
+    [
+        ("The answer is \\boxed{5}.", "5", 1.0),
+        ("\\frac{1}{2}", "0.5", 1.0),
+        ("So $x = \\boxed{\\frac{\\sqrt{3}}{2}}$.", "\\frac{\\sqrt3}{2}", 1.0),
+        ("First 3, then the answer is \\boxed{12}", "12", 1.0),
+        ("The answer is \\boxed{6}.", "5", 0.0),
+        ("\\boxed{\\frac{1}{3}}", "0.5", 0.0),
+        ("I do not know.", "5", 0.0),
+    ],
+)
+def test_math_verify(response: str, answer: str, expected: float) -> None:
+    pytest.importorskip("math_verify")
+    assert resolve_reward("math_verify")("q", response, answer) == expected
+
+
+def test_math_verify_needs_an_answer() -> None:
+    with pytest.raises(ValueError, match="reference answer"):
+        resolve_reward("math_verify")("q", "\\boxed{5}", None)
+
+
 def test_builtin_names_resolve() -> None:
     assert resolve_reward("gsm8k") is gsm8k_strict
     assert resolve_reward("gsm8k_flexible") is gsm8k_flexible
@@ -133,7 +160,7 @@ def test_unknown_name_lists_the_valid_ones() -> None:
         resolve_reward("gsm9k")
     message = str(info.value)
     assert "'gsm9k'" in message
-    assert "gsm8k, gsm8k_flexible, letters_or_digits, math_exact" in message
+    assert "gsm8k, gsm8k_flexible, letters_or_digits, math_exact, math_verify" in message
     assert "module:function" in message
     assert isinstance(info.value, ValueError)
 

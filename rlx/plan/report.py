@@ -1,0 +1,73 @@
+"""The plan as people read it (a rich table per budget) and as programs read it (JSON)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlx.plan.planner import GIB, HEADROOM, Budget, MemoryPlan
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / GIB:.1f}"
+
+
+def verdict(plan: MemoryPlan) -> str:
+    """One line: fits (with the tightest headroom), fits tightly, or does not fit."""
+    if not plan.fits:
+        return "does not fit: " + plan.problems[0]
+    spare = [b.headroom for b in [*plan.gpus, *plan.hosts] if b.headroom is not None]
+    if not spare:
+        return "fits (no memory limits given to check against)"
+    tightest = min(spare)
+    if tightest < HEADROOM:
+        return f"fits, but with only {tightest:.0%} headroom (keep {HEADROOM:.0%})"
+    return f"fits with {tightest:.0%} headroom"
+
+
+def _table(budget: Budget) -> Any:
+    from rich.table import Table
+
+    title = budget.title
+    if budget.capacity is not None:
+        title += f": {_gib(budget.peak)} of {_gib(budget.capacity)} GiB at {budget.peak_phase}"
+    else:
+        title += f": {_gib(budget.peak)} GiB"
+    table = Table(title=title, title_justify="left", show_edge=False)
+    table.add_column("item")
+    table.add_column("GiB", justify="right")
+    table.add_column("note")
+    for item in budget.items:
+        counted = budget.in_peak(item)
+        name = item.name if counted else f"[dim]{item.name}[/]"
+        table.add_row(
+            name,
+            _gib(item.bytes),
+            item.note if counted else f"{item.note} (not in this peak)".lstrip(" "),
+        )
+    return table
+
+
+def print_plan(plan: MemoryPlan) -> None:
+    from rich.console import Console
+
+    console = Console(soft_wrap=True, highlight=False)
+    console.print(f"[bold]{plan.recipe}[/]: {plan.model}")
+    console.print(
+        f"{plan.accelerator or 'CPU only'}, {plan.train_ranks} training rank(s), "
+        f"strategy {plan.strategy}"
+    )
+    for budget in [*plan.gpus, *plan.hosts]:
+        console.print()
+        console.print(_table(budget))
+    console.print()
+    console.print(
+        f"checkpoint: {_gib(plan.checkpoint_bytes)} GiB each, "
+        f"{_gib(plan.checkpoints_on_disk)} GiB on disk with retention; "
+        f"export {_gib(plan.export_bytes)} GiB"
+    )
+    for warning in plan.warnings:
+        console.print(f"[yellow]warning:[/] {warning}")
+    for problem in plan.problems[1:]:
+        console.print(f"[red]also:[/] {problem}")
+    colour = "green" if plan.fits and not plan.warnings else ("yellow" if plan.fits else "red")
+    console.print(f"[bold {colour}]{verdict(plan)}[/]")

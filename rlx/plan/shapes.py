@@ -1,0 +1,242 @@
+"""The shape of a decoder-only transformer, as the memory plan needs it, and where it comes
+from: the model's config.json (a local folder, or the Hugging Face cache), a `tiny:` spec,
+or a built-in table of common architectures so the plan works offline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlx.errors import RlxError
+
+# tiny:<arch>-h<hidden>-l<layers>, as rlx.trainer.resolve builds them (rlx.trainer.tiny).
+TINY_SPEC = re.compile(r"tiny:(?P<arch>[a-z0-9]+)-h(?P<hidden>[0-9]+)-l(?P<layers>[0-9]+)")
+TINY_HEADS = 4
+TINY_VOCAB = 260  # 256 byte tokens and 4 special ones
+# Architectures whose q/k/v projections carry a bias.
+QKV_BIAS_TYPES = ("qwen2",)
+
+
+class PlanError(RlxError):
+    """The plan cannot be made (unknown model or accelerator): one line saying what to do."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory of a dense decoder-only LM depends on."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    tie_word_embeddings: bool
+    head_dim: int
+    qkv_bias: bool = False
+    source: str = ""
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], source: str = "config") -> ModelShape:
+        """From a Hugging Face config.json's fields (a multimodal config's text_config)."""
+        if isinstance(config.get("text_config"), Mapping):
+            config = {**config["text_config"], "model_type": config.get("model_type", "")}
+        if any(config.get(key) for key in ("num_experts", "num_local_experts", "n_routed_experts")):
+            raise PlanError(
+                f"{source}: mixture-of-experts models are not planned; only dense decoder LMs"
+            )
+        try:
+            hidden = int(config["hidden_size"])
+            heads = int(config["num_attention_heads"])
+            shape = cls(
+                hidden=hidden,
+                layers=int(config["num_hidden_layers"]),
+                heads=heads,
+                kv_heads=int(config.get("num_key_value_heads") or heads),
+                intermediate=int(config["intermediate_size"]),
+                vocab=int(config["vocab_size"]),
+                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+                head_dim=int(config.get("head_dim") or hidden // heads),
+                qkv_bias=bool(
+                    config.get("attention_bias", config.get("model_type") in QKV_BIAS_TYPES)
+                ),
+                source=source,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanError(
+                f"{source}: not a decoder LM config the plan understands (missing or bad "
+                f"{exc}); give the model's config.json"
+            ) from None
+        return shape
+
+    # ------------------------------------------------------------------ parameter counts
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def layer_params(self) -> int:
+        """One decoder layer: q, k, v, o (+ q/k/v bias), gate, up, down, two RMSNorms.
+        H*q + 2*H*kv + q*H [+ q + 2*kv] + 3*H*I + 2*H."""
+        attention = self.hidden * self.q_dim * 2 + 2 * self.hidden * self.kv_dim
+        if self.qkv_bias:
+            attention += self.q_dim + 2 * self.kv_dim
+        return attention + 3 * self.hidden * self.intermediate + 2 * self.hidden
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def root_params(self) -> int:
+        """Outside the decoder layers: embeddings, final norm and an untied LM head."""
+        head = 0 if self.tie_word_embeddings else self.embedding_params
+        return self.embedding_params + self.hidden + head
+
+    @property
+    def params(self) -> int:
+        """The causal LM: L * layer + embeddings + final norm (+ LM head when untied)."""
+        return self.layers * self.layer_params + self.root_params
+
+    @property
+    def critic_params(self) -> int:
+        """The critic: the LM's body (no LM head) and a value head of H + 1."""
+        head = 0 if self.tie_word_embeddings else self.embedding_params
+        return self.params - head + self.hidden + 1
+
+    def describe(self) -> str:
+        return (
+            f"{self.params / 1e9:.2f}B params (hidden {self.hidden}, {self.layers} layers, "
+            f"{self.heads}/{self.kv_heads} heads, vocab {self.vocab})"
+        )
+
+
+# Public config.json numbers: (hidden, layers, heads, kv heads, intermediate, vocab, tied).
+_QWEN25 = {
+    "0.5b": (896, 24, 14, 2, 4864, 151936, True),
+    "1.5b": (1536, 28, 12, 2, 8960, 151936, True),
+    "3b": (2048, 36, 16, 2, 11008, 151936, True),
+    "7b": (3584, 28, 28, 4, 18944, 152064, False),
+    "14b": (5120, 48, 40, 8, 13824, 152064, False),
+    "32b": (5120, 64, 40, 8, 27648, 152064, False),
+    "72b": (8192, 80, 64, 8, 29568, 152064, False),
+}
+_LLAMA3 = {
+    "llama-3-8b": (4096, 32, 32, 8, 14336, 128256, False),
+    "llama-3.1-8b": (4096, 32, 32, 8, 14336, 128256, False),
+    "llama-3-70b": (8192, 80, 64, 8, 28672, 128256, False),
+    "llama-3.1-70b": (8192, 80, 64, 8, 28672, 128256, False),
+    "llama-3.3-70b": (8192, 80, 64, 8, 28672, 128256, False),
+    "llama-3.2-1b": (2048, 16, 32, 8, 8192, 128256, True),
+    "llama-3.2-3b": (3072, 28, 24, 8, 8192, 128256, True),
+}
+
+
+def builtin_configs() -> dict[str, dict[str, Any]]:
+    """The built-in table as config.json-like dicts, keyed by a normalised model name."""
+    table: dict[str, dict[str, Any]] = {}
+    rows = [(f"qwen2.5-{size}", "qwen2", row) for size, row in _QWEN25.items()]
+    rows += [(name, "llama", row) for name, row in _LLAMA3.items()]
+    for name, model_type, (hidden, layers, heads, kv, inter, vocab, tied) in rows:
+        table[name] = {
+            "model_type": model_type,
+            "hidden_size": hidden,
+            "num_hidden_layers": layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv,
+            "intermediate_size": inter,
+            "vocab_size": vocab,
+            "tie_word_embeddings": tied,
+        }
+    return table
+
+
+def normalise_name(model: str) -> str:
+    """'Qwen/Qwen2.5-7B-Instruct' -> 'qwen2.5-7b'; 'meta-llama/Meta-Llama-3.1-8B-Instruct'
+    -> 'llama-3.1-8b'."""
+    name = model.rstrip("/").rsplit("/", 1)[-1].lower()
+    name = re.sub(r"-(instruct|chat|it|base|hf)$", "", name)
+    return name.removeprefix("meta-")
+
+
+def hub_cache_dirs(env: Mapping[str, str]) -> list[Path]:
+    """Where the Hugging Face hub cache may be on this machine."""
+    dirs = []
+    if env.get("HF_HUB_CACHE"):
+        dirs.append(Path(env["HF_HUB_CACHE"]))
+    home = Path(env["HF_HOME"]) if env.get("HF_HOME") else Path.home() / ".cache" / "huggingface"
+    dirs.append(home / "hub")
+    return dirs
+
+
+def _cached_config(model: str, env: Mapping[str, str]) -> Path | None:
+    folder = "models--" + model.replace("/", "--")
+    for root in hub_cache_dirs(env):
+        found = sorted((root / folder / "snapshots").glob("*/config.json"))
+        if found:
+            return found[-1]
+    return None
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise PlanError(f"{path}: cannot read it as JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise PlanError(f"{path}: not a model config (a JSON object)")
+    return data
+
+
+def tiny_shape(spec: str) -> ModelShape | None:
+    """The shape of a `tiny:` model (rlx.trainer.tiny's defaults), or None if not one."""
+    match = TINY_SPEC.fullmatch(spec)
+    if match is None:
+        return None
+    hidden = int(match["hidden"])
+    return ModelShape(
+        hidden=hidden,
+        layers=int(match["layers"]),
+        heads=TINY_HEADS,
+        kv_heads=TINY_HEADS,
+        intermediate=4 * hidden,
+        vocab=TINY_VOCAB,
+        tie_word_embeddings=True,
+        head_dim=max(hidden // TINY_HEADS, 1),
+        qkv_bias=match["arch"] in QKV_BIAS_TYPES,
+        source="tiny spec",
+    )
+
+
+def find_shape(model: str, env: Mapping[str, str] | None = None) -> ModelShape:
+    """The model's shape: its config.json (local folder, then the HF cache), a tiny spec,
+    then the built-in table. PlanError when none knows it."""
+    env = os.environ if env is None else env
+    tiny = tiny_shape(model)
+    if tiny is not None:
+        return tiny
+    local = Path(model).expanduser()
+    if (local / "config.json").is_file():
+        return ModelShape.from_config(_read_config(local / "config.json"), str(local))
+    cached = _cached_config(model, env)
+    if cached is not None:
+        return ModelShape.from_config(_read_config(cached), str(cached))
+    builtin = builtin_configs().get(normalise_name(model))
+    if builtin is not None:
+        return ModelShape.from_config(builtin, f"built-in table ({normalise_name(model)})")
+    raise PlanError(
+        f"{model}: no config.json found (not a local folder, not in the Hugging Face cache "
+        f"under {hub_cache_dirs(env)[-1]}) and not in the built-in table; download it once "
+        f"(huggingface-cli download {model} config.json) or point model.path at a folder"
+    )
