@@ -8,6 +8,7 @@ the compute dtype. Results are bytes.
 from __future__ import annotations
 
 from rlx.plan.shapes import ModelShape
+from rlx.recipe.model import effective_strategy
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -52,14 +53,6 @@ def accelerator_gib(name: str) -> float | None:
     return table.get(name.upper())
 
 
-def resolve_strategy(strategy: str, ranks: int) -> str:
-    """'auto' is 'fsdp' with more than one training rank, else 'none' (a plain module);
-    'fsdp' and 'ddp' on one rank are plain modules too."""
-    if ranks <= 1:
-        return "none"
-    return "fsdp" if strategy == "auto" else strategy
-
-
 def training_state_bytes(
     shape: ModelShape,
     *,
@@ -77,7 +70,7 @@ def training_state_bytes(
     params overrides N (the critic's count for a critic of this shape)."""
     count = shape.params if params is None else params
     per = DTYPE_BYTES[param_dtype]
-    mode = resolve_strategy(strategy, ranks)
+    mode = effective_strategy(strategy, ranks)
     share = ranks if mode == "fsdp" else 1
     weights = _ceil_div(count, share) * per
     out = {
@@ -94,7 +87,7 @@ def training_state_bytes(
 def reference_bytes(shape: ModelShape, *, ranks: int, strategy: str, dtype: str) -> int:
     """The frozen reference policy, stored in the compute dtype: N*b, divided by `ranks`
     under FSDP."""
-    mode = resolve_strategy(strategy, ranks)
+    mode = effective_strategy(strategy, ranks)
     return _ceil_div(shape.params, ranks if mode == "fsdp" else 1) * DTYPE_BYTES[dtype]
 
 
@@ -105,7 +98,7 @@ def gathered_params_bytes(
     the root's (embeddings, LM head: never resharded between forward and backward) plus
     FSDP_LAYERS_IN_FLIGHT layers, or every layer when reshard_after_forward is off:
     (root + k*layer)*b. Zero without FSDP (the weights are whole already)."""
-    if resolve_strategy(strategy, ranks) != "fsdp":
+    if effective_strategy(strategy, ranks) != "fsdp":
         return 0
     layers = FSDP_LAYERS_IN_FLIGHT if reshard_after_forward else shape.layers
     return (shape.root_params + min(layers, shape.layers) * shape.layer_params) * (

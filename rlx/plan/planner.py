@@ -18,7 +18,7 @@ from typing import Any
 from rlx.errors import RlxError
 from rlx.plan import memory as mem
 from rlx.plan.shapes import ModelShape, PlanError, find_shape
-from rlx.recipe.model import Recipe, TrainerSettings
+from rlx.recipe.model import Recipe, TrainerSettings, effective_strategy
 
 GIB = mem.GIB
 HEADROOM = 0.10  # a plan with less spare memory than this is a warning
@@ -221,7 +221,7 @@ def plan_recipe(
             raise PlanError(f"accelerator {name!r} has no memory size in the plan's table: {known}")
         capacity = int(size * GIB)
     layout = layout_of(recipe)
-    strategy = mem.resolve_strategy(trainer.parallel.strategy, layout.train_ranks)
+    strategy = effective_strategy(trainer.parallel.strategy, layout.train_ranks)
     plan = MemoryPlan(
         recipe=recipe.name,
         model=f"{trainer.model.path}: {shape.describe()}",

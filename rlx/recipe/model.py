@@ -332,6 +332,14 @@ class BatchSettings(StrictModel):
     )
 
 
+def effective_strategy(strategy: str, ranks: int) -> Literal["single", "ddp", "fsdp"]:
+    """What `trainer.parallel.strategy` means with `ranks` training ranks: one rank is always a
+    plain module ('single'); 'auto' is FSDP otherwise. The trainer and the planner both ask here."""
+    if ranks <= 1:
+        return "single"
+    return "ddp" if strategy == "ddp" else "fsdp"
+
+
 class ParallelSettings(StrictModel):
     strategy: Literal["auto", "fsdp", "ddp"] = Field(
         "auto",

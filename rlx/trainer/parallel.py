@@ -44,9 +44,9 @@ FORWARD_METHOD = "run_as_forward"
 
 def resolve_strategy(parallel: ParallelSettings, world_size: int) -> Strategy:
     """The strategy a run uses: one rank is always a plain module; 'auto' is FSDP otherwise."""
-    if world_size <= 1:
-        return "single"
-    return "ddp" if parallel.strategy == "ddp" else "fsdp"
+    from rlx.recipe.model import effective_strategy
+
+    return effective_strategy(parallel.strategy, world_size)
 
 
 @dataclass(frozen=True)
