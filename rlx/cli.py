@@ -36,12 +36,14 @@ class Backend(str, Enum):
     dstack = "dstack"
     slurm = "slurm"
     local = "local"
+    ray = "ray"
 
 
 class RenderBackend(str, Enum):
     sky = "sky"
     dstack = "dstack"
     slurm = "slurm"
+    ray = "ray"
 
 
 class NodeBackend(str, Enum):
@@ -221,6 +223,20 @@ def launch(
     managed: bool = typer.Option(
         False, "--managed", help="SkyPilot: a managed job (recovers from preemption)."
     ),
+    address: str | None = typer.Option(
+        None,
+        "--address",
+        help="ray: the cluster's dashboard, e.g. http://127.0.0.1:8265 (default: $RAY_ADDRESS).",
+    ),
+    detach: bool = typer.Option(
+        False, "--detach", help="ray: submit and return instead of following the job to its end."
+    ),
+    keep: bool = typer.Option(
+        False,
+        "--keep",
+        help="sky, dstack, slurm: form the cluster and keep it with no trainer, for `-b ray` "
+        "jobs and `rlx attach`; `rlx down NAME` ends it.",
+    ),
 ) -> None:
     """Submit a recipe to a backend (default: run it here) and remember the job."""
     from rlx.launchers import get_backend, get_operations
@@ -240,6 +256,14 @@ def launch(
         job_recipe = job_recipe.model_copy(update={"name": name})
     if managed and backend is not Backend.sky:
         fail("--managed is for SkyPilot managed jobs; use it with --backend sky")
+    if (address is not None or detach) and backend is not Backend.ray:
+        fail("--address and --detach are for Ray jobs; use them with --backend ray")
+    if keep:
+        from rlx.launchers.keep import kept_recipe
+
+        if backend not in (Backend.sky, Backend.dstack, Backend.slurm):
+            fail("--keep forms a cluster on sky, dstack or slurm; use one of those backends")
+        job_recipe = kept_recipe(job_recipe)
     module = get_backend(backend.value)
     rendered = module.render(job_recipe, str(recipe)) if hasattr(module, "render") else ""
     if dry_run:
@@ -253,11 +277,20 @@ def launch(
         secrets=collect_secrets(job_recipe, os.environ),
         workdir=Path.cwd(),
         managed=managed,
+        address=address,
+        detach=detach,
+        keep=keep,
     )
     job = get_operations(backend.value).launch(request)
     remember(job, Path.cwd())
     code = int(job.extra.get("exit_code", "0"))
-    if backend is not Backend.local:
+    if keep:
+        from rlx.launchers.keep import announce
+
+        announce(job, job_recipe, request.secrets, Path.cwd())
+    elif backend is Backend.ray and not detach:
+        pass  # followed to its end: the exit code is the job's own
+    elif backend is not Backend.local:
         typer.echo(
             f"launched {job.name} on {job.backend} ({job.handle}); follow it with: "
             f"rlx logs {job.name} --follow",
