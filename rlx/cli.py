@@ -181,7 +181,11 @@ def render(
 
 
 def _load_checked(
-    path: Path, force: bool, lint_loaded: Callable[..., Any], load_recipe: Callable[..., Any]
+    path: Path,
+    force: bool,
+    lint_loaded: Callable[..., Any],
+    load_recipe: Callable[..., Any],
+    keep: bool = False,
 ) -> Any:
     from rlx.errors import RecipeError
 
@@ -192,6 +196,8 @@ def _load_checked(
             typer.echo(finding.format(), err=True)
         fail(f"{path} has {len(exc.findings)} error(s); fix them (see `rlx lint {path}`)")
     findings = lint_loaded(loaded)
+    if keep:  # a kept cluster runs no trainer: a recipe without one is fine
+        findings = [f for f in findings if not f.message.startswith("nothing to run")]
     errors = [f for f in findings if f.severity == "error"]
     for finding in findings:
         typer.echo(finding.format(), err=True)
@@ -245,7 +251,7 @@ def launch(
     from rlx.recipe import load_recipe
     from rlx.recipe.model import RECIPE_NAME
 
-    loaded = _load_checked(recipe, False, lint_loaded, load_recipe)
+    loaded = _load_checked(recipe, False, lint_loaded, load_recipe, keep=keep)
     job_recipe = loaded.recipe
     if name is not None:
         if not RECIPE_NAME.fullmatch(name):
@@ -345,6 +351,49 @@ def down(name: str = typer.Argument(..., help="Job name.")) -> None:
     job = recall(name, Path.cwd())
     get_operations(job.backend).down(job)
     typer.echo(f"stopped {name}", err=True)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@expected_errors
+def attach(
+    ctx: typer.Context,
+    name: str = typer.Argument(..., help="Job name (a running Slurm job)."),
+    node: int = typer.Option(0, "--node", help="Node index (0 is the head)."),
+) -> None:
+    """A shell on the head (or node K) of a running Slurm job, inside its container, with
+    RAY_ADDRESS and the job's token set; `rlx attach NAME -- COMMAND` runs COMMAND there."""
+    from rlx.launchers import get_operations
+    from rlx.launchers.base import recall
+
+    job = recall(name, Path.cwd())
+    ops = get_operations(job.backend)
+    if not hasattr(ops, "attach"):
+        fail(f"rlx attach is for Slurm jobs; {name} runs on {job.backend} (use its own ssh)")
+    raise typer.Exit(ops.attach(job, node, list(ctx.args)))
+
+
+@app.command()
+@expected_errors
+def tunnel(
+    name: str = typer.Argument(..., help="Job name."),
+    port: int = typer.Option(8265, "--port", help="Local port (127.0.0.1) to forward."),
+) -> None:
+    """Bring a job's Ray dashboard to 127.0.0.1:PORT here (Slurm: through srun; SkyPilot
+    and dstack: prints the ssh -L command)."""
+    from rlx.launchers import get_operations
+    from rlx.launchers.base import recall
+    from rlx.launchers.keep import tunnel_command
+
+    job = recall(name, Path.cwd())
+    ops = get_operations(job.backend)
+    if hasattr(ops, "tunnel"):
+        ops.tunnel(job, port)
+        return
+    if job.backend not in ("sky", "dstack"):
+        fail(f"{name} runs on {job.backend}: there is no remote dashboard to forward")
+    from rlx.recipe import load_recipe
+
+    typer.echo(tunnel_command(job, load_recipe(Path(job.source)).recipe, port))
 
 
 # --------------------------------------------------------------------------- on the nodes

@@ -126,3 +126,77 @@ def test_quickstart_on_two_nodes_then_down(slurm_cluster, launch_env, tmp_path):
     while job_processes(slurm_cluster):
         assert time.monotonic() < deadline, job_processes(slurm_cluster)
         time.sleep(1)
+
+
+def test_kept_cluster_attach_tunnel_and_down(slurm_cluster, launch_env, tmp_path):
+    """--keep forms the cluster and holds it; attach runs on the head and on worker 1 with
+    the job's Ray; a -b ray job goes through `rlx tunnel` (srun); down frees the nodes."""
+    path = tmp_path / "kept.yaml"
+    path.write_text(
+        yaml.safe_dump({"name": "kept", "resources": {"nodes": 3}, "ray": {"join_timeout": 120}})
+    )
+    started = time.monotonic()
+    out = rlx(tmp_path, launch_env, "launch", str(path), "-b", "slurm", "--keep")
+    assert out.returncode == 0, out.stderr
+    assert "rlx tunnel kept --port 8265" in out.stderr and "rlx attach kept" in out.stderr
+    token_file = tmp_path / ".rlx" / "tokens" / "kept"
+    assert token_file.stat().st_mode & 0o077 == 0
+    deadline = time.monotonic() + 300
+    while "rlx: cluster kept" not in rlx(tmp_path, launch_env, "logs", "kept").stdout:
+        assert time.monotonic() < deadline, rlx(tmp_path, launch_env, "logs", "kept").stdout
+        time.sleep(1)
+    print(f"\n[slurm-keep] cluster formed and kept after {time.monotonic() - started:.1f} s")
+
+    t0 = time.monotonic()
+    status = rlx(tmp_path, launch_env, "attach", "kept", "--", "ray", "status")
+    print(f"[slurm-keep] rlx attach kept -- ray status: {time.monotonic() - t0:.1f} s")
+    assert status.returncode == 0, status.stderr + status.stdout
+    active = status.stdout.split("Active:", 1)[1].split("Pending:", 1)[0]
+    assert active.count("node_") == 3, status.stdout
+    host = rlx(tmp_path, launch_env, "attach", "kept", "--node", "1", "--", "hostname")
+    assert host.returncode == 0 and host.stdout.strip() == "node2", host
+    env = rlx(tmp_path, launch_env, "attach", "kept", "--node", "2", "--", "sh", "-c", "exit 4")
+    assert env.returncode == 4
+    bad = rlx(tmp_path, launch_env, "attach", "kept", "--node", "3", "--", "true")
+    assert bad.returncode == 1 and "has nodes 0..2" in bad.stderr
+
+    # A Ray job from this machine, through the srun port forward to the head's dashboard.
+    port = 18265 + os.getpid() % 1000
+    forward = subprocess.Popen(
+        [sys.executable, "-m", "rlx", "tunnel", "kept", "--port", str(port)],
+        cwd=tmp_path,
+        env=launch_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert "rlx: 127.0.0.1:" in forward.stdout.readline()
+        job = tmp_path / "hello.yaml"
+        job.write_text(yaml.safe_dump({"name": "hello", "command": ["hostname; exit 5"]}))
+        token = token_file.read_text().strip()
+        submit_env = {**launch_env, "RAY_AUTH_TOKEN": token}
+        done = rlx(
+            tmp_path,
+            submit_env,
+            "launch",
+            str(job),
+            "-b",
+            "ray",
+            "--address",
+            f"http://127.0.0.1:{port}",
+            timeout=180,
+        )
+        assert done.returncode == 5, done.stderr + done.stdout
+        assert "node1" in done.stdout
+    finally:
+        forward.terminate()
+        forward.wait(30)
+
+    down = rlx(tmp_path, launch_env, "down", "kept")
+    assert down.returncode == 0, down.stderr
+    assert wait_state(tmp_path, launch_env, "kept", {"CANCELLED", "FAILED"}, 120) == "CANCELLED"
+    deadline = time.monotonic() + 60
+    while job_processes(slurm_cluster):
+        assert time.monotonic() < deadline, job_processes(slurm_cluster)
+        time.sleep(1)

@@ -21,6 +21,7 @@ from rlx.launchers.common import (
     recipe_json,
     setup_script,
 )
+from rlx.launchers.keep import save_token
 from rlx.launchers.ops_common import save_rendered
 from rlx.recipe import Recipe
 
@@ -300,6 +301,9 @@ def launch(request: LaunchRequest) -> Job:
     job_id = proc.stdout.strip().split(";")[0]
     if not job_id.isdigit():
         raise RlxError(f"sbatch answered {proc.stdout.strip()!r}, not a job id")
+    token = request.secrets.get(RAY_TOKEN_SECRET)
+    if token:
+        save_token(request.workdir, request.name, token)  # for rlx attach and -b ray
     return Job(
         request.name,
         NAME,
@@ -395,3 +399,35 @@ def down(job: Job) -> None:
         if _state(job)[0] not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
             return
         time.sleep(0.5)
+
+
+def _job_recipe(job: Job) -> Recipe | None:
+    from rlx.launchers.slurm_attach import _rendered_value
+
+    raw = _rendered_value(job, RECIPE_ENV)
+    return Recipe.model_validate_json(raw) if raw else None
+
+
+def _attach_container(recipe: Recipe | None) -> list[str]:
+    """The flags that enter the job's own container (its steps named it)."""
+    if recipe is None or not recipe.slurm or not recipe.slurm.container_image:
+        return []
+    return ["--container-name=rlx"]
+
+
+def attach(job: Job, node: int, command: list[str]) -> int:
+    """A shell (or `command`) on node `node` of the running job, inside its container."""
+    from rlx.launchers.slurm_attach import attach as attach_step
+
+    recipe = _job_recipe(job)
+    port = recipe.ray.port if recipe else 6379
+    return attach_step(job, node, command, port, _attach_container(recipe))
+
+
+def tunnel(job: Job, local_port: int) -> None:
+    """Forward a local port to the head's dashboard through srun, until Ctrl-C."""
+    from rlx.launchers.slurm_attach import tunnel as tunnel_step
+
+    recipe = _job_recipe(job)
+    remote = recipe.ray.dashboard_port if recipe else 8265
+    tunnel_step(job, local_port, remote, _attach_container(recipe))
