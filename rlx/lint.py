@@ -311,6 +311,18 @@ def check_auth(lr: LoadedRecipe) -> Iterator[Finding]:
         )
 
 
+def check_debugger(lr: LoadedRecipe) -> Iterator[Finding]:
+    if lr.recipe.ray.debug == "legacy":
+        yield lr.finding(
+            ("ray", "debug"),
+            WARNING,
+            "legacy starts Ray with --ray-debugger-external: a paused task's pdb listens on "
+            "the node's address, unauthenticated, for anyone who reaches it; use "
+            "post-mortem or breakpoints (debugpy, reached through the dashboard) unless a "
+            "firewall closes the nodes",
+        )
+
+
 def check_secrets_in_env(lr: LoadedRecipe) -> Iterator[Finding]:
     recipe = lr.recipe
     for i, name in enumerate(recipe.secrets):
@@ -595,6 +607,7 @@ CHECKS: list[Check] = [
     check_public_ports,
     check_dashboard_host,
     check_auth,
+    check_debugger,
     check_secrets_in_env,
     check_reserved_env,
     check_setup_commands,

@@ -216,3 +216,55 @@ def test_ray_jobs_on_a_kept_cluster(kept: Kept) -> None:
     # The kept cluster ends when its run blocks are stopped, leaving nothing behind.
     kept.close()
     assert_nothing_left(kept.hosts)
+
+
+FAILING_TASK = (
+    f"{sys.executable} -c 'import ray; ray.init()\n"
+    "@ray.remote(max_retries=0)\n"
+    "def boom():\n"
+    '    raise ValueError("boom")\n'
+    "ray.get(boom.remote())'"
+)
+
+
+def test_post_mortem_debugger_listens_on_a_failing_task(emulated_hosts, tmp_path: Path) -> None:
+    """ray.debug: post-mortem on every node; a failing remote task waits for a debugger and
+    the head's log shows where it listens."""
+    spec = __import__("importlib.util").util.find_spec("debugpy")
+    if spec is None or spec.origin is None:
+        pytest.skip("debugpy (rlx[node]) is not installed")
+    hosts = emulated_hosts
+    recipe = probe_recipe(tmp_path / "probe").model_copy(
+        update={"name": "debug", "command": [FAILING_TASK]}
+    )
+    recipe = recipe.model_copy(
+        update={"ray": recipe.ray.model_copy(update={"debug": "post-mortem"})}
+    )
+    job = RenderedJob.from_recipe("sky", recipe, hosts, tmp_path)
+    token = secrets.token_hex(32)
+    # debugpy wherever this interpreter finds it (a separate folder is fine).
+    pythonpath = f"{REPO}:{Path(spec.origin).parent.parent}"
+    runs = [
+        job.start(rank, {"RLX_RAY_TOKEN": token}, extra_env={"PYTHONPATH": pythonpath})
+        for rank in range(len(hosts))
+    ]
+    try:
+        started = time.monotonic()
+        poll(lambda: "Ray debugger is listening on" in runs[0].output(), 240, "the debugger line")
+        print(f"\n[rayjobs] post-mortem debugger line after {time.monotonic() - started:.1f} s")
+        line = next(ln for ln in runs[0].output().splitlines() if "debugger is listening" in ln)
+        assert any(h.ip in line for h in hosts), line
+        # Every node's Ray runs with the switch, so any worker would do the same.
+        for host in hosts:
+            raylet = next(
+                p for p in host.processes() if p.cmdline.split(" ", 1)[0].endswith("raylet")
+            )
+            environ = Path(f"/proc/{raylet.pid}/environ").read_bytes().split(b"\0")
+            assert b"RAY_DEBUG_POST_MORTEM=1" in environ, host.name
+    finally:
+        for run in runs:
+            if run.proc.poll() is None:
+                run.proc.send_signal(signal.SIGTERM)
+        for run in runs:
+            run.wait(60)
+    assert_nothing_left(hosts)

@@ -80,7 +80,7 @@ class Bootstrap:
                     f"fresh token per job, or pass it as a secret ({RAY_TOKEN_SECRET}=$(openssl "
                     "rand -hex 32)); or set ray.auth: none in the recipe"
                 )
-        self.ray_env = raynode.ray_env(self.env, token)
+        self.ray_env = raynode.ray_env(self.env, token, self.recipe.ray.debug)
         # The GCS client in this process reads auth settings from os.environ.
         for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
             if key in self.ray_env:

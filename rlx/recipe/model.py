@@ -203,6 +203,12 @@ class RaySettings(StrictModel):
         description="Ray token authentication: 'token' (a fresh token per job, delivered as a "
         "secret) or 'none'.",
     )
+    debug: Literal["off", "post-mortem", "breakpoints", "legacy"] = Field(
+        "off",
+        description="Ray's debugger on every node: 'post-mortem' (a failing task waits for a "
+        "debugger, debugpy), 'breakpoints' (breakpoint() in tasks waits for one), 'legacy' "
+        "(Ray's pdb, listening on the node's address) or 'off'.",
+    )
 
 
 # --------------------------------------------------------------------------- trainer
