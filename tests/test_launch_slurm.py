@@ -94,10 +94,14 @@ def test_quickstart_on_two_nodes_then_down(slurm_cluster, launch_env, tmp_path):
         wait_state(tmp_path, launch_env, "quick-slurm", {"SUCCEEDED", "FAILED"}, 900) == "SUCCEEDED"
     ), rlx(tmp_path, launch_env, "logs", "quick-slurm").stdout
 
+    # Progress from the run folder on the shared filesystem.
+    status = rlx(tmp_path, launch_env, "status", "quick-slurm").stdout
+    assert "step 6 of 6" in status and "elapsed" in status, status
     logs = rlx(tmp_path, launch_env, "logs", "quick-slurm")
     assert logs.returncode == 0
     head_log = logs.stdout
     assert "all 2 nodes joined" in head_log
+    assert "cluster formed: 2/2 nodes online" in head_log
     ips = [host.ip for host in slurm_cluster.hosts]
     workers = re.search(r"training workers: (.*)", head_log)
     assert workers, head_log

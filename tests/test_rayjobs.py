@@ -121,6 +121,7 @@ NODES_SEEN = (
 def test_ray_jobs_on_a_kept_cluster(kept: Kept) -> None:
     w = kept.workdir
     head = kept.hosts[0]
+    assert "cluster formed: 3/3 nodes online, 0/0 GPUs" in kept.runs[0].output()
     # The dashboard listens on the head's loopback only; a peer cannot reach it.
     listening = head.run(["ss", "-ltnH", f"sport = :{DASHBOARD}"], timeout=30).stdout
     assert listening.strip() and all(

@@ -206,6 +206,11 @@ class Bootstrap:
             gpus = sum(s.gpus for s in states)
             if started and alive >= set(node.node_ips) and gpus >= want_gpus:
                 self.say(f"all {node.num_nodes} nodes joined ({gpus:.0f} GPUs)")
+                cpus = sum(s.cpus for s in states)
+                self.say(
+                    f"cluster formed: {len(alive)}/{node.num_nodes} nodes online, "
+                    f"{gpus:.0f}/{want_gpus} GPUs, {cpus:.0f} CPUs"
+                )
                 return alive
             joined = len(alive & set(node.node_ips))
             if joined != last_report:

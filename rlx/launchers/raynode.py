@@ -47,6 +47,7 @@ class NodeState:
     ip: str
     alive: bool
     gpus: float
+    cpus: float = 0.0
 
 
 # Ray's debugger switches (ray.debug), set on every node's Ray, so every worker inherits them.
@@ -244,6 +245,7 @@ class Gcs:
                 node.node_manager_address,
                 node.state == 0,  # 0 is ALIVE
                 float(node.resources_total.get("GPU", 0.0)),
+                float(node.resources_total.get("CPU", 0.0)),
             )
             for node in info.values()
         ]

@@ -342,9 +342,29 @@ def status(job: Job) -> JobStatus:
     if state == "COMPLETED" and code not in (None, 0):
         shown = "FAILED"
     detail = ", ".join(
-        x for x in (state.lower(), reason, f"exit code {code}" if code is not None else "") if x
+        x
+        for x in (
+            state.lower(),
+            reason,
+            _progress(job),
+            f"exit code {code}" if code is not None else "",
+        )
+        if x
     )
     return JobStatus(job.name, NAME, shown, detail, code)
+
+
+def _progress(job: Job) -> str:
+    """Training progress when the run folder the head names is on this machine's
+    filesystem (Slurm's logging folder is usually shared)."""
+    from rlx.launchers.progress import progress_detail, run_dir_from_log
+
+    head = Path(job.extra["logs"]) / "head.log"
+    try:
+        run_dir = run_dir_from_log(head.read_text(errors="replace"))
+    except OSError:
+        return ""
+    return (progress_detail(run_dir) or "") if run_dir else ""
 
 
 def _log_files(job: Job, node: int | None) -> list[Path]:
