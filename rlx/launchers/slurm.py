@@ -24,6 +24,7 @@ from rlx.launchers.common import (
 from rlx.launchers.keep import save_token
 from rlx.launchers.ops_common import save_rendered
 from rlx.recipe import Recipe
+from rlx.recipe.model import SlurmContainer
 
 NAME = "slurm"
 SUFFIX = ".sbatch"
@@ -71,18 +72,99 @@ def log_dir(recipe: Recipe) -> str:
     return recipe.slurm.log_dir if recipe.slurm else "rlx-logs"
 
 
-def _container_flags(recipe: Recipe) -> list[str]:
-    slurm = recipe.slurm
-    if not slurm or not slurm.container_image:
-        return []
-    mounts = [
-        *slurm.container_mounts,
+# Containers are named after the job, so a requeued or later job never meets this one's.
+CONTAINER_NAME = "rlx-${SLURM_JOB_ID}"
+CONTAINER_READY_SECONDS = 600
+
+
+def _container(recipe: Recipe) -> SlurmContainer | None:
+    return recipe.slurm.container if recipe.slurm else None
+
+
+def _mounts(recipe: Recipe, container: SlurmContainer) -> list[str]:
+    return [
+        *container.mounts,
         *(f"{v.path}:{v.path}" + (":ro" if v.read_only else "") for v in recipe.volumes),
     ]
-    flags = [f"--container-image={slurm.container_image}", "--container-name=rlx"]
+
+
+def _pyxis_flags(recipe: Recipe, container: SlurmContainer) -> list[str]:
+    q = shlex.quote
+    flags = [f"--container-image={q(container.image)}", f'--container-name="{CONTAINER_NAME}"']
+    mounts = _mounts(recipe, container)
     if mounts:
-        flags.append(f"--container-mounts={','.join(mounts)}")
+        flags.append(f"--container-mounts={q(','.join(mounts))}")
     return flags
+
+
+def step_env_names(recipe: Recipe) -> list[str]:
+    """What the job's steps need inside a docker/podman container (passed by name: `-e NAME`
+    copies the value from the step's environment, so no value is on a command line)."""
+    names = [*recipe.env, RECIPE_ENV, *recipe.secrets]
+    if recipe.ray.auth == "token":
+        names.append(RAY_TOKEN_SECRET)
+    return [*names, "RLX_NODE_HOSTS", "RLX_SETUP", "SLURM_JOB_ID", "SLURMD_NODENAME"]
+
+
+def _engine_run_script(recipe: Recipe, container: SlurmContainer) -> str:
+    """One long-lived container per node (a step on every node runs this): an init process
+    reaps Ray's daemons, host network and shm for Ray and NCCL, the GPUs, the mounts and
+    the job's env. It is removed when the step ends: the job finished, failed or was
+    cancelled (Slurm sends the step SIGTERM, the trap removes the container)."""
+    q = shlex.quote
+    engine = container.runtime
+    run = [
+        engine, "run", "--rm", "--name", '"$name"', "--init", "--network", "host",
+        "--shm-size", q(container.shm_size),
+    ]  # fmt: skip
+    if recipe.resources.gpus_per_node:
+        run += ["--gpus", "all"] if engine == "docker" else ["--device", "nvidia.com/gpu=all"]
+    for mount in _mounts(recipe, container):
+        run += ["-v", q(mount)]
+    for name in step_env_names(recipe):
+        run += ["-e", name]
+    run += [q(container.image), "tail", "-f", "/dev/null"]
+    return (
+        "\n".join(
+            [
+                f'name="{CONTAINER_NAME}"',
+                f'{engine} rm -f "$name" >/dev/null 2>&1 || true',
+                f"trap '{engine} rm -f \"$name\" >/dev/null 2>&1 || true' EXIT",
+                "trap 'exit 143' TERM INT",
+                " ".join(run) + " &",
+                "wait $!",
+            ]
+        )
+        + "\n"
+    )
+
+
+def _engine_ready_script(engine: str) -> str:
+    return (
+        f"for _ in $(seq {CONTAINER_READY_SECONDS}); do\n"
+        f'  if {engine} exec "{CONTAINER_NAME}" true >/dev/null 2>&1; then exit 0; fi\n'
+        "  sleep 1\n"
+        "done\n"
+        f'echo "rlx: the {engine} container did not start on $(hostname) within '
+        f'{CONTAINER_READY_SECONDS} s" >&2\n'
+        "exit 75\n"
+    )
+
+
+def _in_container(recipe: Recipe, argv: str) -> str:
+    """`argv` (a shell fragment) as the job's steps run it: inside the container for docker,
+    podman and apptainer (pyxis enters it through srun's own flags)."""
+    container = _container(recipe)
+    if container is None or container.runtime == "pyxis":
+        return argv
+    if container.runtime == "apptainer":
+        flags = ["--nv"] if recipe.resources.gpus_per_node else []
+        mounts = _mounts(recipe, container)
+        if mounts:
+            flags += ["--bind", shlex.quote(",".join(mounts))]
+        return " ".join(["apptainer", "exec", *flags, shlex.quote(container.image), argv])
+    names = " ".join(f"-e {name}" for name in step_env_names(recipe))
+    return f'{container.runtime} exec {names} "{CONTAINER_NAME}" {argv}'
 
 
 def script(recipe: Recipe) -> list[str]:
@@ -132,33 +214,52 @@ def script(recipe: Recipe) -> list[str]:
         'echo "rlx: head ${head_node}, nodes: ${nodes[*]}"',
         "",
     ]
-    container = " ".join(q(f) for f in _container_flags(recipe))
-    step = f"srun --ntasks-per-node=1 {container}".rstrip()
+    container = _container(recipe)
+    flags = _pyxis_flags(recipe, container) if container and container.runtime == "pyxis" else []
+    step = " ".join(["srun", "--ntasks-per-node=1", *flags])
+    if container and container.runtime in ("docker", "podman"):
+        out += [
+            "# One container per node for the whole job; the steps below run inside it.",
+            "# shellcheck disable=SC2016  # expanded on each node, not here",
+            f"export RLX_CONTAINER={q(_engine_run_script(recipe, container))}",
+            f"srun --ntasks-per-node=1 --nodes={nodes} --ntasks={nodes} "
+            '--output="$job_logs/container-%N.log" bash -c "$RLX_CONTAINER" &',
+            "containers_pid=$!",
+            # Ending the step removes every node's container, however the script ends.
+            "trap 'kill \"$containers_pid\" 2>/dev/null || true' EXIT",
+            "# shellcheck disable=SC2016  # expanded on each node, not here",
+            f"export RLX_CONTAINER_READY={q(_engine_ready_script(container.runtime))}",
+            f"srun --overlap --ntasks-per-node=1 --nodes={nodes} --ntasks={nodes} "
+            'bash -c "$RLX_CONTAINER_READY" || exit 75',
+            "",
+        ]
+        step = "srun --overlap --ntasks-per-node=1"
     setup = setup_script(recipe)
     if setup:
         out += [
             f"export RLX_SETUP={q(setup)}",
             f'{step} --nodes={nodes} --ntasks={nodes} --output="$job_logs/setup-%N.log" '
-            'bash -c "$RLX_SETUP"',
+            + _in_container(recipe, 'bash -c "$RLX_SETUP"'),
             "",
         ]
-    if not recipe.slurm or not recipe.slurm.container_image:
+    if container is None:
         out += [
             "if ! command -v rlx >/dev/null 2>&1; then",
             f"  echo {q(NOT_INSTALLED)} >&2",
             "  exit 127",
             "fi",
         ]
+    node_cmd = _in_container(recipe, f"rlx node --backend {NAME}")
     out += [
         f'{step} --nodes=1 --ntasks=1 --nodelist="$head_node" '
-        f'--output="$job_logs/head.log" rlx node --backend {NAME} &',
+        f'--output="$job_logs/head.log" {node_cmd} &',
         "head_pid=$!",
     ]
     if nodes > 1:
         out += [
             'workers=$(IFS=,; echo "${nodes[*]:1}")',
             f'{step} --nodes={nodes - 1} --ntasks={nodes - 1} --nodelist="$workers" '
-            f'--output="$job_logs/worker-%N.log" rlx node --backend {NAME} &',
+            f'--output="$job_logs/worker-%N.log" {node_cmd} &',
             "workers_pid=$!",
         ]
     if nodes == 1:
@@ -428,11 +529,18 @@ def _job_recipe(job: Job) -> Recipe | None:
     return Recipe.model_validate_json(raw) if raw else None
 
 
-def _attach_container(recipe: Recipe | None) -> list[str]:
-    """The flags that enter the job's own container (its steps named it)."""
-    if recipe is None or not recipe.slurm or not recipe.slurm.container_image:
-        return []
-    return ["--container-name=rlx"]
+def _attach_container(recipe: Recipe | None, job_id: str) -> tuple[list[str], list[str]]:
+    """(srun flags, command prefix) that enter the job's own container on a node."""
+    container = _container(recipe) if recipe else None
+    name = CONTAINER_NAME.replace("${SLURM_JOB_ID}", job_id)
+    if container is None:
+        return [], []
+    if container.runtime == "pyxis":
+        return [f"--container-name={name}"], []
+    if container.runtime == "apptainer":
+        return [], ["apptainer", "exec", container.image]
+    env = ["RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", RECIPE_ENV]
+    return [], [container.runtime, "exec", "-i", *(f"-e{n}" for n in env), name]
 
 
 def attach(job: Job, node: int, command: list[str]) -> int:
@@ -441,7 +549,8 @@ def attach(job: Job, node: int, command: list[str]) -> int:
 
     recipe = _job_recipe(job)
     port = recipe.ray.port if recipe else 6379
-    return attach_step(job, node, command, port, _attach_container(recipe))
+    flags, prefix = _attach_container(recipe, job.handle)
+    return attach_step(job, node, command, port, flags, prefix)
 
 
 def tunnel(job: Job, local_port: int) -> None:
@@ -450,4 +559,4 @@ def tunnel(job: Job, local_port: int) -> None:
 
     recipe = _job_recipe(job)
     remote = recipe.ray.dashboard_port if recipe else 8265
-    tunnel_step(job, local_port, remote, _attach_container(recipe))
+    tunnel_step(job, local_port, remote, *_attach_container(recipe, job.handle))

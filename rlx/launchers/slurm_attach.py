@@ -79,11 +79,21 @@ def _pick(job: Job, node: int) -> tuple[list[str], str]:
     return nodes, nodes[node]
 
 
-def attach(job: Job, node: int, command: Sequence[str], port: int, container: Sequence[str]) -> int:
+def attach(
+    job: Job,
+    node: int,
+    command: Sequence[str],
+    port: int,
+    container: Sequence[str],
+    prefix: Sequence[str] = (),
+) -> int:
+    """Run `command` (a login shell without one) on node `node` of the job; its exit code."""
     nodes, target = _pick(job, node)
     env = step_env(job, nodes[0], port, os.environ)
     argv = step_argv(job, target, pty=not command, container=container)
-    argv += list(command) if command else ["bash", "-l"]
+    if not command and list(prefix[:1]) in (["docker"], ["podman"]):
+        prefix = [prefix[0], "exec", "-t", *prefix[2:]]  # a terminal for the shell
+    argv += [*prefix, *(command or ["bash", "-l"])]
     try:
         return subprocess.call(argv, env=env)
     except FileNotFoundError:
@@ -92,12 +102,18 @@ def attach(job: Job, node: int, command: Sequence[str], port: int, container: Se
         ) from None
 
 
-def tunnel(job: Job, local_port: int, remote_port: int, container: Sequence[str]) -> None:
+def tunnel(
+    job: Job,
+    local_port: int,
+    remote_port: int,
+    container: Sequence[str],
+    prefix: Sequence[str] = (),
+) -> None:
     """Forward 127.0.0.1:local_port here to 127.0.0.1:remote_port on the head, until Ctrl-C."""
     _, head = _pick(job, 0)
     # --unbuffered: srun would otherwise hold the relay's output back until a newline.
     step = step_argv(job, head, pty=False, container=container)
-    argv = [*step[:2], "--unbuffered", *step[2:], *relay_argv(remote_port)]
+    argv = [*step[:2], "--unbuffered", *step[2:], *prefix, *relay_argv(remote_port)]
     try:
         server = listen(local_port)
     except OSError as exc:
