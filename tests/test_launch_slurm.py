@@ -204,3 +204,73 @@ def test_kept_cluster_attach_tunnel_and_down(slurm_cluster, launch_env, tmp_path
     while job_processes(slurm_cluster):
         assert time.monotonic() < deadline, job_processes(slurm_cluster)
         time.sleep(1)
+
+
+def test_requeue_resumes_after_a_lost_worker_and_the_warning(slurm_cluster, launch_env, tmp_path):
+    """slurm.requeue: a worker killed mid-run fails the cluster (75) and the job requeues;
+    the next attempt resumes from the newest checkpoint; Slurm's warning (USR1) makes the
+    trainer save and the job requeue again; the last attempt finishes. One log folder per
+    attempt."""
+    path = quickstart(tmp_path, "requeue", steps=6)
+    recipe = yaml.safe_load(path.read_text())
+    recipe["slurm"] = {"requeue": {"retries": 2, "signal_lead": 60}}
+    recipe["trainer"]["checkpoint"]["every"] = 2
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    started = time.monotonic()
+    out = rlx(tmp_path, launch_env, "launch", str(path), "--backend", "slurm")
+    assert out.returncode == 0, out.stderr
+    job_id = out.stderr.split("(", 1)[1].split(")", 1)[0]
+    logs = tmp_path / "rlx-logs"
+    ckpts = tmp_path / "checkpoints" / job_id
+
+    def wait_for(predicate, what: str, timeout: float = 400) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}: " + "\n".join(
+                f"--- {p}\n{p.read_text(errors='replace')[-3000:]}" for p in logs.rglob("*.log")
+            )
+            time.sleep(1)
+
+    # Attempt 1: once step 2 is saved, worker 1's raylet dies: exit 75, requeue.
+    wait_for(lambda: (ckpts / "step-000002" / "COMPLETE").exists(), "the step-2 checkpoint")
+    worker = slurm_cluster.hosts[1]
+    for proc in worker.processes():
+        if proc.cmdline.split(" ", 1)[0].endswith("raylet"):
+            os.kill(proc.pid, 9)
+    second = logs / f"requeue-{job_id}-attempt1"
+    wait_for(lambda: "step 3 " in _read(second / "head.log"), "attempt 2 training")
+    print(
+        f"\n[slurm-requeue] lost worker -> requeued -> training: {time.monotonic() - started:.0f} s"
+    )
+    driver = _read(logs / f"requeue-{job_id}" / "driver.log")
+    assert "ended with exit code 75; requeueing (retry 1 of 2)" in driver, driver
+    head2 = _read(second / "head.log")
+    assert "resumed from" in head2 and "(step 2)" in head2, head2
+
+    # Attempt 2: the warning signal, as Slurm sends it signal_lead seconds before the end.
+    subprocess.run(
+        ["scancel", "--batch", "--signal=USR1", job_id], env=launch_env, check=True, timeout=30
+    )
+    third = logs / f"requeue-{job_id}-attempt2"
+    wait_for(lambda: "done: 6 of 6 steps" in _read(third / "head.log"), "attempt 3 to finish")
+    head2 = _read(second / "head.log")
+    saved = sorted(p.name for p in ckpts.glob("step-*") if (p / "COMPLETE").exists())
+    head3 = _read(third / "head.log")
+    resumed = head3.split("resumed from", 1)[1].split("\n", 1)[0]
+    assert "received SIGUSR1" in head2, head2
+    # It resumed from the newest checkpoint the second attempt left (saved on the signal when
+    # that step was not on the cadence).
+    step = int(resumed.rsplit("(step ", 1)[1].rstrip(")"))
+    assert step >= 3, resumed
+    assert f"step-{step:06d}" in saved or step % 2 == 0, (saved, resumed)
+    assert wait_state(tmp_path, launch_env, "requeue", {"SUCCEEDED", "FAILED"}, 120) == "SUCCEEDED"
+    print(f"[slurm-requeue] three attempts, finished after {time.monotonic() - started:.0f} s")
+    assert sorted(p.name for p in logs.iterdir() if p.is_dir()) == [
+        f"requeue-{job_id}",
+        f"requeue-{job_id}-attempt1",
+        f"requeue-{job_id}-attempt2",
+    ]
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""

@@ -104,6 +104,8 @@ class Bootstrap:
             raise Stop(signum)
 
         previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+        # Until the head command runs, the checkpoint warning has nothing to checkpoint.
+        previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         try:
             left = raynode.stop_own_ray(self.address, self.recipe.ray.port)
             if left:
@@ -252,11 +254,20 @@ class Bootstrap:
         return env
 
     def run_head_command(self, gcs: raynode.Gcs, alive: set[str]) -> int:
-        script = "set -e\n" + "\n".join(self.recipe.head_command) + "\n"
+        # bash ignores USR1 (the checkpoint warning) so only programs that ask for it, the
+        # trainer, get it; by default it would end bash and orphan the trainer.
+        script = "set -e\ntrap '' USR1\n" + "\n".join(self.recipe.head_command) + "\n"
         self.say("running: " + " && ".join(self.recipe.head_command))
         proc = subprocess.Popen(
             ["bash", "-c", script], env=self.head_command_env(), start_new_session=True
         )
+
+        def warn(_signum: int, _frame: object) -> None:
+            self.say("received SIGUSR1: passing it to the head command (checkpoint and stop)")
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGUSR1)
+
+        signal.signal(signal.SIGUSR1, warn)
         try:
             while True:
                 try:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from rlx.errors import RlxError
 from rlx.launchers.base import Job, JobStatus, LaunchRequest
+from rlx.launchers.bootstrap import CLUSTER_FAILURE
 from rlx.launchers.common import (
     NOT_INSTALLED,
     RAY_TOKEN_SECRET,
@@ -64,6 +65,10 @@ def directives(recipe: Recipe) -> list[str]:
                 lines.append(f"--{field}={value}")
         if slurm.exclusive:
             lines.append("--exclusive")
+        if slurm.requeue:
+            # USR1 to the batch shell (B:) ahead of the end: the trainer checkpoints.
+            lines += ["--requeue", f"--signal=B:USR1@{slurm.requeue.signal_lead}"]
+            lines.append("--open-mode=append")  # every attempt adds to the same .out file
     lines.append(f"--output={log_dir(recipe)}/%x-%j.out")
     return [f"#SBATCH {line}" for line in lines]
 
@@ -176,6 +181,16 @@ def script(recipe: Recipe) -> list[str]:
         "",
         "# One folder per job: driver.log (this script), head.log, one log per worker.",
         f'job_logs={q(log_dir(recipe))}/"${{SLURM_JOB_NAME}}-${{SLURM_JOB_ID}}"',
+        *(
+            [
+                "# A requeued attempt (SLURM_RESTART_COUNT > 0) logs to a folder of its own.",
+                'if [[ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]]; then',
+                '  job_logs="$job_logs-attempt$SLURM_RESTART_COUNT"',
+                "fi",
+            ]
+            if recipe.slurm and recipe.slurm.requeue
+            else []
+        ),
         'mkdir -p "$job_logs"',
         'echo "rlx: logs of this job are in $job_logs"',
         'exec >>"$job_logs/driver.log" 2>&1',
@@ -250,10 +265,12 @@ def script(recipe: Recipe) -> list[str]:
             "fi",
         ]
     node_cmd = _in_container(recipe, f"rlx node --backend {NAME}")
+    requeue = recipe.slurm.requeue if recipe.slurm else None
     out += [
         f'{step} --nodes=1 --ntasks=1 --nodelist="$head_node" '
         f'--output="$job_logs/head.log" {node_cmd} &',
         "head_pid=$!",
+        *(_warning_trap(nodes) if requeue else []),
     ]
     if nodes > 1:
         out += [
@@ -271,8 +288,37 @@ def script(recipe: Recipe) -> list[str]:
         ]
     else:
         out += _driver_wait(WORKER_GRACE_SECONDS)
+    if requeue:
+        out += _requeue(requeue.retries)
     out.append('exit "$rc"')
     return out
+
+
+def _warning_trap(nodes: int) -> list[str]:
+    """Slurm's USR1 (time limit or preemption ahead) goes to the head step: the trainer saves
+    a checkpoint and exits 75, and the job requeues below."""
+    return [
+        "# The time-limit / preemption warning: the trainer checkpoints and stops (exit 75).",
+        "# shellcheck disable=SC2317  # called by the trap",
+        "on_warning() {",
+        '  echo "rlx: warning signal from Slurm: checkpointing, then requeueing"',
+        '  kill -USR1 "$head_pid" 2>/dev/null || true',
+        "}",
+        "trap on_warning USR1",
+    ]
+
+
+def _requeue(retries: int) -> list[str]:
+    """A cluster failure or the warning (exit 75) requeues the job while retries remain; the
+    next attempt starts this script again and the trainer resumes from its checkpoint."""
+    return [
+        "",
+        f'if [[ $rc -eq {CLUSTER_FAILURE} && "${{SLURM_RESTART_COUNT:-0}}" -lt {retries} ]]; then',
+        '  echo "rlx: attempt $((${SLURM_RESTART_COUNT:-0} + 1)) ended with exit code $rc; '
+        f'requeueing (retry $((${{SLURM_RESTART_COUNT:-0}} + 1)) of {retries})"',
+        '  scontrol requeue "$SLURM_JOB_ID"',
+        "fi",
+    ]
 
 
 def _driver_wait(grace: int) -> list[str]:
@@ -460,7 +506,7 @@ def _progress(job: Job) -> str:
     filesystem (Slurm's logging folder is usually shared)."""
     from rlx.launchers.progress import progress_detail, run_dir_from_log
 
-    head = Path(job.extra["logs"]) / "head.log"
+    head = attempt_folder(job) / "head.log"
     try:
         run_dir = run_dir_from_log(head.read_text(errors="replace"))
     except OSError:
@@ -468,8 +514,19 @@ def _progress(job: Job) -> str:
     return (progress_detail(run_dir) or "") if run_dir else ""
 
 
+def attempt_folder(job: Job) -> Path:
+    """The log folder of the job's newest attempt (a requeued job has one per attempt)."""
+    first = Path(job.extra["logs"])
+    later = [
+        (int(p.name.rsplit("attempt", 1)[1]), p)
+        for p in first.parent.glob(f"{first.name}-attempt*")
+        if p.name.rsplit("attempt", 1)[1].isdigit()
+    ]
+    return max(later)[1] if later else first
+
+
 def _log_files(job: Job, node: int | None) -> list[Path]:
-    folder = Path(job.extra["logs"])
+    folder = attempt_folder(job)
     if node is None or node == 0:
         return [folder / "head.log"]
     hosts = _job_hosts(folder)

@@ -501,6 +501,21 @@ class SlurmContainer(StrictModel):
         return value
 
 
+class SlurmRequeue(StrictModel):
+    """Requeue the job when its cluster fails or it is preempted, resuming from checkpoints."""
+
+    retries: int = Field(
+        3, ge=1, le=100, description="Attempts after the first (SLURM_RESTART_COUNT below it)."
+    )
+    signal_lead: int = Field(
+        300,
+        ge=10,
+        le=86400,
+        description="Seconds before the time limit (or a preemption) Slurm sends USR1, on "
+        "which the trainer saves a checkpoint and the job requeues (#SBATCH --signal).",
+    )
+
+
 class SlurmSettings(StrictModel):
     """Slurm-only settings."""
 
@@ -518,6 +533,12 @@ class SlurmSettings(StrictModel):
     container: SlurmContainer | None = Field(
         None,
         description="Run every node of the job in a container (pyxis, Docker, Podman, Apptainer).",
+    )
+    requeue: SlurmRequeue | None = Field(
+        None,
+        description="Requeue on a cluster failure (exit 75), a preemption or the time-limit "
+        "warning while retries remain; each attempt logs apart and resumes from the newest "
+        "checkpoint.",
     )
     modules: list[Str] = Field(
         default_factory=list, description="Environment modules to load (module load NAME)."
