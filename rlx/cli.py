@@ -413,7 +413,9 @@ def node(
     with its code. Rendered run blocks call this."""
     from rlx.launchers import bootstrap
     from rlx.launchers.nodeenv import node_info
+    from rlx.launchers.ship import check_node_version
 
+    check_node_version(os.environ)
     loaded = _recipe_from(recipe)
     info = node_info(backend.value, os.environ, loaded.resources.gpus_per_node)
     raise typer.Exit(bootstrap.main(loaded, info, os.environ))

@@ -261,7 +261,7 @@ def test_requeue_resumes_after_a_lost_worker_and_the_warning(slurm_cluster, laun
     # It resumed from the newest checkpoint the second attempt left (saved on the signal when
     # that step was not on the cadence).
     step = int(resumed.rsplit("(step ", 1)[1].rstrip(")"))
-    assert step >= 3, resumed
+    assert step >= 3, (resumed, saved, head2[-3000:])
     assert f"step-{step:06d}" in saved or step % 2 == 0, (saved, resumed)
     assert wait_state(tmp_path, launch_env, "requeue", {"SUCCEEDED", "FAILED"}, 120) == "SUCCEEDED"
     print(f"[slurm-requeue] three attempts, finished after {time.monotonic() - started:.0f} s")
