@@ -107,6 +107,11 @@ class StopRequest:
         self.signum = signum
 
     def check(self) -> None:
+        """Stop here on SIGTERM/SIGINT; the warning (USR1) lets the step in progress end."""
+        if self.signum is not None and not self.checkpoint_first:
+            raise Stopped(self.signum)
+
+    def check_between_steps(self) -> None:
         if self.signum is not None:
             raise Stopped(self.signum)
 

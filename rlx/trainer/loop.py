@@ -161,7 +161,7 @@ class Trainer:
                         and done % settings.checkpoint.every
                     ):
                         self.save(done)
-                    self.stop.check()
+                    self.stop.check_between_steps()
                     metrics = self.step(step)
                     self.logger.log(step, metrics)
                     bar.update()
