@@ -238,6 +238,7 @@ def test_requeue_resumes_after_a_lost_worker_and_the_warning(slurm_cluster, laun
         if proc.cmdline.split(" ", 1)[0].endswith("raylet"):
             os.kill(proc.pid, 9)
     second = logs / f"requeue-{job_id}-attempt1"
+    start_requeued_now(job_id, launch_env, lambda: (logs / f"requeue-{job_id}").exists())
     wait_for(lambda: "step 3 " in _read(second / "head.log"), "attempt 2 training")
     print(
         f"\n[slurm-requeue] lost worker -> requeued -> training: {time.monotonic() - started:.0f} s"
@@ -252,6 +253,7 @@ def test_requeue_resumes_after_a_lost_worker_and_the_warning(slurm_cluster, laun
         ["scancel", "--batch", "--signal=USR1", job_id], env=launch_env, check=True, timeout=30
     )
     third = logs / f"requeue-{job_id}-attempt2"
+    start_requeued_now(job_id, launch_env, lambda: True)
     wait_for(lambda: "done: 6 of 6 steps" in _read(third / "head.log"), "attempt 3 to finish")
     head2 = _read(second / "head.log")
     saved = sorted(p.name for p in ckpts.glob("step-*") if (p / "COMPLETE").exists())
@@ -270,6 +272,23 @@ def test_requeue_resumes_after_a_lost_worker_and_the_warning(slurm_cluster, laun
         f"requeue-{job_id}-attempt1",
         f"requeue-{job_id}-attempt2",
     ]
+
+
+def start_requeued_now(job_id: str, env: dict[str, str], ready) -> None:
+    """Slurm holds a requeued job back for two minutes (its BeginTime); once the job is
+    pending again, let it start now so the test does not wait for that."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        state = subprocess.run(
+            ["squeue", "-h", "-j", job_id, "-o", "%T"], env=env, capture_output=True, text=True
+        ).stdout.strip()
+        if state == "PENDING" and ready():
+            subprocess.run(
+                ["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env, check=False
+            )
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"job {job_id} was not requeued within 300 s")
 
 
 def _read(path: Path) -> str:
