@@ -56,6 +56,11 @@ def _record_line(name: str, data: bytes) -> str:
     return f"{name},sha256={digest},{len(data)}"
 
 
+def wheel_dir(env: Mapping[str, str]) -> Path:
+    """Where launches keep the wheels they ship: the user's cache, not the project."""
+    return Path(env.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "rlx" / "wheels"
+
+
 def build_wheel(out_dir: Path) -> Path:
     """A wheel of the running rlx in out_dir (reused when one of that version is there)."""
     files = _package_files()
