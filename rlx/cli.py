@@ -36,12 +36,14 @@ class Backend(str, Enum):
     dstack = "dstack"
     slurm = "slurm"
     local = "local"
+    ray = "ray"
 
 
 class RenderBackend(str, Enum):
     sky = "sky"
     dstack = "dstack"
     slurm = "slurm"
+    ray = "ray"
 
 
 class NodeBackend(str, Enum):
@@ -179,7 +181,11 @@ def render(
 
 
 def _load_checked(
-    path: Path, force: bool, lint_loaded: Callable[..., Any], load_recipe: Callable[..., Any]
+    path: Path,
+    force: bool,
+    lint_loaded: Callable[..., Any],
+    load_recipe: Callable[..., Any],
+    keep: bool = False,
 ) -> Any:
     from rlx.errors import RecipeError
 
@@ -190,6 +196,8 @@ def _load_checked(
             typer.echo(finding.format(), err=True)
         fail(f"{path} has {len(exc.findings)} error(s); fix them (see `rlx lint {path}`)")
     findings = lint_loaded(loaded)
+    if keep:  # a kept cluster runs no trainer: a recipe without one is fine
+        findings = [f for f in findings if not f.message.startswith("nothing to run")]
     errors = [f for f in findings if f.severity == "error"]
     for finding in findings:
         typer.echo(finding.format(), err=True)
@@ -252,6 +260,20 @@ def launch(
     managed: bool = typer.Option(
         False, "--managed", help="SkyPilot: a managed job (recovers from preemption)."
     ),
+    address: str | None = typer.Option(
+        None,
+        "--address",
+        help="ray: the cluster's dashboard, e.g. http://127.0.0.1:8265 (default: $RAY_ADDRESS).",
+    ),
+    detach: bool = typer.Option(
+        False, "--detach", help="ray: submit and return instead of following the job to its end."
+    ),
+    keep: bool = typer.Option(
+        False,
+        "--keep",
+        help="sky, dstack, slurm: form the cluster and keep it with no trainer, for `-b ray` "
+        "jobs and `rlx attach`; `rlx down NAME` ends it.",
+    ),
 ) -> None:
     """Submit a recipe to a backend (default: run it here) and remember the job."""
     from rlx.launchers import get_backend, get_operations
@@ -260,7 +282,7 @@ def launch(
     from rlx.recipe import load_recipe
     from rlx.recipe.model import RECIPE_NAME
 
-    loaded = _load_checked(recipe, False, lint_loaded, load_recipe)
+    loaded = _load_checked(recipe, False, lint_loaded, load_recipe, keep=keep)
     job_recipe = loaded.recipe
     if name is not None:
         if not RECIPE_NAME.fullmatch(name):
@@ -271,6 +293,14 @@ def launch(
         job_recipe = job_recipe.model_copy(update={"name": name})
     if managed and backend is not Backend.sky:
         fail("--managed is for SkyPilot managed jobs; use it with --backend sky")
+    if (address is not None or detach) and backend is not Backend.ray:
+        fail("--address and --detach are for Ray jobs; use them with --backend ray")
+    if keep:
+        from rlx.launchers.keep import kept_recipe
+
+        if backend not in (Backend.sky, Backend.dstack, Backend.slurm):
+            fail("--keep forms a cluster on sky, dstack or slurm; use one of those backends")
+        job_recipe = kept_recipe(job_recipe)
     module = get_backend(backend.value)
     rendered = module.render(job_recipe, str(recipe)) if hasattr(module, "render") else ""
     if dry_run:
@@ -284,11 +314,20 @@ def launch(
         secrets=collect_secrets(job_recipe, os.environ),
         workdir=Path.cwd(),
         managed=managed,
+        address=address,
+        detach=detach,
+        keep=keep,
     )
     job = get_operations(backend.value).launch(request)
     remember(job, Path.cwd())
     code = int(job.extra.get("exit_code", "0"))
-    if backend is not Backend.local:
+    if keep:
+        from rlx.launchers.keep import announce
+
+        announce(job, job_recipe, request.secrets, Path.cwd())
+    elif backend is Backend.ray and not detach:
+        pass  # followed to its end: the exit code is the job's own
+    elif backend is not Backend.local:
         typer.echo(
             f"launched {job.name} on {job.backend} ({job.handle}); follow it with: "
             f"rlx logs {job.name} --follow",
@@ -345,6 +384,49 @@ def down(name: str = typer.Argument(..., help="Job name.")) -> None:
     typer.echo(f"stopped {name}", err=True)
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@expected_errors
+def attach(
+    ctx: typer.Context,
+    name: str = typer.Argument(..., help="Job name (a running Slurm job)."),
+    node: int = typer.Option(0, "--node", help="Node index (0 is the head)."),
+) -> None:
+    """A shell on the head (or node K) of a running Slurm job, inside its container, with
+    RAY_ADDRESS and the job's token set; `rlx attach NAME -- COMMAND` runs COMMAND there."""
+    from rlx.launchers import get_operations
+    from rlx.launchers.base import recall
+
+    job = recall(name, Path.cwd())
+    ops = get_operations(job.backend)
+    if not hasattr(ops, "attach"):
+        fail(f"rlx attach is for Slurm jobs; {name} runs on {job.backend} (use its own ssh)")
+    raise typer.Exit(ops.attach(job, node, list(ctx.args)))
+
+
+@app.command()
+@expected_errors
+def tunnel(
+    name: str = typer.Argument(..., help="Job name."),
+    port: int = typer.Option(8265, "--port", help="Local port (127.0.0.1) to forward."),
+) -> None:
+    """Bring a job's Ray dashboard to 127.0.0.1:PORT here (Slurm: through srun; SkyPilot
+    and dstack: prints the ssh -L command)."""
+    from rlx.launchers import get_operations
+    from rlx.launchers.base import recall
+    from rlx.launchers.keep import tunnel_command
+
+    job = recall(name, Path.cwd())
+    ops = get_operations(job.backend)
+    if hasattr(ops, "tunnel"):
+        ops.tunnel(job, port)
+        return
+    if job.backend not in ("sky", "dstack"):
+        fail(f"{name} runs on {job.backend}: there is no remote dashboard to forward")
+    from rlx.recipe import load_recipe
+
+    typer.echo(tunnel_command(job, load_recipe(Path(job.source)).recipe, port))
+
+
 # --------------------------------------------------------------------------- on the nodes
 
 
@@ -362,7 +444,9 @@ def node(
     with its code. Rendered run blocks call this."""
     from rlx.launchers import bootstrap
     from rlx.launchers.nodeenv import node_info
+    from rlx.launchers.ship import check_node_version
 
+    check_node_version(os.environ)
     loaded = _recipe_from(recipe)
     info = node_info(backend.value, os.environ, loaded.resources.gpus_per_node)
     raise typer.Exit(bootstrap.main(loaded, info, os.environ))

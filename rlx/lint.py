@@ -417,6 +417,18 @@ def check_auth(lr: LoadedRecipe) -> Iterator[Finding]:
         )
 
 
+def check_debugger(lr: LoadedRecipe) -> Iterator[Finding]:
+    if lr.recipe.ray.debug == "legacy":
+        yield lr.finding(
+            ("ray", "debug"),
+            WARNING,
+            "legacy starts Ray with --ray-debugger-external: a paused task's pdb listens on "
+            "the node's address, unauthenticated, for anyone who reaches it; use "
+            "post-mortem or breakpoints (debugpy, reached through the dashboard) unless a "
+            "firewall closes the nodes",
+        )
+
+
 def check_secrets_in_env(lr: LoadedRecipe) -> Iterator[Finding]:
     recipe = lr.recipe
     for i, name in enumerate(recipe.secrets):
@@ -598,20 +610,28 @@ def check_slurm(lr: LoadedRecipe) -> Iterator[Finding]:
             "Slurm copies no files to the nodes; put them "
             "on the shared filesystem and list that path under volumes",
         )
-    if recipe.resources.image and not slurm.container_image:
+    if recipe.resources.image and not slurm.container:
         yield lr.finding(
             ("resources", "image"),
             WARNING,
-            "Slurm ignores resources.image; set "
-            "slurm.container_image to run in a container with pyxis",
+            "Slurm ignores resources.image; set slurm.container to run in a container",
         )
-    image = slurm.container_image
+    container = slurm.container
+    image = container.image if container and container.runtime == "pyxis" else None
     if image and "#" not in image and re.match(r"^[a-z0-9.-]+\.[a-z]+(:[0-9]+)?/", image):
         registry, _, rest = image.partition("/")
         yield lr.finding(
-            ("slurm", "container_image"),
+            ("slurm", "container", "image"),
             WARNING,
             f"pyxis separates the registry with '#': write '{registry}#{rest}'",
+        )
+    if container and container.runtime in ("docker", "podman"):
+        yield lr.finding(
+            ("slurm", "container", "runtime"),
+            WARNING,
+            f"{container.runtime} containers run outside Slurm's cgroups: the job's CPU and "
+            "memory limits do not hold inside them; prefer pyxis or apptainer where the site "
+            "has them",
         )
     if recipe.resources.spot:
         yield lr.finding(
@@ -704,6 +724,7 @@ CHECKS: list[Check] = [
     check_public_ports,
     check_dashboard_host,
     check_auth,
+    check_debugger,
     check_secrets_in_env,
     check_reserved_env,
     check_setup_commands,

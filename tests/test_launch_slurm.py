@@ -94,10 +94,14 @@ def test_quickstart_on_two_nodes_then_down(slurm_cluster, launch_env, tmp_path):
         wait_state(tmp_path, launch_env, "quick-slurm", {"SUCCEEDED", "FAILED"}, 900) == "SUCCEEDED"
     ), rlx(tmp_path, launch_env, "logs", "quick-slurm").stdout
 
+    # Progress from the run folder on the shared filesystem.
+    status = rlx(tmp_path, launch_env, "status", "quick-slurm").stdout
+    assert "step 6 of 6" in status and "elapsed" in status, status
     logs = rlx(tmp_path, launch_env, "logs", "quick-slurm")
     assert logs.returncode == 0
     head_log = logs.stdout
     assert "all 2 nodes joined" in head_log
+    assert "cluster formed: 2/2 nodes online" in head_log
     ips = [host.ip for host in slurm_cluster.hosts]
     workers = re.search(r"training workers: (.*)", head_log)
     assert workers, head_log
@@ -126,3 +130,166 @@ def test_quickstart_on_two_nodes_then_down(slurm_cluster, launch_env, tmp_path):
     while job_processes(slurm_cluster):
         assert time.monotonic() < deadline, job_processes(slurm_cluster)
         time.sleep(1)
+
+
+def test_kept_cluster_attach_tunnel_and_down(slurm_cluster, launch_env, tmp_path):
+    """--keep forms the cluster and holds it; attach runs on the head and on worker 1 with
+    the job's Ray; a -b ray job goes through `rlx tunnel` (srun); down frees the nodes."""
+    path = tmp_path / "kept.yaml"
+    path.write_text(
+        yaml.safe_dump({"name": "kept", "resources": {"nodes": 3}, "ray": {"join_timeout": 120}})
+    )
+    started = time.monotonic()
+    out = rlx(tmp_path, launch_env, "launch", str(path), "-b", "slurm", "--keep")
+    assert out.returncode == 0, out.stderr
+    assert "rlx tunnel kept --port 8265" in out.stderr and "rlx attach kept" in out.stderr
+    token_file = tmp_path / ".rlx" / "tokens" / "kept"
+    assert token_file.stat().st_mode & 0o077 == 0
+    deadline = time.monotonic() + 300
+    while "rlx: cluster kept" not in rlx(tmp_path, launch_env, "logs", "kept").stdout:
+        assert time.monotonic() < deadline, rlx(tmp_path, launch_env, "logs", "kept").stdout
+        time.sleep(1)
+    print(f"\n[slurm-keep] cluster formed and kept after {time.monotonic() - started:.1f} s")
+
+    t0 = time.monotonic()
+    status = rlx(tmp_path, launch_env, "attach", "kept", "--", "ray", "status")
+    print(f"[slurm-keep] rlx attach kept -- ray status: {time.monotonic() - t0:.1f} s")
+    assert status.returncode == 0, status.stderr + status.stdout
+    active = status.stdout.split("Active:", 1)[1].split("Pending:", 1)[0]
+    assert active.count("node_") == 3, status.stdout
+    host = rlx(tmp_path, launch_env, "attach", "kept", "--node", "1", "--", "hostname")
+    assert host.returncode == 0 and host.stdout.strip() == "node2", host
+    env = rlx(tmp_path, launch_env, "attach", "kept", "--node", "2", "--", "sh", "-c", "exit 4")
+    assert env.returncode == 4
+    bad = rlx(tmp_path, launch_env, "attach", "kept", "--node", "3", "--", "true")
+    assert bad.returncode == 1 and "has nodes 0..2" in bad.stderr
+
+    # A Ray job from this machine, through the srun port forward to the head's dashboard.
+    port = 18265 + os.getpid() % 1000
+    forward = subprocess.Popen(
+        [sys.executable, "-m", "rlx", "tunnel", "kept", "--port", str(port)],
+        cwd=tmp_path,
+        env=launch_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert "rlx: 127.0.0.1:" in forward.stdout.readline()
+        job = tmp_path / "hello.yaml"
+        job.write_text(yaml.safe_dump({"name": "hello", "command": ["hostname; exit 5"]}))
+        token = token_file.read_text().strip()
+        submit_env = {**launch_env, "RAY_AUTH_TOKEN": token}
+        done = rlx(
+            tmp_path,
+            submit_env,
+            "launch",
+            str(job),
+            "-b",
+            "ray",
+            "--address",
+            f"http://127.0.0.1:{port}",
+            timeout=180,
+        )
+        assert done.returncode == 5, done.stderr + done.stdout
+        assert "node1" in done.stdout
+    finally:
+        forward.terminate()
+        forward.wait(30)
+
+    down = rlx(tmp_path, launch_env, "down", "kept")
+    assert down.returncode == 0, down.stderr
+    assert wait_state(tmp_path, launch_env, "kept", {"CANCELLED", "FAILED"}, 120) == "CANCELLED"
+    deadline = time.monotonic() + 60
+    while job_processes(slurm_cluster):
+        assert time.monotonic() < deadline, job_processes(slurm_cluster)
+        time.sleep(1)
+
+
+def test_requeue_resumes_after_a_lost_worker_and_the_warning(slurm_cluster, launch_env, tmp_path):
+    """slurm.requeue: a worker killed mid-run fails the cluster (75) and the job requeues;
+    the next attempt resumes from the newest checkpoint; Slurm's warning (USR1) makes the
+    trainer save and the job requeue again; the last attempt finishes. One log folder per
+    attempt."""
+    path = quickstart(tmp_path, "requeue", steps=6)
+    recipe = yaml.safe_load(path.read_text())
+    recipe["slurm"] = {"requeue": {"retries": 2, "signal_lead": 60}}
+    recipe["trainer"]["checkpoint"]["every"] = 2
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    started = time.monotonic()
+    out = rlx(tmp_path, launch_env, "launch", str(path), "--backend", "slurm")
+    assert out.returncode == 0, out.stderr
+    job_id = out.stderr.split("(", 1)[1].split(")", 1)[0]
+    logs = tmp_path / "rlx-logs"
+    ckpts = tmp_path / "checkpoints" / job_id
+
+    def wait_for(predicate, what: str, timeout: float = 400) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}: " + "\n".join(
+                f"--- {p}\n{p.read_text(errors='replace')[-3000:]}" for p in logs.rglob("*.log")
+            )
+            time.sleep(1)
+
+    # Attempt 1: once step 2 is saved, worker 1's raylet dies: exit 75, requeue.
+    wait_for(lambda: (ckpts / "step-000002" / "COMPLETE").exists(), "the step-2 checkpoint")
+    worker = slurm_cluster.hosts[1]
+    for proc in worker.processes():
+        if proc.cmdline.split(" ", 1)[0].endswith("raylet"):
+            os.kill(proc.pid, 9)
+    second = logs / f"requeue-{job_id}-attempt1"
+    start_requeued_now(job_id, launch_env, lambda: (logs / f"requeue-{job_id}").exists())
+    wait_for(lambda: "step 3 " in _read(second / "head.log"), "attempt 2 training")
+    print(
+        f"\n[slurm-requeue] lost worker -> requeued -> training: {time.monotonic() - started:.0f} s"
+    )
+    driver = _read(logs / f"requeue-{job_id}" / "driver.log")
+    assert "ended with exit code 75; requeueing (retry 1 of 2)" in driver, driver
+    head2 = _read(second / "head.log")
+    assert "resumed from" in head2 and "(step 2)" in head2, head2
+
+    # Attempt 2: the warning signal, as Slurm sends it signal_lead seconds before the end.
+    subprocess.run(
+        ["scancel", "--batch", "--signal=USR1", job_id], env=launch_env, check=True, timeout=30
+    )
+    third = logs / f"requeue-{job_id}-attempt2"
+    start_requeued_now(job_id, launch_env, lambda: True)
+    wait_for(lambda: "done: 6 of 6 steps" in _read(third / "head.log"), "attempt 3 to finish")
+    head2 = _read(second / "head.log")
+    saved = sorted(p.name for p in ckpts.glob("step-*") if (p / "COMPLETE").exists())
+    head3 = _read(third / "head.log")
+    resumed = head3.split("resumed from", 1)[1].split("\n", 1)[0]
+    assert "received SIGUSR1" in head2, head2
+    # It resumed from the newest checkpoint the second attempt left (saved on the signal when
+    # that step was not on the cadence).
+    step = int(resumed.rsplit("(step ", 1)[1].rstrip(")"))
+    assert step >= 3, (resumed, saved, head2[-3000:])
+    assert f"step-{step:06d}" in saved or step % 2 == 0, (saved, resumed)
+    assert wait_state(tmp_path, launch_env, "requeue", {"SUCCEEDED", "FAILED"}, 120) == "SUCCEEDED"
+    print(f"[slurm-requeue] three attempts, finished after {time.monotonic() - started:.0f} s")
+    assert sorted(p.name for p in logs.iterdir() if p.is_dir()) == [
+        f"requeue-{job_id}",
+        f"requeue-{job_id}-attempt1",
+        f"requeue-{job_id}-attempt2",
+    ]
+
+
+def start_requeued_now(job_id: str, env: dict[str, str], ready) -> None:
+    """Slurm holds a requeued job back for two minutes (its BeginTime); once the job is
+    pending again, let it start now so the test does not wait for that."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        state = subprocess.run(
+            ["squeue", "-h", "-j", job_id, "-o", "%T"], env=env, capture_output=True, text=True
+        ).stdout.strip()
+        if state == "PENDING" and ready():
+            subprocess.run(
+                ["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env, check=False
+            )
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"job {job_id} was not requeued within 300 s")
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""

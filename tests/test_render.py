@@ -95,7 +95,8 @@ def test_slurm_script_passes_bash_and_shellcheck(recipe: Path, tmp_path: Path):
 def test_slurm_container_and_gpus():
     text = rendered(RECIPES / "ppo-7b.yaml", "slurm")
     assert "#SBATCH --gpus-per-node=8" in text
-    assert "--container-image=nvcr.io#nvidia/pytorch:24.05-py3" in text
+    assert "--container-image='nvcr.io#nvidia/pytorch:24.05-py3'" in text
+    assert '--container-name="rlx-${SLURM_JOB_ID}"' in text
     assert "--container-mounts=/shared:/shared" in text
     assert '--output="$job_logs/head.log"' in text
     assert '--output="$job_logs/worker-%N.log"' in text

@@ -13,8 +13,9 @@ BACKENDS = {
     "dstack": "rlx.launchers.dstack",
     "slurm": "rlx.launchers.slurm",
     "local": "rlx.launchers.local",
+    "ray": "rlx.launchers.ray.render",
 }
-RENDERABLE = ("sky", "dstack", "slurm")
+RENDERABLE = ("sky", "dstack", "slurm", "ray")
 # Where each backend's launch, status, logs and down live: SkyPilot's and dstack's apart from
 # their renderers, since they import those libraries and rendering must not.
 OPERATIONS = {
@@ -22,6 +23,7 @@ OPERATIONS = {
     "dstack": "rlx.launchers.dstack_ops",
     "slurm": "rlx.launchers.slurm",
     "local": "rlx.launchers.local",
+    "ray": "rlx.launchers.ray.ops",
 }
 
 

@@ -37,6 +37,9 @@ class LaunchRequest:
     workdir: Path  # where rendered files and logs go (.rlx/ under the current folder)
     managed: bool = False  # SkyPilot managed job
     dry_run: bool = False
+    address: str | None = None  # ray: the cluster's dashboard (else RAY_ADDRESS)
+    detach: bool = False  # ray: submit and return instead of following the job
+    keep: bool = False  # sky, dstack, slurm: form the cluster and hold it, no trainer
 
 
 @dataclass

@@ -80,7 +80,7 @@ class Bootstrap:
                     f"fresh token per job, or pass it as a secret ({RAY_TOKEN_SECRET}=$(openssl "
                     "rand -hex 32)); or set ray.auth: none in the recipe"
                 )
-        self.ray_env = raynode.ray_env(self.env, token)
+        self.ray_env = raynode.ray_env(self.env, token, self.recipe.ray.debug)
         # The GCS client in this process reads auth settings from os.environ.
         for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
             if key in self.ray_env:
@@ -104,6 +104,8 @@ class Bootstrap:
             raise Stop(signum)
 
         previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+        # Until the head command runs, the checkpoint warning has nothing to checkpoint.
+        previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         try:
             left = raynode.stop_own_ray(self.address, self.recipe.ray.port)
             if left:
@@ -206,6 +208,11 @@ class Bootstrap:
             gpus = sum(s.gpus for s in states)
             if started and alive >= set(node.node_ips) and gpus >= want_gpus:
                 self.say(f"all {node.num_nodes} nodes joined ({gpus:.0f} GPUs)")
+                cpus = sum(s.cpus for s in states)
+                self.say(
+                    f"cluster formed: {len(alive)}/{node.num_nodes} nodes online, "
+                    f"{gpus:.0f}/{want_gpus} GPUs, {cpus:.0f} CPUs"
+                )
                 return alive
             joined = len(alive & set(node.node_ips))
             if joined != last_report:
@@ -247,11 +254,20 @@ class Bootstrap:
         return env
 
     def run_head_command(self, gcs: raynode.Gcs, alive: set[str]) -> int:
-        script = "set -e\n" + "\n".join(self.recipe.head_command) + "\n"
+        # bash ignores USR1 (the checkpoint warning) so only programs that ask for it, the
+        # trainer, get it; by default it would end bash and orphan the trainer.
+        script = "set -e\ntrap '' USR1\n" + "\n".join(self.recipe.head_command) + "\n"
         self.say("running: " + " && ".join(self.recipe.head_command))
         proc = subprocess.Popen(
             ["bash", "-c", script], env=self.head_command_env(), start_new_session=True
         )
+
+        def warn(_signum: int, _frame: object) -> None:
+            self.say("received SIGUSR1: passing it to the head command (checkpoint and stop)")
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGUSR1)
+
+        signal.signal(signal.SIGUSR1, warn)
         try:
             while True:
                 try:

@@ -16,6 +16,24 @@ RECIPE_ENV = "RLX_RECIPE_JSON"
 RAY_TOKEN_SECRET = "RLX_RAY_TOKEN"
 
 NOT_INSTALLED = "rlx: rlx is not installed on this node; add: pip install rlx[train] to setup"
+# The wheel of the launching rlx on the node (set by `rlx launch`, which ships it).
+WHEEL_ENV = "RLX_WHEEL"
+
+# Run on every node before `rlx node`: install the shipped wheel when this node's rlx is
+# another version. A hand launch sets no RLX_WHEEL and uses the rlx that setup installed.
+INSTALL_SHIPPED = """\
+if [ -n "${RLX_WHEEL:-}" ]; then
+  rlx_wheel="${RLX_WHEEL/#\\~/$HOME}"
+  rlx_want=$(basename "$rlx_wheel" | cut -d- -f2)
+  rlx_have=$(python3 -c 'import importlib.metadata as m; print(m.version("rlx"))' \\
+    2>/dev/null || true)
+  if [ "$rlx_have" != "$rlx_want" ]; then
+    echo "rlx: installing the launching rlx $rlx_want (this node has ${rlx_have:-none})"
+    python3 -m pip install --quiet --disable-pip-version-check "$rlx_wheel" || exit 1
+  fi
+  export RLX_WHEEL="$rlx_wheel"
+fi
+"""
 
 
 def header_lines(recipe: Recipe, source: str, how_to_run: list[str]) -> list[str]:
@@ -24,6 +42,8 @@ def header_lines(recipe: Recipe, source: str, how_to_run: list[str]) -> list[str
         f"Rendered by rlx {__version__} from {source} (recipe '{recipe.name}').",
         "Edit the recipe and render again rather than editing this file.",
         *how_to_run,
+        f"rlx launch ships its own rlx (a wheel, {WHEEL_ENV}) to the nodes; launched by hand, "
+        f"the nodes need rlx {__version__} installed by setup.",
     ]
     return [f"# {_printable(line)}".rstrip() for line in lines]
 
@@ -57,7 +77,7 @@ def setup_script(recipe: Recipe) -> str:
 
 def node_command(backend: str) -> str:
     """The run block's body: check rlx is there, then hand over to the node bootstrap."""
-    return (
+    return INSTALL_SHIPPED + (
         "if ! command -v rlx >/dev/null 2>&1; then\n"
         f"  echo {shlex.quote(NOT_INSTALLED)} >&2\n"
         "  exit 127\n"

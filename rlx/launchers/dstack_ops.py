@@ -10,6 +10,7 @@ env (so these values too) in its run spec, in the server's database; rlx writes 
 from __future__ import annotations
 
 import base64
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -21,9 +22,11 @@ import yaml
 
 from rlx.errors import RlxError
 from rlx.launchers.base import Job, JobStatus, LaunchRequest, remember
+from rlx.launchers.common import WHEEL_ENV
 from rlx.launchers.dstack import NAME, SUFFIX, escape
 from rlx.launchers.dstack_errors import Target, dstack_errors, no_capacity
 from rlx.launchers.ops_common import absolute_local, one_line, save_rendered
+from rlx.launchers.ship import build_wheel, wheel_dir
 
 PROJECT = "project"  # Job.extra key: the dstack project the run was submitted to
 PLACEMENT_WAIT_S = 180.0  # how long `launch` waits for the server to place a new run
@@ -175,6 +178,13 @@ def configuration(request: LaunchRequest) -> Any:
         conf.env[name] = escape(value)
     for mapping in conf.files:
         mapping.local_path = absolute_local(mapping.local_path, request.workdir)
+    # rlx ships itself: the node installs this wheel when its own rlx differs.
+    from dstack._internal.core.models.files import FilePathMapping
+
+    wheel = build_wheel(wheel_dir(os.environ))
+    remote = f".rlx-wheels/{wheel.name}"  # under the run's working dir
+    conf.files.append(FilePathMapping(local_path=str(wheel), path=remote))
+    conf.env[WHEEL_ENV] = remote
     return conf
 
 

@@ -176,7 +176,6 @@ def _pid_running(job: Job) -> bool:
 
 
 def status(job: Job) -> JobStatus:
-    from rlx.trainer.metrics import read_metrics
     from rlx.trainer.record import read_result
 
     running = _pid_running(job)
@@ -194,9 +193,10 @@ def status(job: Job) -> JobStatus:
             return JobStatus(
                 job.name, NAME, "FAILED", f"stopped without finishing (pid {job.handle} is gone)"
             )
-        done = read_metrics(Path(run_dir) / "metrics.jsonl") if run_dir else []
-        step = done[-1]["step"] if done else 0
-        return JobStatus(job.name, NAME, "RUNNING", f"step {step} of {record.steps}")
+        from rlx.launchers.progress import progress_detail
+
+        detail = progress_detail(Path(run_dir)) if run_dir else None
+        return JobStatus(job.name, NAME, "RUNNING", detail or "starting")
     if record.state == "SUCCEEDED":
         detail = f"{record.last_step} steps"
         if record.first_reward_window is not None and record.last_reward_window is not None:

@@ -47,11 +47,22 @@ class NodeState:
     ip: str
     alive: bool
     gpus: float
+    cpus: float = 0.0
 
 
-def ray_env(base: Mapping[str, str], token: str | None) -> dict[str, str]:
+# Ray's debugger switches (ray.debug), set on every node's Ray, so every worker inherits them.
+DEBUG_ENV: dict[str, dict[str, str]] = {
+    "off": {},
+    "post-mortem": {"RAY_DEBUG": "1", "RAY_DEBUG_POST_MORTEM": "1"},
+    "breakpoints": {"RAY_DEBUG": "1"},
+    "legacy": {"RAY_DEBUG": "legacy"},
+}
+
+
+def ray_env(base: Mapping[str, str], token: str | None, debug: str = "off") -> dict[str, str]:
     """Environment for Ray processes and clients of this job."""
     env = dict(base)
+    env.update(DEBUG_ENV[debug])
     env.pop("RAY_ADDRESS", None)  # never let a stray address point us at another cluster
     # The token comes from the job alone, never from a file on the node.
     env.pop("RAY_AUTH_TOKEN_PATH", None)
@@ -101,6 +112,8 @@ def _shared_flags(settings: RaySettings, gpus: int) -> list[str]:
         f"--max-worker-port={settings.max_worker_port}",
         f"--num-gpus={gpus}",
         "--disable-usage-stats",
+        # Legacy pdb sessions listen on the node's address instead of localhost.
+        *(["--ray-debugger-external"] if settings.debug == "legacy" else []),
     ]
 
 
@@ -232,6 +245,7 @@ class Gcs:
                 node.node_manager_address,
                 node.state == 0,  # 0 is ALIVE
                 float(node.resources_total.get("GPU", 0.0)),
+                float(node.resources_total.get("CPU", 0.0)),
             )
             for node in info.values()
         ]

@@ -9,6 +9,7 @@ its own requests database. SkyPilot's errors become one line naming the cause an
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from collections.abc import Iterable, Iterator
@@ -19,7 +20,9 @@ import yaml
 
 from rlx.errors import RlxError
 from rlx.launchers.base import Job, JobStatus, LaunchRequest, remember
+from rlx.launchers.common import WHEEL_ENV
 from rlx.launchers.ops_common import absolute_local, one_line, save_rendered
+from rlx.launchers.ship import build_wheel, wheel_dir
 from rlx.launchers.sky import NAME, SUFFIX
 from rlx.launchers.sky_errors import Target, sky_errors
 from rlx.recipe.model import is_bucket
@@ -50,6 +53,11 @@ def launch_config(request: LaunchRequest) -> dict[str, Any]:
     for remote, source in dict(config.get("file_mounts") or {}).items():
         if isinstance(source, str) and not is_bucket(source):
             config["file_mounts"][remote] = absolute_local(source, request.workdir)
+    # rlx ships itself: the node installs this wheel when its own rlx differs.
+    wheel = build_wheel(wheel_dir(os.environ))
+    remote = f"~/.rlx/wheels/{wheel.name}"
+    config.setdefault("file_mounts", {})[remote] = str(wheel)
+    config.setdefault("envs", {})[WHEEL_ENV] = remote
     return config
 
 

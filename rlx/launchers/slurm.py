@@ -13,6 +13,7 @@ from pathlib import Path
 
 from rlx.errors import RlxError
 from rlx.launchers.base import Job, JobStatus, LaunchRequest
+from rlx.launchers.bootstrap import CLUSTER_FAILURE
 from rlx.launchers.common import (
     NOT_INSTALLED,
     RAY_TOKEN_SECRET,
@@ -21,8 +22,10 @@ from rlx.launchers.common import (
     recipe_json,
     setup_script,
 )
+from rlx.launchers.keep import save_token
 from rlx.launchers.ops_common import save_rendered
 from rlx.recipe import Recipe
+from rlx.recipe.model import SlurmContainer
 
 NAME = "slurm"
 SUFFIX = ".sbatch"
@@ -62,6 +65,10 @@ def directives(recipe: Recipe) -> list[str]:
                 lines.append(f"--{field}={value}")
         if slurm.exclusive:
             lines.append("--exclusive")
+        if slurm.requeue:
+            # USR1 to the batch shell (B:) ahead of the end: the trainer checkpoints.
+            lines += ["--requeue", f"--signal=B:USR1@{slurm.requeue.signal_lead}"]
+            lines.append("--open-mode=append")  # every attempt adds to the same .out file
     lines.append(f"--output={log_dir(recipe)}/%x-%j.out")
     return [f"#SBATCH {line}" for line in lines]
 
@@ -70,18 +77,99 @@ def log_dir(recipe: Recipe) -> str:
     return recipe.slurm.log_dir if recipe.slurm else "rlx-logs"
 
 
-def _container_flags(recipe: Recipe) -> list[str]:
-    slurm = recipe.slurm
-    if not slurm or not slurm.container_image:
-        return []
-    mounts = [
-        *slurm.container_mounts,
+# Containers are named after the job, so a requeued or later job never meets this one's.
+CONTAINER_NAME = "rlx-${SLURM_JOB_ID}"
+CONTAINER_READY_SECONDS = 600
+
+
+def _container(recipe: Recipe) -> SlurmContainer | None:
+    return recipe.slurm.container if recipe.slurm else None
+
+
+def _mounts(recipe: Recipe, container: SlurmContainer) -> list[str]:
+    return [
+        *container.mounts,
         *(f"{v.path}:{v.path}" + (":ro" if v.read_only else "") for v in recipe.volumes),
     ]
-    flags = [f"--container-image={slurm.container_image}", "--container-name=rlx"]
+
+
+def _pyxis_flags(recipe: Recipe, container: SlurmContainer) -> list[str]:
+    q = shlex.quote
+    flags = [f"--container-image={q(container.image)}", f'--container-name="{CONTAINER_NAME}"']
+    mounts = _mounts(recipe, container)
     if mounts:
-        flags.append(f"--container-mounts={','.join(mounts)}")
+        flags.append(f"--container-mounts={q(','.join(mounts))}")
     return flags
+
+
+def step_env_names(recipe: Recipe) -> list[str]:
+    """What the job's steps need inside a docker/podman container (passed by name: `-e NAME`
+    copies the value from the step's environment, so no value is on a command line)."""
+    names = [*recipe.env, RECIPE_ENV, *recipe.secrets]
+    if recipe.ray.auth == "token":
+        names.append(RAY_TOKEN_SECRET)
+    return [*names, "RLX_NODE_HOSTS", "RLX_SETUP", "SLURM_JOB_ID", "SLURMD_NODENAME"]
+
+
+def _engine_run_script(recipe: Recipe, container: SlurmContainer) -> str:
+    """One long-lived container per node (a step on every node runs this): an init process
+    reaps Ray's daemons, host network and shm for Ray and NCCL, the GPUs, the mounts and
+    the job's env. It is removed when the step ends: the job finished, failed or was
+    cancelled (Slurm sends the step SIGTERM, the trap removes the container)."""
+    q = shlex.quote
+    engine = container.runtime
+    run = [
+        engine, "run", "--rm", "--name", '"$name"', "--init", "--network", "host",
+        "--shm-size", q(container.shm_size),
+    ]  # fmt: skip
+    if recipe.resources.gpus_per_node:
+        run += ["--gpus", "all"] if engine == "docker" else ["--device", "nvidia.com/gpu=all"]
+    for mount in _mounts(recipe, container):
+        run += ["-v", q(mount)]
+    for name in step_env_names(recipe):
+        run += ["-e", name]
+    run += [q(container.image), "tail", "-f", "/dev/null"]
+    return (
+        "\n".join(
+            [
+                f'name="{CONTAINER_NAME}"',
+                f'{engine} rm -f "$name" >/dev/null 2>&1 || true',
+                f"trap '{engine} rm -f \"$name\" >/dev/null 2>&1 || true' EXIT",
+                "trap 'exit 143' TERM INT",
+                " ".join(run) + " &",
+                "wait $!",
+            ]
+        )
+        + "\n"
+    )
+
+
+def _engine_ready_script(engine: str) -> str:
+    return (
+        f"for _ in $(seq {CONTAINER_READY_SECONDS}); do\n"
+        f'  if {engine} exec "{CONTAINER_NAME}" true >/dev/null 2>&1; then exit 0; fi\n'
+        "  sleep 1\n"
+        "done\n"
+        f'echo "rlx: the {engine} container did not start on $(hostname) within '
+        f'{CONTAINER_READY_SECONDS} s" >&2\n'
+        "exit 75\n"
+    )
+
+
+def _in_container(recipe: Recipe, argv: str) -> str:
+    """`argv` (a shell fragment) as the job's steps run it: inside the container for docker,
+    podman and apptainer (pyxis enters it through srun's own flags)."""
+    container = _container(recipe)
+    if container is None or container.runtime == "pyxis":
+        return argv
+    if container.runtime == "apptainer":
+        flags = ["--nv"] if recipe.resources.gpus_per_node else []
+        mounts = _mounts(recipe, container)
+        if mounts:
+            flags += ["--bind", shlex.quote(",".join(mounts))]
+        return " ".join(["apptainer", "exec", *flags, shlex.quote(container.image), argv])
+    names = " ".join(f"-e {name}" for name in step_env_names(recipe))
+    return f'{container.runtime} exec {names} "{CONTAINER_NAME}" {argv}'
 
 
 def script(recipe: Recipe) -> list[str]:
@@ -93,6 +181,16 @@ def script(recipe: Recipe) -> list[str]:
         "",
         "# One folder per job: driver.log (this script), head.log, one log per worker.",
         f'job_logs={q(log_dir(recipe))}/"${{SLURM_JOB_NAME}}-${{SLURM_JOB_ID}}"',
+        *(
+            [
+                "# A requeued attempt (SLURM_RESTART_COUNT > 0) logs to a folder of its own.",
+                'if [[ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]]; then',
+                '  job_logs="$job_logs-attempt$SLURM_RESTART_COUNT"',
+                "fi",
+            ]
+            if recipe.slurm and recipe.slurm.requeue
+            else []
+        ),
         'mkdir -p "$job_logs"',
         'echo "rlx: logs of this job are in $job_logs"',
         'exec >>"$job_logs/driver.log" 2>&1',
@@ -131,33 +229,54 @@ def script(recipe: Recipe) -> list[str]:
         'echo "rlx: head ${head_node}, nodes: ${nodes[*]}"',
         "",
     ]
-    container = " ".join(q(f) for f in _container_flags(recipe))
-    step = f"srun --ntasks-per-node=1 {container}".rstrip()
+    container = _container(recipe)
+    flags = _pyxis_flags(recipe, container) if container and container.runtime == "pyxis" else []
+    step = " ".join(["srun", "--ntasks-per-node=1", *flags])
+    if container and container.runtime in ("docker", "podman"):
+        out += [
+            "# One container per node for the whole job; the steps below run inside it.",
+            "# shellcheck disable=SC2016  # expanded on each node, not here",
+            f"export RLX_CONTAINER={q(_engine_run_script(recipe, container))}",
+            f"srun --ntasks-per-node=1 --nodes={nodes} --ntasks={nodes} "
+            '--output="$job_logs/container-%N.log" bash -c "$RLX_CONTAINER" &',
+            "containers_pid=$!",
+            # Ending the step removes every node's container, however the script ends.
+            "trap 'kill \"$containers_pid\" 2>/dev/null || true' EXIT",
+            "# shellcheck disable=SC2016  # expanded on each node, not here",
+            f"export RLX_CONTAINER_READY={q(_engine_ready_script(container.runtime))}",
+            f"srun --overlap --ntasks-per-node=1 --nodes={nodes} --ntasks={nodes} "
+            'bash -c "$RLX_CONTAINER_READY" || exit 75',
+            "",
+        ]
+        step = "srun --overlap --ntasks-per-node=1"
     setup = setup_script(recipe)
     if setup:
         out += [
             f"export RLX_SETUP={q(setup)}",
             f'{step} --nodes={nodes} --ntasks={nodes} --output="$job_logs/setup-%N.log" '
-            'bash -c "$RLX_SETUP"',
+            + _in_container(recipe, 'bash -c "$RLX_SETUP"'),
             "",
         ]
-    if not recipe.slurm or not recipe.slurm.container_image:
+    if container is None:
         out += [
             "if ! command -v rlx >/dev/null 2>&1; then",
             f"  echo {q(NOT_INSTALLED)} >&2",
             "  exit 127",
             "fi",
         ]
+    node_cmd = _in_container(recipe, f"rlx node --backend {NAME}")
+    requeue = recipe.slurm.requeue if recipe.slurm else None
     out += [
         f'{step} --nodes=1 --ntasks=1 --nodelist="$head_node" '
-        f'--output="$job_logs/head.log" rlx node --backend {NAME} &',
+        f'--output="$job_logs/head.log" {node_cmd} &',
         "head_pid=$!",
+        *(_warning_trap(nodes) if requeue else []),
     ]
     if nodes > 1:
         out += [
             'workers=$(IFS=,; echo "${nodes[*]:1}")',
             f'{step} --nodes={nodes - 1} --ntasks={nodes - 1} --nodelist="$workers" '
-            f'--output="$job_logs/worker-%N.log" rlx node --backend {NAME} &',
+            f'--output="$job_logs/worker-%N.log" {node_cmd} &',
             "workers_pid=$!",
         ]
     if nodes == 1:
@@ -169,8 +288,37 @@ def script(recipe: Recipe) -> list[str]:
         ]
     else:
         out += _driver_wait(WORKER_GRACE_SECONDS)
+    if requeue:
+        out += _requeue(requeue.retries)
     out.append('exit "$rc"')
     return out
+
+
+def _warning_trap(nodes: int) -> list[str]:
+    """Slurm's USR1 (time limit or preemption ahead) goes to the head step: the trainer saves
+    a checkpoint and exits 75, and the job requeues below."""
+    return [
+        "# The time-limit / preemption warning: the trainer checkpoints and stops (exit 75).",
+        "# shellcheck disable=SC2317  # called by the trap",
+        "on_warning() {",
+        '  echo "rlx: warning signal from Slurm: checkpointing, then requeueing"',
+        '  kill -USR1 "$head_pid" 2>/dev/null || true',
+        "}",
+        "trap on_warning USR1",
+    ]
+
+
+def _requeue(retries: int) -> list[str]:
+    """A cluster failure or the warning (exit 75) requeues the job while retries remain; the
+    next attempt starts this script again and the trainer resumes from its checkpoint."""
+    return [
+        "",
+        f'if [[ $rc -eq {CLUSTER_FAILURE} && "${{SLURM_RESTART_COUNT:-0}}" -lt {retries} ]]; then',
+        '  echo "rlx: attempt $((${SLURM_RESTART_COUNT:-0} + 1)) ended with exit code $rc; '
+        f'requeueing (retry $((${{SLURM_RESTART_COUNT:-0}} + 1)) of {retries})"',
+        '  scontrol requeue "$SLURM_JOB_ID"',
+        "fi",
+    ]
 
 
 def _driver_wait(grace: int) -> list[str]:
@@ -300,6 +448,9 @@ def launch(request: LaunchRequest) -> Job:
     job_id = proc.stdout.strip().split(";")[0]
     if not job_id.isdigit():
         raise RlxError(f"sbatch answered {proc.stdout.strip()!r}, not a job id")
+    token = request.secrets.get(RAY_TOKEN_SECRET)
+    if token:
+        save_token(request.workdir, request.name, token)  # for rlx attach and -b ray
     return Job(
         request.name,
         NAME,
@@ -338,13 +489,44 @@ def status(job: Job) -> JobStatus:
     if state == "COMPLETED" and code not in (None, 0):
         shown = "FAILED"
     detail = ", ".join(
-        x for x in (state.lower(), reason, f"exit code {code}" if code is not None else "") if x
+        x
+        for x in (
+            state.lower(),
+            reason,
+            _progress(job),
+            f"exit code {code}" if code is not None else "",
+        )
+        if x
     )
     return JobStatus(job.name, NAME, shown, detail, code)
 
 
+def _progress(job: Job) -> str:
+    """Training progress when the run folder the head names is on this machine's
+    filesystem (Slurm's logging folder is usually shared)."""
+    from rlx.launchers.progress import progress_detail, run_dir_from_log
+
+    head = attempt_folder(job) / "head.log"
+    try:
+        run_dir = run_dir_from_log(head.read_text(errors="replace"))
+    except OSError:
+        return ""
+    return (progress_detail(run_dir) or "") if run_dir else ""
+
+
+def attempt_folder(job: Job) -> Path:
+    """The log folder of the job's newest attempt (a requeued job has one per attempt)."""
+    first = Path(job.extra["logs"])
+    later = [
+        (int(p.name.rsplit("attempt", 1)[1]), p)
+        for p in first.parent.glob(f"{first.name}-attempt*")
+        if p.name.rsplit("attempt", 1)[1].isdigit()
+    ]
+    return max(later)[1] if later else first
+
+
 def _log_files(job: Job, node: int | None) -> list[Path]:
-    folder = Path(job.extra["logs"])
+    folder = attempt_folder(job)
     if node is None or node == 0:
         return [folder / "head.log"]
     hosts = _job_hosts(folder)
@@ -395,3 +577,43 @@ def down(job: Job) -> None:
         if _state(job)[0] not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
             return
         time.sleep(0.5)
+
+
+def _job_recipe(job: Job) -> Recipe | None:
+    from rlx.launchers.slurm_attach import _rendered_value
+
+    raw = _rendered_value(job, RECIPE_ENV)
+    return Recipe.model_validate_json(raw) if raw else None
+
+
+def _attach_container(recipe: Recipe | None, job_id: str) -> tuple[list[str], list[str]]:
+    """(srun flags, command prefix) that enter the job's own container on a node."""
+    container = _container(recipe) if recipe else None
+    name = CONTAINER_NAME.replace("${SLURM_JOB_ID}", job_id)
+    if container is None:
+        return [], []
+    if container.runtime == "pyxis":
+        return [f"--container-name={name}"], []
+    if container.runtime == "apptainer":
+        return [], ["apptainer", "exec", container.image]
+    env = ["RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", RECIPE_ENV]
+    return [], [container.runtime, "exec", "-i", *(f"-e{n}" for n in env), name]
+
+
+def attach(job: Job, node: int, command: list[str]) -> int:
+    """A shell (or `command`) on node `node` of the running job, inside its container."""
+    from rlx.launchers.slurm_attach import attach as attach_step
+
+    recipe = _job_recipe(job)
+    port = recipe.ray.port if recipe else 6379
+    flags, prefix = _attach_container(recipe, job.handle)
+    return attach_step(job, node, command, port, flags, prefix)
+
+
+def tunnel(job: Job, local_port: int) -> None:
+    """Forward a local port to the head's dashboard through srun, until Ctrl-C."""
+    from rlx.launchers.slurm_attach import tunnel as tunnel_step
+
+    recipe = _job_recipe(job)
+    remote = recipe.ray.dashboard_port if recipe else 8265
+    tunnel_step(job, local_port, remote, *_attach_container(recipe, job.handle))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 RECIPE_NAME = re.compile(r"[a-z][a-z0-9-]{0,38}[a-z0-9]")
@@ -76,7 +76,7 @@ class Resources(StrictModel):
     image: Str | None = Field(
         None,
         description="Container image every node runs in (SkyPilot docker image, dstack image). "
-        "For Slurm with pyxis, set slurm.container_image.",
+        "For Slurm, set slurm.container.",
     )
     spot: bool = Field(False, description="Use spot/preemptible instances where supported.")
     ports: list[int | Str] = Field(
@@ -202,6 +202,12 @@ class RaySettings(StrictModel):
         "token",
         description="Ray token authentication: 'token' (a fresh token per job, delivered as a "
         "secret) or 'none'.",
+    )
+    debug: Literal["off", "post-mortem", "breakpoints", "legacy"] = Field(
+        "off",
+        description="Ray's debugger on every node: 'post-mortem' (a failing task waits for a "
+        "debugger, debugpy), 'breakpoints' (breakpoint() in tasks waits for one), 'legacy' "
+        "(Ray's pdb, listening on the node's address) or 'off'.",
     )
 
 
@@ -469,6 +475,57 @@ class DstackSettings(StrictModel):
     retry: DstackRetry | None = Field(None, description="Retry policy.")
 
 
+class SlurmContainer(StrictModel):
+    """The container every node of a Slurm job runs in."""
+
+    runtime: Literal["pyxis", "docker", "podman", "apptainer"] = Field(
+        "pyxis",
+        description="pyxis (srun --container-image), docker or podman (one container per "
+        "node, removed when the job ends) or apptainer (apptainer exec --nv).",
+    )
+    image: Str = Field(
+        description="Image: 'nvcr.io#nvidia/pytorch:24.05-py3' (pyxis), a registry or local "
+        "image name (docker, podman), or a .sif file or docker:// URI (apptainer)."
+    )
+    mounts: list[Str] = Field(
+        default_factory=list,
+        description="Bind mounts SRC:DST[:ro]; the recipe's volumes are added automatically.",
+    )
+    shm_size: Str = Field(
+        "16g", description="docker/podman: size of /dev/shm in the container (Ray and NCCL use it)."
+    )
+
+    @field_validator("mounts")
+    @classmethod
+    def _mounts(cls, value: list[str]) -> list[str]:
+        for mount in value:
+            parts = mount.split(":")
+            if (
+                not 2 <= len(parts) <= 3
+                or not all(parts[:2])
+                or (len(parts) == 3 and parts[2] not in ("ro", "rw"))
+            ):
+                raise ValueError(
+                    f"{mount!r} is not SRC:DST or SRC:DST:ro; write e.g. '/data:/data:ro'"
+                )
+        return value
+
+
+class SlurmRequeue(StrictModel):
+    """Requeue the job when its cluster fails or it is preempted, resuming from checkpoints."""
+
+    retries: int = Field(
+        3, ge=1, le=100, description="Attempts after the first (SLURM_RESTART_COUNT below it)."
+    )
+    signal_lead: int = Field(
+        300,
+        ge=10,
+        le=86400,
+        description="Seconds before the time limit (or a preemption) Slurm sends USR1, on "
+        "which the trainer saves a checkpoint and the job requeues (#SBATCH --signal).",
+    )
+
+
 class SlurmSettings(StrictModel):
     """Slurm-only settings."""
 
@@ -483,14 +540,15 @@ class SlurmSettings(StrictModel):
     gpu_flag: Literal["gpus-per-node", "gres"] = Field(
         "gpus-per-node", description="How to ask for GPUs: --gpus-per-node=N or --gres=gpu:N."
     )
-    container_image: Str | None = Field(
+    container: SlurmContainer | None = Field(
         None,
-        description="Run every step in this image with pyxis (srun --container-image), e.g. "
-        "'nvcr.io#nvidia/pytorch:24.05-py3'.",
+        description="Run every node of the job in a container (pyxis, Docker, Podman, Apptainer).",
     )
-    container_mounts: list[Str] = Field(
-        default_factory=list,
-        description="pyxis mounts SRC:DST[:FLAGS]; volumes are added automatically.",
+    requeue: SlurmRequeue | None = Field(
+        None,
+        description="Requeue on a cluster failure (exit 75), a preemption or the time-limit "
+        "warning while retries remain; each attempt logs apart and resumes from the newest "
+        "checkpoint.",
     )
     modules: list[Str] = Field(
         default_factory=list, description="Environment modules to load (module load NAME)."
@@ -500,6 +558,18 @@ class SlurmSettings(StrictModel):
         description="Folder for per-job log folders (driver, head, one per worker); must be "
         "on shared storage.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_container_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            old = [k for k in ("container_image", "container_mounts") if k in data]
+            if old:
+                raise ValueError(
+                    f"{' and '.join(old)} moved under slurm.container; write container: "
+                    "{runtime: pyxis, image: IMAGE, mounts: [SRC:DST]}"
+                )
+        return data
 
     @field_validator("partition", "account", "qos")
     @classmethod

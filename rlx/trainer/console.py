@@ -19,7 +19,8 @@ class Stopped(Exception):
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
-        self.code = 128 + signum
+        # USR1 is the scheduler's warning (Slurm --signal): checkpointed, worth a requeue.
+        self.code = 75 if signum == signal.SIGUSR1 else 128 + signum
 
 
 # --------------------------------------------------------------------------- console
@@ -106,8 +107,18 @@ class StopRequest:
         self.signum = signum
 
     def check(self) -> None:
+        """Stop here on SIGTERM/SIGINT; the warning (USR1) lets the step in progress end."""
+        if self.signum is not None and not self.checkpoint_first:
+            raise Stopped(self.signum)
+
+    def check_between_steps(self) -> None:
         if self.signum is not None:
             raise Stopped(self.signum)
+
+    @property
+    def checkpoint_first(self) -> bool:
+        """The stop is the scheduler's warning: save what was done before stopping."""
+        return self.signum == signal.SIGUSR1
 
 
 @contextlib.contextmanager
@@ -116,7 +127,8 @@ def handle_signals(request: StopRequest) -> Iterator[StopRequest]:
     if threading.current_thread() is not threading.main_thread():
         yield request
         return
-    previous = {s: signal.signal(s, request.handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    handled = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+    previous = {s: signal.signal(s, request.handler) for s in handled}
     try:
         yield request
     finally:

@@ -157,7 +157,15 @@ class Trainer:
         try:
             with Progress(max(settings.steps - start, 0), "steps", stream=self.err) as bar:
                 for step in range(start + 1, settings.steps + 1):
-                    self.stop.check()
+                    done = step - 1  # steps done; the cadence saved multiples of `every`
+                    if (
+                        self.stop.checkpoint_first
+                        and self.manager is not None
+                        and done > start
+                        and done % settings.checkpoint.every
+                    ):
+                        self.save(done)
+                    self.stop.check_between_steps()
                     metrics = self.step(step)
                     self.logger.log(step, metrics)
                     bar.update()

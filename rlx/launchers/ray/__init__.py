@@ -1,0 +1,6 @@
+"""Ray Jobs: submit a recipe's head command to a Ray cluster that is already running (a
+cluster `rlx launch --keep` holds, or any Ray cluster whose dashboard you can reach).
+
+`render` builds the submission request (pure); `ops` sends it through Ray's Jobs API and
+follows, stops and reports the job; `errors` turns the client's failures into one line.
+"""
