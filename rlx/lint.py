@@ -166,12 +166,6 @@ def check_rollout_engine(lr: LoadedRecipe) -> Iterator[Finding]:
     if trainer is None:
         return
     rollout = trainer.rollout
-    if rollout.engine == "vllm" and lr.recipe.resources.gpus_per_node == 0:
-        yield lr.finding(
-            ("trainer", "rollout", "engine"),
-            ERROR,
-            "vLLM needs GPUs but resources.accelerators is unset; use engine: hf (or auto) on CPU",
-        )
     if rollout.min_new_tokens > rollout.max_new_tokens:
         yield lr.finding(
             ("trainer", "rollout", "min_new_tokens"),
