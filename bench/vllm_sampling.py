@@ -54,17 +54,20 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     args = parser.parse_args()
     torch.set_num_threads(2)
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
-        for name, (hidden, layers, n_prompts, n, tokens) in SHAPES.items():
+        for name in args.shapes:
+            hidden, layers, n_prompts, n, tokens = SHAPES[name]
             folder = build_tiny_model(
                 Path(scratch) / name.split()[0], hidden_size=hidden, num_layers=layers, seed=0
             )
             prompts = [[257, *(65 + (i + j) % 26 for j in range(12))] for i in range(n_prompts)]
             hf = HFEngine(folder, dtype="float32")
             rows.append((name, "hf generate", *_timed(hf, prompts, n, tokens, 1, args.repeats)))
+            print(rows[-1], flush=True)
             engine = VLLMEngine(
                 folder,
                 dtype="float32",
@@ -76,6 +79,7 @@ def main() -> None:
             for per_sample, label in ((True, "vllm per-sample"), (False, "vllm batched")):
                 engine.per_sample_seeds = per_sample
                 rows.append((name, label, *_timed(engine, prompts, n, tokens, 1, args.repeats)))
+                print(rows[-1], flush=True)
             engine.close()
             print(f"{name}: {n_prompts} prompts x {n} samples x {tokens} tokens", flush=True)
     print("| model | engine | tokens/s | same seed, same samples |")
