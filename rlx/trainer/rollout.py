@@ -1,8 +1,8 @@
 """Rollout engines: sample n responses per prompt and report their sampling log-probs.
 
 Two engines share one interface (RolloutEngine): HFEngine (transformers `generate`, CPU or
-GPU, the fallback) and VLLMEngine (vLLM, GPU; in rollout_vllm.py, imported only when
-chosen). `make_engine` picks one by name.
+GPU, the fallback) and VLLMEngine (vLLM: GPU, or CPU with vLLM's CPU build; in
+rollout_vllm.py, imported only when chosen). `make_engine` picks one by name.
 
 Log-probs are those of the distribution the token was actually drawn from: logits divided
 by the temperature, restricted to the top-p nucleus and renormalised, with EOS forbidden
