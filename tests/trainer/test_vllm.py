@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -178,3 +179,45 @@ def test_split_engines_take_every_push_and_a_skipped_one_stops_the_run(
             r"version 2: the weight push did not arrive",
         ):
             trainer.step(2)
+
+
+def test_a_tensor_parallel_engine_generates_and_takes_pushes(tmp_path: Path, monkeypatch) -> None:
+    """tensor_parallel_size=2 on CPU: two vLLM workers, one core each, each holding half of
+    every attention and MLP layer; a push is resharded by vLLM's own loaders."""
+    from rlx.trainer.rollout_vllm import VLLMEngine
+    from rlx.trainer.tiny import build_tiny_model
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("tensor parallelism on CPU needs two cores")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per worker
+    folder = build_tiny_model(tmp_path / "model", hidden_size=128, seed=0)  # 2 heads of 64
+    engine = VLLMEngine(
+        folder,
+        dtype="float32",
+        enforce_eager=True,
+        kv_cache_memory_bytes=64 * 2**20,
+        max_model_len=128,
+        seed=0,
+        tensor_parallel_size=2,
+        bucket_bytes=100_000,
+    )
+    try:
+        policy = _policy(folder)
+        probe = Probe(PROMPTS[0], [48, 49, 50, 51, 52])
+        first = engine.generate(PROMPTS, 4, max_new_tokens=8, seed=3)
+        assert torch.equal(
+            first.response_ids, engine.generate(PROMPTS, 4, max_new_tokens=8, seed=3).response_ids
+        )
+        assert abs(
+            engine.logprob_probe(PROMPTS[0], probe.response_ids) - _probe(policy, probe)
+        ) <= (probe.tolerance("float32"))
+        with torch.no_grad(), torch.random.fork_rng():
+            torch.manual_seed(1)
+            for parameter in policy.parameters():
+                parameter.add_(0.05 * torch.randn_like(parameter))
+        engine.load_weights(policy.named_parameters(), version=3)
+        after = engine.logprob_probe(PROMPTS[0], probe.response_ids)
+        assert engine.weight_version == 3
+        assert abs(after - _probe(policy, probe)) <= probe.tolerance("float32")
+    finally:
+        engine.close()
