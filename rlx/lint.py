@@ -166,12 +166,6 @@ def check_rollout_engine(lr: LoadedRecipe) -> Iterator[Finding]:
     if trainer is None:
         return
     rollout = trainer.rollout
-    if rollout.engine == "vllm" and lr.recipe.resources.gpus_per_node == 0:
-        yield lr.finding(
-            ("trainer", "rollout", "engine"),
-            ERROR,
-            "vLLM needs GPUs but resources.accelerators is unset; use engine: hf (or auto) on CPU",
-        )
     if rollout.min_new_tokens > rollout.max_new_tokens:
         yield lr.finding(
             ("trainer", "rollout", "min_new_tokens"),
@@ -268,13 +262,17 @@ def check_trainer_specs(lr: LoadedRecipe) -> Iterator[Finding]:
         if problem:
             yield lr.finding(("trainer", field, "path"), ERROR, f"{spec!r} {problem}")
     data = trainer.data.train
-    if data.startswith("synthetic:") and data.removeprefix("synthetic:") not in SYNTHETIC_TASKS:
-        yield lr.finding(
-            ("trainer", "data", "train"),
-            ERROR,
-            f"unknown synthetic task {data!r}; valid: "
-            + ", ".join(f"synthetic:{task}" for task in SYNTHETIC_TASKS),
-        )
+    datasets = [(("trainer", "data", "train"), data)]
+    if trainer.validation is not None:
+        datasets.append((("trainer", "validation", "data"), trainer.validation.data))
+    for where, spec in datasets:
+        if spec.startswith("synthetic:") and spec.removeprefix("synthetic:") not in SYNTHETIC_TASKS:
+            yield lr.finding(
+                where,
+                ERROR,
+                f"unknown synthetic task {spec!r}; valid: "
+                + ", ".join(f"synthetic:{task}" for task in SYNTHETIC_TASKS),
+            )
     reward = trainer.reward.function
     target, colon, name = reward.rpartition(":")
     if not colon and reward not in REWARD_FUNCTIONS:

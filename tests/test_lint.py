@@ -226,13 +226,6 @@ BROKEN = [
         "no spot instances",
     ),
     (
-        "vllm-without-gpus",
-        "name: job\n" + TRAINER + "  rollout: {engine: vllm}\n",
-        5,
-        "trainer.rollout.engine",
-        "vLLM needs GPUs",
-    ),
-    (
         "reserved-env",
         "name: job\nenv:\n  SKYPILOT_NODE_RANK: '0'\n" + TRAINER,
         3,

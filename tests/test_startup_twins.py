@@ -165,9 +165,6 @@ GPU = _all(_set("resources.accelerators", "H100:8"), _set("trainer.rollout.engin
 
 # Each raise site: its lint twin, or why the recipe alone cannot decide it.
 SITES: dict[str, Twin | str] = {
-    "main.py::engine_choice::trainer.rollout.engine: vllm needs G": Twin(
-        _set("trainer.rollout.engine", "vllm"), _engine_choice, "trainer.rollout.engine"
-    ),
     "main.py::engine_choice::trainer.rollout.tensor_parallel_size": Twin(
         _all(GPU, _set("trainer.rollout.tensor_parallel_size", 2)),
         _engine_choice,
@@ -187,7 +184,7 @@ SITES: dict[str, Twin | str] = {
     "resolve.py::build_tiny_cached::trainer. .path: tiny models need a h": Twin(
         _set("trainer.model.path", "tiny:qwen2-h66-l2"), _model_path, "trainer.model.path"
     ),
-    "resolve.py::resolve_data_path::trainer.data.train: unknown syntheti": Twin(
+    "resolve.py::resolve_data_path::trainer. : unknown synthetic task ;": Twin(
         _set("trainer.data.train", "synthetic:chess"), _data_path, "trainer.data.train"
     ),
     "resolve.py::resolve_model_path::trainer. .path: is not a tiny model": Twin(
@@ -250,13 +247,15 @@ SITES: dict[str, Twin | str] = {
     "main.py::connect_ray::RAY_ADDRESS= : give the head's expli": CLUSTER,
     "main.py::connect_ray::cannot join the Ray cluster at :": CLUSTER,
     "main.py::engine_choice::trainer.rollout.engine: vllm is not": FILES,
+    "main.py::engine_choice::trainer.rollout.engine: vllm without": FILES,
+    "validation.py::load_validation_set::trainer.validation.data: every promp": DATA,
     "main.py::resolve_inputs::trainer.data.train: has usable promp": DATA,
     "models.py::lr_multiplier::unknown schedule ; valid: constant,": INTERNAL,
     "placement.py::check_resources::the recipe asks for but the Ray clus": CLUSTER,
     "placement.py::reserve::could not place ( each, ) within s o": CLUSTER,
     "placement.py::thread_override::RLX_NUM_THREADS= is not a positive w": FILES,
     "resolve.py::load_tokenizer::trainer.model.path: cannot load a to": FILES,
-    "resolve.py::resolve_data_path::trainer.data.train: does not exist;": FILES,
+    "resolve.py::resolve_data_path::trainer. : does not exist; give a .j": FILES,
     "resolve.py::resolve_model_path::trainer. .path: has no config.json;": FILES,
     "resolve.py::resolve_model_path::trainer. .path: is not a folder; giv": FILES,
     "rewards.py::_load_module_from_file::reward : cannot load as Python": FILES,

@@ -144,13 +144,15 @@ def print_summary(record: RunResult) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from rlx.trainer.record import reward_summary
+    from rlx.trainer.record import reward_summary, validation_lines
 
     table = Table(title=f"run {record.run_id}: {record.state.lower()}", show_header=False)
     table.add_column(style="bold", no_wrap=True)
     table.add_column(overflow="fold")
     table.add_row("steps", f"{record.last_step} of {record.steps}")
     table.add_row("reward", reward_summary(record))
+    for line in validation_lines(record):
+        table.add_row("validation", line.removeprefix("validation: "))
     if record.wall_time_s is not None:
         table.add_row("training time", f"{record.wall_time_s:.1f} s")
     if record.started is not None and record.finished is not None:

@@ -368,6 +368,26 @@ class ParallelSettings(StrictModel):
     )
 
 
+class ValidationSettings(StrictModel):
+    data: Str = Field(
+        description="Held-out prompts: a .jsonl or .parquet file in the training data's "
+        "layout, or 'synthetic:NAME' (that task's held-out phrasings). Prompts that also "
+        "appear in the training data are dropped, so the set stays disjoint from it."
+    )
+    every: int = Field(
+        10, ge=1, description="Validate every this many steps, at step 0 and at the last step."
+    )
+    n: int = Field(
+        4, ge=1, description="Samples per prompt (at the rollout temperature) for the mean reward."
+    )
+    max_new_tokens: int | None = Field(
+        None, ge=1, description="Longest validation response; defaults to rollout.max_new_tokens."
+    )
+    max_prompts: int | None = Field(
+        None, ge=1, description="Use at most this many held-out prompts (the first ones)."
+    )
+
+
 class CheckpointSettings(StrictModel):
     dir: Str | None = Field(
         None,
@@ -420,6 +440,11 @@ class TrainerSettings(StrictModel):
     rollout_gpus: int = Field(0, ge=0, description="GPUs for rollout engines with layout: split.")
     parallel: ParallelSettings = Field(
         default_factory=ParallelSettings, description="Sharding of the trained models."
+    )
+    validation: ValidationSettings | None = Field(
+        None,
+        description="Score the policy on held-out prompts during training: greedy pass@1 "
+        "and the mean reward of n samples. Unset: no validation.",
     )
     checkpoint: CheckpointSettings = Field(
         default_factory=CheckpointSettings, description="Checkpointing and resume."

@@ -110,6 +110,7 @@ class Cluster:
         self._groups = groups
         self.engine_dtype = engine_dtype
         self.sampling = SamplingArgs.from_settings(self.settings)
+        self.notes: list[str] = []  # what the workers said at start-up, for the run's log
 
     # ------------------------------------------------------------------ start and stop
 
@@ -203,7 +204,8 @@ class Cluster:
         train = self.train.handles
         master_addr = self.train.ips[0]
         master_port = gather([train[0].free_port.remote()], "training worker")[0]
-        gather([w.setup.remote(master_addr, master_port) for w in train], "training worker")
+        notes = gather([w.setup.remote(master_addr, master_port) for w in train], "training worker")
+        self.notes = notes[0]  # every rank says the same: once is enough
         if self.rollout.handles:  # the engines load at construction; wait for them here
             gather([r.node_ip.remote() for r in self.rollout.handles], "rollout worker")
 
@@ -283,30 +285,39 @@ class Cluster:
     def engines(self) -> list[Any]:
         return self.rollout.handles or self.train.handles
 
-    def generate(self, prompt_ids: list[list[int]], step: int, show_progress: bool) -> RolloutBatch:
-        """n samples per prompt, prompts split over the engines, results in prompt order."""
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        step: int,
+        show_progress: bool,
+        sampling: SamplingArgs | None = None,
+        stream: str = "generate",
+    ) -> RolloutBatch:
+        """n samples per prompt, prompts split over the engines, results in prompt order.
+        sampling: other settings than the rollout's (validation), seeded from `stream`."""
         import ray
 
+        sampling = sampling or self.sampling
         engines = self.engines
         ranges = split_evenly(len(prompt_ids), len(engines))
         refs = {}
         idle = []
         for index, (engine, rows) in enumerate(zip(engines, ranges, strict=True)):
             if len(rows):
-                seed = derive_seed(self.settings.seed, "generate", step, index)
+                seed = derive_seed(self.settings.seed, stream, step, index)
                 chunk = [prompt_ids[i] for i in rows]
-                refs[index] = engine.generate.remote(chunk, self.sampling, seed)
+                refs[index] = engine.generate.remote(chunk, sampling, seed)
             elif not self.rollout.handles:
                 # A training worker without prompts still takes part: a sharded policy's
                 # forwards are collectives of every rank.
-                idle.append(engine.generate.remote([], self.sampling, 0))
+                idle.append(engine.generate.remote([], sampling, 0))
         pending = list(refs.values())
-        total = len(prompt_ids) * self.sampling.n
+        total = len(prompt_ids) * sampling.n
         with _maybe_progress(show_progress, total, "rollout") as progress:
             while pending:
                 done, pending = ray.wait(pending, num_returns=1)
                 rows_done = [len(ranges[i]) for i, r in refs.items() if r in done]
-                progress.update(sum(rows_done) * self.sampling.n)
+                progress.update(sum(rows_done) * sampling.n)
         what = "rollout worker" if self.rollout.handles else "training worker"
         batches = gather([refs[i] for i in sorted(refs)], what)
         gather(idle, what)

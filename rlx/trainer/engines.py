@@ -94,20 +94,21 @@ class SharedModuleEngine(HFEngine):
 
 
 class ColocatedEngine:
-    """The engine a training worker holds, and what it needs around an update."""
+    """The engine a training worker holds, and what it needs around an update. A vLLM
+    engine sleeps (frees its GPU memory) while the policy trains where the platform lets
+    it; where it cannot (vLLM's CPU build) it keeps its memory and the run goes on."""
 
-    def __init__(self, engine: RolloutEngine, shares_policy: bool):
+    def __init__(self, engine: RolloutEngine, shares_policy: bool, can_sleep: bool = False):
         self.engine = engine
         self.shares_policy = shares_policy
+        self.can_sleep = can_sleep
         self._asleep = False
 
     def release(self) -> None:
         """Before forwards and the update: a vLLM engine gives back its GPU memory."""
-        if not self.shares_policy and not self._asleep:
-            llm = getattr(self.engine, "llm", None)
-            if llm is not None and hasattr(llm, "sleep"):
-                llm.sleep(level=1)
-                self._asleep = True
+        if self.can_sleep and not self._asleep:
+            self.engine.sleep()  # type: ignore[attr-defined]
+            self._asleep = True
 
     def refresh(self, policy: nn.Module, version: int) -> None:
         """After the update: make the engine generate with the policy's new weights."""
@@ -116,12 +117,19 @@ class ColocatedEngine:
             self.engine.mark_version(version)
             return
         if self._asleep:
-            self.engine.llm.wake_up()  # type: ignore[attr-defined]
+            self.engine.wake_up()  # type: ignore[attr-defined]
             self._asleep = False
         from rlx.trainer.parallel import named_full_tensors
 
-        # Whole tensors one at a time (a sharded policy gathers each on every rank).
-        self.engine.load_weights(named_full_tensors(policy), version)
+        # Parameters one at a time (the engine streams them in buckets), not a state-dict
+        # copy; tied weights appear once. A sharded policy gathers each on every rank.
+        self.engine.load_weights(named_full_tensors(policy, parameters=True), version)
+
+
+SLEEP_REFUSED = (
+    "note: vLLM cannot sleep on this platform (its CPU build); the colocated engine keeps "
+    "its memory while the policy trains"
+)
 
 
 def make_colocated_engine(
@@ -132,14 +140,20 @@ def make_colocated_engine(
     dtype: str,
     vllm_options: Mapping[str, Any],
     collective: Callable[[bool], bool] | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> ColocatedEngine:
     """kind is 'hf' or 'vllm' (already resolved from 'auto'). collective: the policy is
-    sharded over the ranks (see HFEngine)."""
+    sharded over the ranks (see HFEngine). `say` gets the one note about sleep mode where
+    the platform refuses it (None: keep quiet)."""
     if kind == "hf":
         return ColocatedEngine(
             SharedModuleEngine(policy, collective=collective), shares_policy=True
         )
-    from rlx.trainer.rollout_vllm import VLLMEngine
+    from rlx.trainer.rollout_vllm import VLLMEngine, sleep_mode_available
 
-    options = {"enable_sleep_mode": True, **vllm_options}
-    return ColocatedEngine(VLLMEngine(model_path, dtype=dtype, **options), shares_policy=False)
+    can_sleep = sleep_mode_available()
+    if not can_sleep and say is not None:
+        say(SLEEP_REFUSED)
+    options = {"enable_sleep_mode": can_sleep, **vllm_options}
+    engine = VLLMEngine(model_path, dtype=dtype, **options)
+    return ColocatedEngine(engine, shares_policy=False, can_sleep=can_sleep)

@@ -20,7 +20,7 @@ import torch
 
 from rlx.errors import RlxError
 from rlx.recipe.model import Recipe
-from rlx.trainer import algos
+from rlx.trainer import algos, validation
 from rlx.trainer.batching import SequenceBatch, outcome_token_rewards, pack_rollout
 from rlx.trainer.checkpoint import (
     CheckpointManager,
@@ -84,6 +84,8 @@ class RunInputs:
     reward_fn: RewardFn
     probe: Probe
     env: dict[str, str]
+    validation: PromptDataset | None = None  # held-out prompts (trainer.validation)
+    validation_overlap: int = 0  # held-out prompts dropped as also in the training data
 
 
 class Trainer:
@@ -154,7 +156,10 @@ class Trainer:
             env=self.inputs.env,
             stream=self.out,
         )
+        self.validation_note()
         try:
+            if start == 0 and validation.due(settings, 0):
+                self.logger.log(0, self.validate(0))
             with Progress(max(settings.steps - start, 0), "steps", stream=self.err) as bar:
                 for step in range(start + 1, settings.steps + 1):
                     done = step - 1  # steps done; the cadence saved multiples of `every`
@@ -167,6 +172,8 @@ class Trainer:
                         self.save(done)
                     self.stop.check_between_steps()
                     metrics = self.step(step)
+                    if validation.due(settings, step):
+                        metrics.update(self.validate(step))
                     self.logger.log(step, metrics)
                     bar.update()
                     if self.manager is not None and (
@@ -179,6 +186,23 @@ class Trainer:
         self.exported = self.export()
         return max(start, settings.steps)
 
+    def validate(self, step: int) -> dict[str, float]:
+        inputs = self.inputs
+        assert inputs.validation is not None
+        started = time.perf_counter()
+        scores = validation.validate(
+            self.cluster, inputs.validation, inputs.reward_fn, inputs.tokenizer, self.settings, step
+        )
+        return {**scores, "time/validate": time.perf_counter() - started}
+
+    def validation_note(self) -> None:
+        held_out = self.inputs.validation
+        if held_out is None:
+            return
+        dropped = self.inputs.validation_overlap
+        also = f", {dropped} dropped as also in the training data" if dropped else ""
+        self.say(f"validation: {len(held_out)} held-out prompts from {held_out.source}{also}")
+
     def cluster_report(self) -> None:
         cluster = self.cluster
         ranks = ", ".join(f"rank {r} on {ip}" for r, ip in enumerate(cluster.train.ips))
@@ -190,6 +214,8 @@ class Trainer:
             "fsdp": "FSDP2 (weights, gradients and optimiser state sharded over the ranks)",
         }[strategy]
         self.say(f"sharding: {sharding}")
+        for note in cluster.notes:
+            self.say(note)
         if cluster.rollout.ips:
             engines = ", ".join(f"{i} on {ip}" for i, ip in enumerate(cluster.rollout.ips))
             self.say(f"rollout workers: {engines}")

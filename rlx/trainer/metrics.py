@@ -38,6 +38,8 @@ RESPONSE_LENGTH = "response_length/mean"
 TOKENS_PER_S = "tokens_per_s"
 STEP_TIME = "step_time"
 HOST_MEMORY = "host_memory_gib"  # host_memory_bytes() / 2**30
+VAL_PASS1 = "val/pass@1"  # greedy answers' mean reward on the held-out prompts
+VAL_REWARD = "val/reward_mean"  # mean reward of validation.n samples per held-out prompt
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,8 @@ class Column:
 
 CONSOLE_COLUMNS: tuple[Column, ...] = (
     Column("reward", REWARD_MEAN, ".3f", spread_key=REWARD_STD),
+    Column("val", VAL_REWARD, ".3f"),
+    Column("pass@1", VAL_PASS1, ".3f"),
     Column("kl", KL, ".4f"),
     Column("approx_kl", APPROX_KL, ".4f"),
     Column("clipfrac", CLIPFRAC, ".3f"),

@@ -343,12 +343,16 @@ def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> Tensor:
     return total
 
 
-def named_full_tensors(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """The module's state as whole tensors, one at a time (a collective per sharded tensor:
-    every rank must iterate). Keys are the module's own state_dict names."""
+def named_full_tensors(
+    module: nn.Module, *, parameters: bool = False
+) -> Iterator[tuple[str, Tensor]]:
+    """The module's state (or with parameters=True its parameters, tied ones once) as whole
+    tensors, one at a time (a collective per sharded tensor: every rank must iterate). Keys
+    are the module's own names."""
     from torch.distributed.tensor import DTensor
 
-    for name, tensor in module.state_dict().items():
+    source = module.named_parameters() if parameters else module.state_dict().items()
+    for name, tensor in source:
         if isinstance(tensor, DTensor):
             tensor = tensor.full_tensor()
         yield name, tensor.detach()

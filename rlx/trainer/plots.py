@@ -6,7 +6,18 @@ import math
 from pathlib import Path
 from typing import Any
 
-from rlx.trainer.metrics import APPROX_KL, KL, REWARD_MEAN, REWARD_STD, STEP_TIME, read_metrics
+from rlx.trainer.metrics import (
+    APPROX_KL,
+    KL,
+    REWARD_MEAN,
+    REWARD_STD,
+    STEP_TIME,
+    VAL_PASS1,
+    VAL_REWARD,
+    read_metrics,
+)
+
+VALIDATION_SERIES = ((VAL_REWARD, "validation reward mean"), (VAL_PASS1, "validation pass@1"))
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -21,7 +32,9 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
 
 
 def write_plot(jsonl_path: Path, png_path: Path) -> Path:
-    """Reward mean (with a ±std band when logged) and KL per step, as two stacked panels."""
+    """Two stacked panels: the training reward mean (with a ±std band when logged) and the
+    validation scores when logged; below, the KL to the reference when there is one, else
+    the validation scores, else the update's approx KL (0 on one-update steps)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -46,23 +59,25 @@ def write_plot(jsonl_path: Path, png_path: Path) -> Path:
                 alpha=0.25,
                 label="±1 std",
             )
+    validation = [(label, *_series(records, key)) for key, label in VALIDATION_SERIES]
+    validation = [(label, steps, values) for label, steps, values in validation if steps]
+    for label, val_steps, values in validation:
+        reward_axes.plot(val_steps, values, marker="s", markersize=4, linestyle="--", label=label)
+    if steps or validation:
         reward_axes.legend(loc="best")
     else:
         _no_data(reward_axes)
     reward_axes.set_ylabel("reward")
     reward_axes.grid(alpha=0.3)
 
-    plotted = False
-    for key, label in ((KL, "KL to reference"), (APPROX_KL, "approx KL (policy update)")):
-        steps, values = _series(records, key)
-        if steps:
-            kl_axes.plot(steps, values, marker="o", markersize=3, label=label)
-            plotted = True
-    if plotted:
+    ylabel, lines = second_panel(records)
+    for label, line_steps, values in lines:
+        kl_axes.plot(line_steps, values, marker="o", markersize=3, label=label)
+    if lines:
         kl_axes.legend(loc="best")
     else:
         _no_data(kl_axes)
-    kl_axes.set_ylabel("KL")
+    kl_axes.set_ylabel(ylabel)
     kl_axes.set_xlabel("step")
     kl_axes.grid(alpha=0.3)
 
@@ -72,6 +87,25 @@ def write_plot(jsonl_path: Path, png_path: Path) -> Path:
     figure.savefig(temporary, format="png", dpi=100)
     temporary.replace(png_path)
     return png_path
+
+
+def second_panel(
+    records: list[dict[str, Any]],
+) -> tuple[str, list[tuple[str, list[int], list[float]]]]:
+    """(y label, [(label, steps, values)]) of the lower panel: the KL to the reference when
+    there is one, else the validation scores, else the update's approx KL where it is not
+    all zero (one update per step makes it exactly 0), else nothing."""
+    steps, values = _series(records, KL)
+    if steps:
+        return "KL", [("KL to reference", steps, values)]
+    validation = [(label, *_series(records, key)) for key, label in VALIDATION_SERIES]
+    validation = [line for line in validation if line[1]]
+    if validation:
+        return "validation", validation
+    steps, values = _series(records, APPROX_KL)
+    if any(values):
+        return "KL", [("approx KL (policy update)", steps, values)]
+    return "KL", []
 
 
 def _no_data(axes: Any) -> None:
@@ -97,6 +131,12 @@ def summary(jsonl_path: Path) -> dict[str, Any]:
     if rewards:
         result["first_reward_mean"] = rewards[0]
         result["last_reward_mean"] = rewards[-1]
+    for key, name in ((VAL_REWARD, "reward_mean"), (VAL_PASS1, "pass1")):
+        val_steps, values = _series(records, key)
+        result[f"first_val_{name}"] = values[0] if values else None
+        result[f"last_val_{name}"] = values[-1] if values else None
+        if values:
+            result["val_steps"] = (val_steps[0], val_steps[-1])
     times = [r["time"] for r in records if isinstance(r.get("time"), int | float)]
     if times:
         first_step_time = records[0].get(STEP_TIME)

@@ -32,6 +32,11 @@ class RunResult:
     first_reward_window: float | None = None  # mean over the first SUMMARY_WINDOW steps
     last_reward_window: float | None = None  # ... and over the last ones: less noisy
     reward_window: int | None = None  # how many steps each of those means covers
+    first_val_reward: float | None = None  # validation reward mean at its first step ...
+    last_val_reward: float | None = None  # ... and at its last
+    first_val_pass1: float | None = None  # validation greedy pass@1, first and last
+    last_val_pass1: float | None = None
+    val_steps: list[int] | None = None  # [first, last] step validated
     metrics: str | None = None
     plot: str | None = None
     log: str | None = None
@@ -66,6 +71,12 @@ def finish(result: RunResult, paths: RunPaths) -> None:
     result.first_reward = figures["first_reward_mean"]
     result.last_reward = figures["last_reward_mean"]
     result.wall_time_s = figures["wall_time_s"]
+    if figures.get("val_steps") is not None:
+        result.val_steps = list(figures["val_steps"])
+        result.first_val_reward = figures["first_val_reward_mean"]
+        result.last_val_reward = figures["last_val_reward_mean"]
+        result.first_val_pass1 = figures["first_val_pass1"]
+        result.last_val_pass1 = figures["last_val_pass1"]
     rewards = [
         r[REWARD_MEAN] for r in read_metrics(paths.metrics) if r.get(REWARD_MEAN) is not None
     ]
@@ -86,11 +97,30 @@ def reward_summary(result: RunResult) -> str:
     return f"{result.first_reward_window:.3f} -> {result.last_reward_window:.3f} ({what})"
 
 
+def validation_lines(result: RunResult) -> list[str]:
+    """'validation: reward 0.080 -> 0.450, pass@1 0.000 -> 0.500 (steps 0 and 80)'."""
+    if result.val_steps is None:
+        return []
+
+    def change(first: float | None, last: float | None) -> str:
+        if first is None or last is None:
+            return "n/a"
+        return f"{first:.3f} -> {last:.3f}"
+
+    first, last = result.val_steps
+    return [
+        f"validation: reward {change(result.first_val_reward, result.last_val_reward)}, "
+        f"pass@1 {change(result.first_val_pass1, result.last_val_pass1)} "
+        f"(steps {first} and {last})"
+    ]
+
+
 def summary_lines(result: RunResult) -> list[str]:
     wall = "n/a" if result.wall_time_s is None else f"{result.wall_time_s:.1f} s"
     lines = [
         f"done: {result.last_step} of {result.steps} steps in {wall}",
         f"reward: {reward_summary(result)}",
+        *validation_lines(result),
         f"metrics: {result.metrics}",
         f"reward plot: {result.plot}",
         f"log: {result.log}",

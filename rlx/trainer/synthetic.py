@@ -61,14 +61,23 @@ def _write_jsonl(path: Path, rows: Iterable[dict]) -> Path:
     return path
 
 
-def write_synthetic_dataset(path: str | Path, n: int, seed: int) -> Path:
-    """Write `n` rows {"prompt", "answer"} of the letters-or-digits task as jsonl."""
+# Phrasings the training rows never use: a held-out set of the task (validation).
+HELD_OUT_PHRASINGS: tuple[str, ...] = ("Now write {kind}.", "Write {kind}, please.", "{kind}?")
+
+
+def write_synthetic_dataset(path: str | Path, n: int, seed: int, held_out: bool = False) -> Path:
+    """Write `n` rows {"prompt", "answer"} of the letters-or-digits task as jsonl; held_out:
+    in phrasings the training rows never use (the answer names the kind)."""
     rng = random.Random(seed)
     kinds = sorted(CHARSETS)
     rows = []
     for _ in range(n):
         kind = rng.choice(kinds)
-        rows.append({"prompt": letters_or_digits_prompt(kind), "answer": kind})
+        if held_out:
+            prompt = rng.choice(HELD_OUT_PHRASINGS).format(kind=kind)
+        else:
+            prompt = letters_or_digits_prompt(kind)
+        rows.append({"prompt": prompt, "answer": kind})
     return _write_jsonl(Path(path), rows)
 
 
@@ -86,12 +95,14 @@ def arithmetic_rows(n: int, seed: int) -> list[dict[str, str]]:
     return rows
 
 
-def write_arithmetic_dataset(path: str | Path, n: int, seed: int) -> Path:
+def write_arithmetic_dataset(path: str | Path, n: int, seed: int, held_out: bool = False) -> Path:
     """Write the arithmetic task: `.jsonl` as {"prompt", "answer"} rows, `.parquet` in
     verl's GSM8K layout (data_source, prompt as chat messages, reward_model.ground_truth).
     """
     path = Path(path)
-    rows = arithmetic_rows(n, seed)
+    # Held out: other numbers (a stream of its own); any repeat of a training question is
+    # dropped when the validation set is loaded.
+    rows = arithmetic_rows(n, seed + 1_000_003 if held_out else seed)
     if path.suffix == ".jsonl":
         return _write_jsonl(path, rows)
     if path.suffix == ".parquet":

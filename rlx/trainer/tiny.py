@@ -30,6 +30,9 @@ CHAT_TEMPLATE = (
 )
 
 ARCHS: tuple[str, ...] = ("qwen2", "llama")
+# Attention head size by default: vLLM's CPU attention kernels take 64 (not 16 or 32), so
+# every default tiny model also runs on vLLM's CPU build.
+HEAD_DIM = 64
 
 
 def token_id(token: str) -> int:
@@ -83,7 +86,7 @@ def build_tiny_model(
     arch: str = "qwen2",
     hidden_size: int = 64,
     num_layers: int = 2,
-    num_heads: int = 4,
+    num_heads: int | None = None,
     num_kv_heads: int | None = None,
     intermediate_size: int | None = None,
     max_position_embeddings: int = 2048,
@@ -93,6 +96,7 @@ def build_tiny_model(
 
     The folder loads with `AutoModelForCausalLM.from_pretrained` and
     `AutoTokenizer.from_pretrained`. The same arguments give byte-identical files.
+    `num_heads` defaults to hidden_size // HEAD_DIM (one head below HEAD_DIM);
     `num_kv_heads` defaults to `num_heads` (no grouped-query attention);
     `intermediate_size` defaults to 4 * hidden_size.
     """
@@ -102,6 +106,8 @@ def build_tiny_model(
     config_classes = {"qwen2": Qwen2Config, "llama": LlamaConfig}
     if arch not in config_classes:
         raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
+    if num_heads is None:
+        num_heads = max(hidden_size // HEAD_DIM, 1)
     if hidden_size % num_heads:
         raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
     kv_heads = num_heads if num_kv_heads is None else num_kv_heads

@@ -136,15 +136,46 @@ def _peak_rss_bytes() -> int:
     return _rss_bytes()
 
 
-def _vllm_options(settings: TrainerSettings, tensor_parallel: int) -> dict[str, Any]:
+def _vllm_options(
+    settings: TrainerSettings, tensor_parallel: int, model_path: str, use_gpu: bool
+) -> dict[str, Any]:
     rollout = settings.rollout
-    return {
+    options: dict[str, Any] = {
         "tensor_parallel_size": tensor_parallel,
-        "gpu_memory_utilization": rollout.gpu_memory_utilization,
         "max_model_len": settings.data.max_prompt_length + rollout.max_new_tokens,
         "seed": settings.seed,
         "trust_remote_code": settings.model.trust_remote_code,
     }
+    if use_gpu:
+        options["gpu_memory_utilization"] = rollout.gpu_memory_utilization
+    else:
+        # vLLM's CPU build reads gpu_memory_utilization as a share of host RAM; a step's
+        # sequences need far less, sized from the model instead. No graph capture on CPU.
+        options["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(settings, model_path)
+        options["enforce_eager"] = True
+    return options
+
+
+def cpu_kv_cache_bytes(settings: TrainerSettings, model_path: str) -> int:
+    """KV-cache bytes for every sequence of a step at full length, twice over (at least
+    64 MiB): keys and values of every layer, in the compute dtype (float32 on CPU)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(
+        model_path, trust_remote_code=settings.model.trust_remote_code
+    )
+    config = getattr(config, "text_config", config)
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * 4
+    rollout = settings.rollout
+    tokens = (
+        settings.batch.prompts_per_step
+        * rollout.n
+        * (settings.data.max_prompt_length + rollout.max_new_tokens)
+    )
+    return max(2 * tokens * per_token, 64 * 2**20)
 
 
 def _probe_ids(probe: Probe) -> tuple[list[int], list[int]]:
@@ -188,8 +219,11 @@ class TrainWorker:
             sock.bind(("", 0))
             return int(sock.getsockname()[1])
 
-    def setup(self, master_addr: str, master_port: int) -> None:
+    def setup(self, master_addr: str, master_port: int) -> list[str]:
+        """Join the process group, build the Learner and (colocated) the engine; returns
+        notes for the run's log."""
         spec = self.spec
+        notes: list[str] = []
         if spec.world_size > 1:
             import torch.distributed as dist
 
@@ -215,9 +249,11 @@ class TrainWorker:
                 self.learner.policy,
                 spec.policy_path,
                 dtype=dtype_name(compute_dtype(spec.settings.model.dtype, self.device)),
-                vllm_options=_vllm_options(spec.settings, 1),
+                vllm_options=_vllm_options(spec.settings, 1, spec.policy_path, spec.use_gpu),
                 collective=self.learner.collective,
+                say=notes.append,
             )
+        return notes
 
     def _learner(self) -> Learner:
         if self.learner is None:
@@ -400,7 +436,9 @@ class RolloutWorker:
             spec.policy_path,
             dtype=dtype_name(compute_dtype(spec.settings.model.dtype, self.device)),
             device=str(self.device),
-            vllm_options=_vllm_options(spec.settings, tensor_parallel),
+            vllm_options=_vllm_options(
+                spec.settings, tensor_parallel, spec.policy_path, spec.use_gpu
+            ),
         )
         self._skip_loads = 0
 

@@ -22,7 +22,7 @@ from rlx.trainer.metrics import (
     host_memory_bytes,
     read_metrics,
 )
-from rlx.trainer.plots import summary, write_plot
+from rlx.trainer.plots import second_panel, summary, write_plot
 from rlx.trainer.progress import Progress, track
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -298,6 +298,10 @@ def test_summary(tmp_path: Path) -> None:
         "last_step": None,
         "first_reward_mean": None,
         "last_reward_mean": None,
+        "first_val_reward_mean": None,
+        "last_val_reward_mean": None,
+        "first_val_pass1": None,
+        "last_val_pass1": None,
         "wall_time_s": None,
     }
 
@@ -334,3 +338,29 @@ def test_progress_on_a_terminal_draws_a_bar_instead_of_lines() -> None:
     output = stream.getvalue()
     assert "\r" in output and "0/3" in output  # tqdm throttles redraws; the bar clears
     assert "rollouts: 3/3 in" not in output
+
+
+def test_the_lower_panel_shows_kl_to_the_reference_else_validation() -> None:
+    val = [{"step": 0, "val/reward_mean": 0.1, "val/pass@1": 0.0}]
+    steps = [{"step": s, "reward/mean": 0.2, "approx_kl": 0.0} for s in (1, 2)]
+    val.append({"step": 2, "val/reward_mean": 0.4, "val/pass@1": 0.5})
+    label, lines = second_panel(steps + val)
+    assert label == "validation"
+    assert [(name, xs, ys) for name, xs, ys in lines] == [
+        ("validation reward mean", [0, 2], [0.1, 0.4]),
+        ("validation pass@1", [0, 2], [0.0, 0.5]),
+    ]
+    with_kl = [{**record, "kl": 0.01} for record in steps]
+    assert second_panel(with_kl + val)[1] == [("KL to reference", [1, 2], [0.01, 0.01])]
+    assert second_panel(steps) == ("KL", [])  # approx_kl all 0: nothing worth a line
+
+
+def test_summary_has_the_first_and_last_validation(tmp_path: Path) -> None:
+    with make_logger(tmp_path)[0] as logger:
+        logger.log(0, {"val/reward_mean": 0.1, "val/pass@1": 0.0})
+        logger.log(1, {"reward/mean": 0.2})
+        logger.log(2, {"reward/mean": 0.3, "val/reward_mean": 0.4, "val/pass@1": 0.5})
+    result = summary(tmp_path / METRICS_FILE)
+    assert (result["first_val_reward_mean"], result["last_val_reward_mean"]) == (0.1, 0.4)
+    assert (result["first_val_pass1"], result["last_val_pass1"]) == (0.0, 0.5)
+    assert result["val_steps"] == (0, 2)

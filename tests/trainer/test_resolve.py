@@ -23,13 +23,13 @@ from .helpers import make_recipe
 
 
 def test_tiny_spec_builds_once_and_deterministically(tmp_path: Path) -> None:
-    first = resolve_model_path("tiny:llama-h32-l1", tmp_path / "a", seed=3)
-    again = resolve_model_path("tiny:llama-h32-l1", tmp_path / "a", seed=3)
-    other = resolve_model_path("tiny:llama-h32-l1", tmp_path / "b", seed=3)
-    assert first == again and Path(first).name == "tiny-llama-h32-l1-seed3"
+    first = resolve_model_path("tiny:llama-h64-l1", tmp_path / "a", seed=3)
+    again = resolve_model_path("tiny:llama-h64-l1", tmp_path / "a", seed=3)
+    other = resolve_model_path("tiny:llama-h64-l1", tmp_path / "b", seed=3)
+    assert first == again and Path(first).name == "tiny-llama-h64-l1-seed3"
     weights = "model.safetensors"
     assert (Path(first) / weights).read_bytes() == (Path(other) / weights).read_bytes()
-    assert [p.name for p in (tmp_path / "a").iterdir()] == ["tiny-llama-h32-l1-seed3"]
+    assert [p.name for p in (tmp_path / "a").iterdir()] == ["tiny-llama-h64-l1-seed3"]
 
 
 @pytest.mark.parametrize(
@@ -37,7 +37,7 @@ def test_tiny_spec_builds_once_and_deterministically(tmp_path: Path) -> None:
     [
         ("tiny:qwen2-64", "is not a tiny model spec"),
         ("tiny:gpt9-h64-l2", "tiny arch 'gpt9'"),
-        ("tiny:qwen2-h10-l2", "multiple of 4"),
+        ("tiny:qwen2-h96-l2", "multiple of 64"),
         ("/nonexistent/model", "is not a folder"),
         ("./nowhere", "is not a folder"),
     ],

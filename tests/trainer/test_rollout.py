@@ -261,7 +261,7 @@ def test_load_weights_errors(tiny_model_dir: Path) -> None:
         ({"n": 0}, "n must be at least 1"),
         ({"max_new_tokens": 0}, "max_new_tokens must be at least 1"),
         ({"min_new_tokens": 9}, "min_new_tokens must be in"),
-        ({"temperature": 0.0}, "temperature must be > 0"),
+        ({"temperature": -1.0}, "temperature must be > 0"),
         ({"top_p": 0.0}, "top_p must be in"),
     ],
 )

@@ -1,0 +1,106 @@
+"""Validation: how well the policy does on prompts it does not train on.
+
+At step 0 and every `validation.every` steps (and the last), the engines answer every
+held-out prompt twice over: once greedily (pass@1: the mean reward of the greedy answers,
+the share solved where the reward is 0 or 1) and n times at the rollout temperature (the
+mean reward of those samples). The numbers go into the step's metrics as val/*.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from rlx.errors import RlxError
+from rlx.recipe.model import TrainerSettings
+from rlx.trainer.data import PromptDataset
+from rlx.trainer.metrics import VAL_PASS1, VAL_REWARD
+
+
+def due(settings: TrainerSettings, step: int) -> bool:
+    """Whether validation runs after `step` (0: before the first update)."""
+    validation = settings.validation
+    if validation is None:
+        return False
+    return step % validation.every == 0 or step == settings.steps
+
+
+def load_validation_set(
+    settings: TrainerSettings, tokenizer: Any, train: PromptDataset, run_dir: Path
+) -> tuple[PromptDataset, int] | None:
+    """The held-out prompts, less any the training data also holds: (the set, how many
+    were dropped as also in training). None without a validation section."""
+    from rlx.trainer.data import load_prompt_dataset
+    from rlx.trainer.resolve import resolve_data_path
+
+    validation = settings.validation
+    if validation is None:
+        return None
+    path = resolve_data_path(
+        validation.data, run_dir, settings.seed, field="validation.data", held_out=True
+    )
+    overlong = {"left": "truncate"}.get(settings.data.truncate, settings.data.truncate)
+    data = load_prompt_dataset(
+        path,
+        tokenizer,
+        prompt_key=settings.data.prompt_key,
+        answer_key=settings.data.answer_key,
+        max_prompt_length=settings.data.max_prompt_length,
+        overlong=overlong,
+        chat_template_for_strings=settings.data.chat_template,
+        data_format=None if settings.data.format == "auto" else settings.data.format,
+    )
+    seen = {tuple(ids) for ids in train.prompt_token_ids}
+    keep = [i for i, ids in enumerate(data.prompt_token_ids) if tuple(ids) not in seen]
+    overlap = len(data) - len(keep)
+    if validation.max_prompts is not None:
+        keep = keep[: validation.max_prompts]
+    if not keep:
+        raise RlxError(
+            f"trainer.validation.data: every prompt of {data.source} also appears in the "
+            "training data; give held-out prompts the policy does not train on"
+        )
+    held_out = dataclasses.replace(
+        data,
+        prompts=[data.prompts[i] for i in keep],
+        prompt_token_ids=[data.prompt_token_ids[i] for i in keep],
+        answers=[data.answers[i] for i in keep],
+        row_indices=[data.row_indices[i] for i in keep],
+    )
+    return held_out, overlap
+
+
+def validate(
+    cluster: Any,
+    data: PromptDataset,
+    reward_fn: Any,
+    tokenizer: Any,
+    settings: TrainerSettings,
+    step: int,
+) -> Mapping[str, float]:
+    """val/pass@1 and val/reward_mean of the policy the engines hold now."""
+    from rlx.trainer.rewards import score
+    from rlx.trainer.workers import SamplingArgs
+
+    validation = settings.validation
+    assert validation is not None
+    rollout = settings.rollout
+    max_new = validation.max_new_tokens or rollout.max_new_tokens
+    greedy = SamplingArgs(1, max_new, rollout.min_new_tokens, 0.0, 1.0)
+    sampled = SamplingArgs(
+        validation.n, max_new, rollout.min_new_tokens, rollout.temperature, rollout.top_p
+    )
+    results = {}
+    for name, sampling in ((VAL_PASS1, greedy), (VAL_REWARD, sampled)):
+        batch = cluster.generate(
+            data.prompt_token_ids, step, show_progress=False, sampling=sampling, stream="validate"
+        )
+        responses = tokenizer.batch_decode(batch.response_lists(), skip_special_tokens=True)
+        n = sampling.n
+        prompts = [p for p in data.prompts for _ in range(n)]
+        answers = [a for a in data.answers for _ in range(n)]
+        scores = score(reward_fn, prompts, responses, answers)
+        results[name] = sum(scores) / len(scores)
+    return results
