@@ -4,6 +4,7 @@ second job leaving nothing behind on any host."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -109,7 +110,9 @@ def test_quickstart_on_two_nodes_then_down(slurm_cluster, launch_env, tmp_path):
     worker_log = rlx(tmp_path, launch_env, "logs", "quick-slurm", "--node", "1").stdout
     assert "the head finished with exit code 0" in worker_log
     runs = list((tmp_path / "runs").glob("*/metrics.jsonl"))
-    assert runs and len(runs[0].read_text().splitlines()) == 6
+    records = [json.loads(line) for line in runs[0].read_text().splitlines()] if runs else []
+    # step 0: the quickstart's validation before training; then one record per step
+    assert [r["step"] for r in records] == list(range(7)), records
     assert list((tmp_path / "checkpoints").glob("*/step-000006/COMPLETE"))
     assert job_processes(slurm_cluster) == []
 

@@ -42,7 +42,9 @@ def test_launch_trains_and_the_job_can_be_inspected(tmp_path: Path) -> None:
     assert len(runs) == 1
     run_dir = runs[0]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    # step 0: the quickstart's validation before training; then one record per step
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4, 5, 6]
+    assert "val/pass@1" in records[0] and "val/pass@1" in records[-1]
     assert (run_dir / "reward.png").stat().st_size > 10_000
     checkpoints = tmp_path / "runs" / "checkpoints" / run_dir.name
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000003", "step-000006"]
