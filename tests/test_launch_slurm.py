@@ -265,7 +265,9 @@ def test_requeue_resumes_after_a_lost_worker_and_the_warning(slurm_cluster, laun
     assert "received SIGUSR1" in head2, head2
     # It resumed from the newest checkpoint the second attempt left (saved on the signal when
     # that step was not on the cadence).
-    step = int(resumed.rsplit("(step ", 1)[1].rstrip(")"))
+    found = re.search(r"\(step (\d+)\)", resumed)
+    assert found, resumed
+    step = int(found.group(1))
     assert step >= 3, (resumed, saved, head2[-3000:])
     assert f"step-{step:06d}" in saved or step % 2 == 0, (saved, resumed)
     assert wait_state(tmp_path, launch_env, "requeue", {"SUCCEEDED", "FAILED"}, 120) == "SUCCEEDED"
@@ -279,19 +281,26 @@ def test_requeue_resumes_after_a_lost_worker_and_the_warning(slurm_cluster, laun
 
 def start_requeued_now(job_id: str, env: dict[str, str], ready) -> None:
     """Slurm holds a requeued job back for two minutes (its BeginTime); once the job is
-    pending again, let it start now so the test does not wait for that."""
+    pending again, let it start now so the test does not wait for that. The update is
+    repeated until the job leaves PENDING: one issued while the requeue is still settling
+    can be refused."""
     deadline = time.monotonic() + 300
+    updated = False
     while time.monotonic() < deadline:
         state = subprocess.run(
             ["squeue", "-h", "-j", job_id, "-o", "%T"], env=env, capture_output=True, text=True
         ).stdout.strip()
+        if updated and state not in ("PENDING", "REQUEUED", "REQUEUE_HOLD", "COMPLETING"):
+            return
         if state == "PENDING" and ready():
             subprocess.run(
                 ["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env, check=False
             )
-            return
+            updated = True
+            time.sleep(2)
+            continue
         time.sleep(0.5)
-    raise AssertionError(f"job {job_id} was not requeued within 300 s")
+    raise AssertionError(f"job {job_id} was not requeued and started within 300 s")
 
 
 def _read(path: Path) -> str:
