@@ -80,13 +80,18 @@ def test_what_each_runtime_renders() -> None:
     for part in ("--init", "--network host", "--shm-size 16g", "--gpus all", "-v /data:/data:ro"):
         assert part in run, run
     assert "-e HF_TOKEN" in run and "-e RLX_RAY_TOKEN" in run and "trap" in run
-    assert "docker exec -e HF_HOME" in docker and '"rlx-${SLURM_JOB_ID}" rlx node' in docker
+    assert (
+        "docker exec -e HF_HOME" in docker and '"rlx-${SLURM_JOB_ID}" bash -c "$RLX_NODE"' in docker
+    )
     podman = node_scripts(recipe_for("podman"))["run"]
     assert "--device nvidia.com/gpu=all" in podman and "podman run --rm" in podman
     cpu = node_scripts(recipe_for("podman", gpus=False))["run"]
     assert "nvidia.com/gpu" not in cpu
     apptainer = render("slurm", recipe_for("apptainer"), "b.yaml")
-    assert "apptainer exec --nv --bind /data:/data:ro,/shared:/shared img.sif rlx node" in apptainer
+    assert (
+        'apptainer exec --nv --bind /data:/data:ro,/shared:/shared img.sif bash -c "$RLX_NODE"'
+        in (apptainer)
+    )
 
 
 def test_the_old_fields_say_where_they_moved() -> None:
