@@ -201,6 +201,10 @@ def _engine_run_script(recipe: Recipe, container: SlurmContainer) -> str:
     )
 
 
+def _engine_rm_script(engine: str) -> str:
+    return f'{engine} rm -f "{CONTAINER_NAME}" >/dev/null 2>&1 || true\n'
+
+
 def _engine_ready_script(engine: str) -> str:
     return (
         f"for _ in $(seq {CONTAINER_READY_SECONDS}); do\n"
@@ -299,8 +303,19 @@ def script(recipe: Recipe) -> list[str]:
             f"srun --ntasks-per-node=1 --nodes={nodes} --ntasks={nodes} "
             '--output="$job_logs/container-%N.log" bash -c "$RLX_CONTAINER" &',
             "containers_pid=$!",
-            # Ending the step removes every node's container, however the script ends.
-            "trap 'kill \"$containers_pid\" 2>/dev/null || true' EXIT",
+            "# However this script ends, every node's container is removed: by a step of its",
+            "# own first (the container step's trap may not outlive Slurm's KillWait, and the",
+            "# container, a child of the engine's monitor, would outlive the step), then by",
+            "# ending the container step.",
+            "# shellcheck disable=SC2016  # expanded on each node, not here",
+            f"export RLX_CONTAINER_RM={q(_engine_rm_script(container.runtime))}",
+            "# shellcheck disable=SC2317  # called by the trap",
+            "remove_containers() {",
+            f"  srun --overlap --ntasks-per-node=1 --nodes={nodes} --ntasks={nodes} "
+            '--output=/dev/null bash -c "$RLX_CONTAINER_RM" || true',
+            '  kill "$containers_pid" 2>/dev/null || true',
+            "}",
+            "trap remove_containers EXIT",
             "# shellcheck disable=SC2016  # expanded on each node, not here",
             f"export RLX_CONTAINER_READY={q(_engine_ready_script(container.runtime))}",
             f"srun --overlap --ntasks-per-node=1 --nodes={nodes} --ntasks={nodes} "
