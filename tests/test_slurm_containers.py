@@ -5,6 +5,7 @@ the Slurm across the emulated hosts."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -125,9 +126,16 @@ for host, boxed in ray.get([where.options(scheduling_strategy=On(n, False)).remo
 """
 
 
+@pytest.fixture
+def image_store(tmp_path: Path):
+    """Where the offline image is stored (about 2 GB): removed after the test."""
+    yield tmp_path / "images"
+    shutil.rmtree(tmp_path / "images", ignore_errors=True)
+
+
 @pytest.mark.slurm
 @pytest.mark.timeout(900)
-def test_podman_containers_on_the_real_slurm(slurm_cluster, tmp_path: Path) -> None:
+def test_podman_containers_on_the_real_slurm(slurm_cluster, image_store, tmp_path: Path) -> None:
     """slurm.container with runtime podman, for real: an image made offline (this machine's
     Python, Ray and this rlx), one container per node, the cluster forms inside them, the
     command runs in the head's, and every container is gone when the job ends."""
@@ -138,9 +146,9 @@ def test_podman_containers_on_the_real_slurm(slurm_cluster, tmp_path: Path) -> N
     if reason:
         pytest.skip(reason)
     started = time.monotonic()
-    image = build_image(tmp_path / "image", tmp_path / "images")
+    image = build_image(tmp_path / "image", image_store)
     built = time.monotonic() - started
-    conf = write_config(tmp_path, tmp_path / "images")
+    conf = write_config(tmp_path, image_store)
     (tmp_path / "check.py").write_text(CHECK)
     recipe = {
         "name": "boxed",
