@@ -11,12 +11,13 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import yaml
 
 from rlx.errors import RlxError
 from rlx.launchers.base import LaunchRequest
 from rlx.launchers.ship import build_wheel, check_node_version, shipped_version
 from tests.hosts.probejob import assert_nothing_left, probe_recipe
-from tests.hosts.rendered import RenderedJob
+from tests.hosts.rendered import REPO, RenderedJob
 
 SITE = (
     Path(sys.executable).parent.parent
@@ -145,3 +146,97 @@ def test_the_run_block_installs_the_shipped_wheel(backend, emulated_hosts, tmp_p
         )
         assert done.stdout.split()[0] == version and str(venv) in done.stdout.split()[1]
     assert_nothing_left(hosts)
+
+
+CHECK = """\
+import importlib.metadata as m, os, ray, rlx
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy as On
+
+
+@ray.remote(num_cpus=0)
+def which():
+    import importlib.metadata as m, os, rlx
+    return os.uname().nodename, m.version("rlx"), rlx.__file__
+
+
+ray.init()
+nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+print("driver", os.uname().nodename, m.version("rlx"), rlx.__file__)
+for host, version, path in ray.get([which.options(scheduling_strategy=On(n, False)).remote()
+                                    for n in nodes]):
+    print("worker", host, version, path)
+"""
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(600)
+def test_slurm_nodes_install_the_shipped_wheel_in_the_job_folder(slurm_cluster, tmp_path: Path):
+    """`rlx launch -b slurm` from an rlx the nodes do not have: the wheel goes in the job's
+    folder, each node installs it in a virtualenv of its own there (the shared environment
+    is left as it was), and the driver and Ray's workers on every node run that rlx."""
+    shared = clean_env(tmp_path / "site")  # the site's shared environment, without rlx
+    (tmp_path / "check.py").write_text(CHECK)
+    recipe = {
+        "name": "shipped",
+        "resources": {"nodes": 3},
+        "command": [f"python3 {tmp_path / 'check.py'}"],
+        "ray": {"join_timeout": 120},
+    }
+    (tmp_path / "shipped.yaml").write_text(yaml.safe_dump(recipe))
+    path = f"{shared}/bin:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"
+    env = {
+        "PATH": path,
+        "HOME": str(tmp_path),
+        "XDG_CACHE_HOME": str(tmp_path / "cache"),
+        "LANG": "C.UTF-8",
+        **slurm_cluster.env,
+    }
+    # This checkout's rlx launches (imported from here, not through PYTHONPATH, which sbatch
+    # would hand to the job and so to the nodes).
+    launcher = f"import sys; sys.path.insert(0, {str(REPO)!r}); from rlx.cli import main; main()"
+    done = subprocess.run(
+        [sys.executable, "-c", launcher, "launch", "shipped.yaml", "-b", "slurm"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    [job_id] = slurm_cluster.active_jobs()
+    job = slurm_cluster.wait_job(job_id, timeout=420)
+    folder = tmp_path / "rlx-logs" / f"shipped-{job_id}"
+    logs = {p.name: p.read_text(errors="replace") for p in folder.glob("*.log")}
+    version = shipped_version()
+    assert job.state == "COMPLETED" and job.exit_code == 0, logs
+    wheel = tmp_path / "rlx-logs" / ".rlx-wheels" / f"rlx-{version}-py3-none-any.whl"
+    assert wheel.is_file()
+    head, workers = (
+        logs["head.log"],
+        [logs[f"worker-{h.name}.log"] for h in slurm_cluster.hosts[1:]],
+    )
+    for host, log in zip(slurm_cluster.hosts, [head, *workers], strict=True):
+        env_dir = folder / f"rlx-env-{host.name}"
+        assert f"installing the launching rlx {version} into {env_dir} ({host.name} has none)" in (
+            log
+        ), log
+    reports = [line.split() for line in head.splitlines() if line.startswith(("driver", "worker"))]
+    assert sorted(r[1] for r in reports if r[0] == "worker") == [
+        h.name for h in slurm_cluster.hosts
+    ]
+    for _, host, have, where in reports:
+        assert have == version and where.startswith(str(folder / f"rlx-env-{host}")), reports
+    # The shared environment still has no rlx: nothing was installed into it.
+    probe = subprocess.run(
+        [
+            str(shared / "bin" / "python"),
+            "-c",
+            "import importlib.util as u; print(u.find_spec('rlx'))",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=shared,
+        env={"PATH": "/usr/bin:/bin"},
+        check=True,
+    )
+    assert probe.stdout.strip() == "None"

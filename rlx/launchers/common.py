@@ -19,14 +19,27 @@ NOT_INSTALLED = "rlx: rlx is not installed on this node; add: pip install rlx[tr
 # The wheel of the launching rlx on the node (set by `rlx launch`, which ships it).
 WHEEL_ENV = "RLX_WHEEL"
 
+# What rlx this node runs, to compare with the shipped wheel's version (which is the hash
+# of rlx's files): the same hash when this rlx can compute it, else its package version.
+NODE_RLX_VERSION = """\
+rlx_have=$(python3 -c 'import importlib.metadata as m
+try:
+    from rlx.launchers.ship import shipped_version as v
+except ImportError:
+    v = lambda: m.version("rlx")
+print(v())' 2>/dev/null || true)
+"""
+
 # Run on every node before `rlx node`: install the shipped wheel when this node's rlx is
 # another version. A hand launch sets no RLX_WHEEL and uses the rlx that setup installed.
-INSTALL_SHIPPED = """\
+INSTALL_SHIPPED = (
+    """\
 if [ -n "${RLX_WHEEL:-}" ]; then
   rlx_wheel="${RLX_WHEEL/#\\~/$HOME}"
   rlx_want=$(basename "$rlx_wheel" | cut -d- -f2)
-  rlx_have=$(python3 -c 'import importlib.metadata as m; print(m.version("rlx"))' \\
-    2>/dev/null || true)
+  """
+    + NODE_RLX_VERSION
+    + """\
   if [ "$rlx_have" != "$rlx_want" ]; then
     echo "rlx: installing the launching rlx $rlx_want (this node has ${rlx_have:-none})"
     python3 -m pip install --quiet --disable-pip-version-check "$rlx_wheel" || exit 1
@@ -34,6 +47,7 @@ if [ -n "${RLX_WHEEL:-}" ]; then
   export RLX_WHEEL="$rlx_wheel"
 fi
 """
+)
 
 
 def header_lines(recipe: Recipe, source: str, how_to_run: list[str]) -> list[str]:

@@ -103,10 +103,7 @@ def check_node_version(env: Mapping[str, str]) -> None:
     if not wheel:
         return
     want = wheel_version(wheel)
-    try:
-        have = importlib.metadata.version("rlx")
-    except importlib.metadata.PackageNotFoundError:
-        have = __version__
+    have = shipped_version()  # the hash of the files this node runs, as the wheel's is
     if have != want:
         raise RlxError(
             f"this node runs rlx {have}, the job was launched with rlx {want}; the shipped "

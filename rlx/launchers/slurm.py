@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -15,9 +16,11 @@ from rlx.errors import RlxError
 from rlx.launchers.base import Job, JobStatus, LaunchRequest
 from rlx.launchers.bootstrap import CLUSTER_FAILURE
 from rlx.launchers.common import (
+    NODE_RLX_VERSION,
     NOT_INSTALLED,
     RAY_TOKEN_SECRET,
     RECIPE_ENV,
+    WHEEL_ENV,
     header_lines,
     recipe_json,
     setup_script,
@@ -102,13 +105,67 @@ def _pyxis_flags(recipe: Recipe, container: SlurmContainer) -> list[str]:
     return flags
 
 
+# Where the job's own files live on the shared filesystem (its log folder, absolute).
+JOB_DIR_ENV = "RLX_JOB_DIR"
+
+# Every node runs this: when RLX_WHEEL names a wheel (rlx launch ships one in the job's
+# folder) and this node's rlx is another version, the wheel goes into a virtualenv of the
+# node's own in the job's folder, never into the environment the site's users share (nodes
+# install at once, and a shared virtualenv is often the one that launched the job). It sees
+# every package the node's python3 sees, so nothing is downloaded when the dependencies are
+# there; its `rlx` and `ray` come first on PATH, so Ray's workers import the shipped rlx too.
+NODE_SCRIPT = (
+    """\
+if [ -n "${RLX_WHEEL:-}" ]; then
+  rlx_want=$(basename "$RLX_WHEEL" | cut -d- -f2)
+  """
+    + NODE_RLX_VERSION
+    + """\
+  if [ "$rlx_have" != "$rlx_want" ]; then
+    rlx_env="$RLX_JOB_DIR/rlx-env-$(hostname)"
+    echo "rlx: installing the launching rlx $rlx_want into $rlx_env" \\
+      "($(hostname) has ${rlx_have:-none})"
+    python3 -m venv --without-pip "$rlx_env" || exit 1
+    rlx_site=$("$rlx_env/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
+    python3 -c 'import sys
+for path in sys.path:
+    if path.endswith(("site-packages", "dist-packages")):
+        print("import site; site.addsitedir(%r)" % path)' >"$rlx_site/rlx-node-packages.pth"
+    "$rlx_env/bin/python" -m pip install --quiet --disable-pip-version-check \\
+      --no-warn-script-location "$RLX_WHEEL" || exit 1
+    printf '#!%s\\nfrom ray.scripts.scripts import main\\nmain()\\n' "$rlx_env/bin/python" \\
+      >"$rlx_env/bin/ray"
+    chmod +x "$rlx_env/bin/ray"
+    export PATH="$rlx_env/bin:$PATH"
+  fi
+fi
+if ! command -v rlx >/dev/null 2>&1; then
+  echo """
+    + shlex.quote(NOT_INSTALLED)
+    + """ >&2
+  exit 127
+fi
+exec rlx node --backend slurm
+"""
+)
+
+
 def step_env_names(recipe: Recipe) -> list[str]:
     """What the job's steps need inside a docker/podman container (passed by name: `-e NAME`
     copies the value from the step's environment, so no value is on a command line)."""
     names = [*recipe.env, RECIPE_ENV, *recipe.secrets]
     if recipe.ray.auth == "token":
         names.append(RAY_TOKEN_SECRET)
-    return [*names, "RLX_NODE_HOSTS", "RLX_SETUP", "SLURM_JOB_ID", "SLURMD_NODENAME"]
+    return [
+        *names,
+        "RLX_NODE_HOSTS",
+        "RLX_SETUP",
+        "RLX_NODE",
+        WHEEL_ENV,
+        JOB_DIR_ENV,
+        "SLURM_JOB_ID",
+        "SLURMD_NODENAME",
+    ]
 
 
 def _engine_run_script(recipe: Recipe, container: SlurmContainer) -> str:
@@ -142,6 +199,10 @@ def _engine_run_script(recipe: Recipe, container: SlurmContainer) -> str:
         )
         + "\n"
     )
+
+
+def _engine_rm_script(engine: str) -> str:
+    return f'{engine} rm -f "{CONTAINER_NAME}" >/dev/null 2>&1 || true\n'
 
 
 def _engine_ready_script(engine: str) -> str:
@@ -192,6 +253,8 @@ def script(recipe: Recipe) -> list[str]:
             else []
         ),
         'mkdir -p "$job_logs"',
+        f'{JOB_DIR_ENV}=$(cd "$job_logs" && pwd)',
+        f"export {JOB_DIR_ENV}",
         'echo "rlx: logs of this job are in $job_logs"',
         'exec >>"$job_logs/driver.log" 2>&1',
         "",
@@ -240,8 +303,19 @@ def script(recipe: Recipe) -> list[str]:
             f"srun --ntasks-per-node=1 --nodes={nodes} --ntasks={nodes} "
             '--output="$job_logs/container-%N.log" bash -c "$RLX_CONTAINER" &',
             "containers_pid=$!",
-            # Ending the step removes every node's container, however the script ends.
-            "trap 'kill \"$containers_pid\" 2>/dev/null || true' EXIT",
+            "# However this script ends, every node's container is removed: by a step of its",
+            "# own first (the container step's trap may not outlive Slurm's KillWait, and the",
+            "# container, a child of the engine's monitor, would outlive the step), then by",
+            "# ending the container step.",
+            "# shellcheck disable=SC2016  # expanded on each node, not here",
+            f"export RLX_CONTAINER_RM={q(_engine_rm_script(container.runtime))}",
+            "# shellcheck disable=SC2317  # called by the trap",
+            "remove_containers() {",
+            f"  srun --overlap --ntasks-per-node=1 --nodes={nodes} --ntasks={nodes} "
+            '--output=/dev/null bash -c "$RLX_CONTAINER_RM" || true',
+            '  kill "$containers_pid" 2>/dev/null || true',
+            "}",
+            "trap remove_containers EXIT",
             "# shellcheck disable=SC2016  # expanded on each node, not here",
             f"export RLX_CONTAINER_READY={q(_engine_ready_script(container.runtime))}",
             f"srun --overlap --ntasks-per-node=1 --nodes={nodes} --ntasks={nodes} "
@@ -257,14 +331,12 @@ def script(recipe: Recipe) -> list[str]:
             + _in_container(recipe, 'bash -c "$RLX_SETUP"'),
             "",
         ]
-    if container is None:
-        out += [
-            "if ! command -v rlx >/dev/null 2>&1; then",
-            f"  echo {q(NOT_INSTALLED)} >&2",
-            "  exit 127",
-            "fi",
-        ]
-    node_cmd = _in_container(recipe, f"rlx node --backend {NAME}")
+    out += [
+        "# Every node: the shipped rlx when RLX_WHEEL names one, then rlx node.",
+        "# shellcheck disable=SC2016  # expanded on each node, not here",
+        f"export RLX_NODE={q(NODE_SCRIPT)}",
+    ]
+    node_cmd = _in_container(recipe, 'bash -c "$RLX_NODE"')
     requeue = recipe.slurm.requeue if recipe.slurm else None
     out += [
         f'{step} --nodes=1 --ntasks=1 --nodelist="$head_node" '
@@ -370,7 +442,10 @@ def _driver_wait(grace: int) -> list[str]:
 def render(recipe: Recipe, source: str) -> str:
     how = [
         f"Run with: rlx launch {source} --backend slurm",
-        f"(or by hand: mkdir -p {log_dir(recipe)} && sbatch THIS_FILE)",
+        f"(or by hand: mkdir -p {log_dir(recipe)} && sbatch THIS_FILE; to ship an rlx wheel "
+        f"by hand as rlx launch does, put it on the shared filesystem and submit with "
+        f"{WHEEL_ENV}=/shared/path/rlx-VERSION-py3-none-any.whl: each node whose rlx differs "
+        "installs it in a virtualenv of its own in the job's log folder)",
     ]
     lines = [
         "#!/bin/bash",
@@ -443,7 +518,7 @@ def launch(request: LaunchRequest) -> Job:
     logs_root = request.workdir / log_dir(request.recipe)
     logs_root.mkdir(parents=True, exist_ok=True)
     # Secrets reach the job through sbatch's environment (exported to the job), never a file.
-    env = {**os.environ, **request.secrets}
+    env = {**os.environ, **request.secrets, WHEEL_ENV: str(_ship_wheel(logs_root))}
     proc = _slurm(["sbatch", "--parsable", str(script)], env=env, cwd=request.workdir)
     job_id = proc.stdout.strip().split(";")[0]
     if not job_id.isdigit():
@@ -459,6 +534,22 @@ def launch(request: LaunchRequest) -> Job:
         str(script),
         extra={"logs": str(logs_root / f"{request.name}-{job_id}")},
     )
+
+
+def _ship_wheel(logs_root: Path) -> Path:
+    """rlx ships itself: a wheel of the running rlx in the jobs' log folder, which every
+    node reads (it is where Slurm writes the job's output). Named by version, so a wheel
+    already there is the same one."""
+    from rlx.launchers.ship import build_wheel, wheel_dir
+
+    wheel = build_wheel(wheel_dir(os.environ))
+    shipped = logs_root.resolve() / ".rlx-wheels" / wheel.name
+    if not shipped.exists():
+        shipped.parent.mkdir(parents=True, exist_ok=True)
+        partial = shipped.with_suffix(f".{os.getpid()}.tmp")
+        shutil.copyfile(wheel, partial)
+        partial.replace(shipped)
+    return shipped
 
 
 def _state(job: Job) -> tuple[str, int | None, str]:
