@@ -59,6 +59,11 @@ def ray_nodes(workdir: Path) -> Iterator[Any]:
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PYTHONPATH", f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        # A loopback test cluster without a token, whatever Ray auth settings this process
+        # carries (Ray reads them from the environment, for the cluster and its clients).
+        patch.setenv("RAY_AUTH_MODE", "disabled")
+        for name in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+            patch.delenv(name, raising=False)
         cluster = Cluster(
             initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
         )
