@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlx.errors import RlxError
+from rlx.recipe.model import DataSettings
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -276,6 +277,22 @@ def load_prompt_dataset(
 
 # ---------------------------------------------------------------------------------------
 # Sampling
+
+
+def load_recipe_prompts(path: Path, tokenizer: Any, data: DataSettings) -> PromptDataset:
+    """A prompt file read and tokenized as the recipe's `trainer.data` says (keys, length
+    limit and overlong policy, chat template, format): the training set and the held-out
+    set alike."""
+    return load_prompt_dataset(
+        path,
+        tokenizer,
+        prompt_key=data.prompt_key,
+        answer_key=data.answer_key,
+        max_prompt_length=data.max_prompt_length,
+        overlong={"left": "truncate"}.get(data.truncate, data.truncate),
+        chat_template_for_strings=data.chat_template,
+        data_format=None if data.format == "auto" else data.format,
+    )
 
 
 class PromptSampler:

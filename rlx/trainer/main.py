@@ -68,7 +68,7 @@ def connect_ray(recipe: Recipe, env: Mapping[str, str]) -> tuple[bool, str]:
 def resolve_inputs(recipe: Recipe, env: Mapping[str, str], paths: RunPaths) -> Any:
     """Model folders, tokenizer, prompts, reward and probe: everything checked on the head
     before any actor starts. Returns (RunInputs, policy path, critic path)."""
-    from rlx.trainer.data import load_prompt_dataset
+    from rlx.trainer.data import load_recipe_prompts
     from rlx.trainer.engines import Probe
     from rlx.trainer.loop import RunInputs
     from rlx.trainer.models import quiet_transformers
@@ -92,17 +92,7 @@ def resolve_inputs(recipe: Recipe, env: Mapping[str, str], paths: RunPaths) -> A
         critic_path = resolve_model_path(critic.path, cache, settings.seed, "critic_model")
     tokenizer = load_tokenizer(policy_path, settings.model.trust_remote_code)
     data_file = resolve_data_path(settings.data.train, paths.run_dir, settings.seed)
-    overlong = {"left": "truncate"}.get(settings.data.truncate, settings.data.truncate)
-    data = load_prompt_dataset(
-        data_file,
-        tokenizer,
-        prompt_key=settings.data.prompt_key,
-        answer_key=settings.data.answer_key,
-        max_prompt_length=settings.data.max_prompt_length,
-        overlong=overlong,
-        chat_template_for_strings=settings.data.chat_template,
-        data_format=None if settings.data.format == "auto" else settings.data.format,
-    )
+    data = load_recipe_prompts(data_file, tokenizer, settings.data)
     if len(data) < settings.batch.prompts_per_step:
         raise RlxError(
             f"trainer.data.train: {data.source} has {len(data)} usable prompts, fewer than "

@@ -32,7 +32,7 @@ def load_validation_set(
 ) -> tuple[PromptDataset, int] | None:
     """The held-out prompts, less any the training data also holds: (the set, how many
     were dropped as also in training). None without a validation section."""
-    from rlx.trainer.data import load_prompt_dataset
+    from rlx.trainer.data import load_recipe_prompts
     from rlx.trainer.resolve import resolve_data_path
 
     validation = settings.validation
@@ -41,17 +41,7 @@ def load_validation_set(
     path = resolve_data_path(
         validation.data, run_dir, settings.seed, field="validation.data", held_out=True
     )
-    overlong = {"left": "truncate"}.get(settings.data.truncate, settings.data.truncate)
-    data = load_prompt_dataset(
-        path,
-        tokenizer,
-        prompt_key=settings.data.prompt_key,
-        answer_key=settings.data.answer_key,
-        max_prompt_length=settings.data.max_prompt_length,
-        overlong=overlong,
-        chat_template_for_strings=settings.data.chat_template,
-        data_format=None if settings.data.format == "auto" else settings.data.format,
-    )
+    data = load_recipe_prompts(path, tokenizer, settings.data)
     seen = {tuple(ids) for ids in train.prompt_token_ids}
     keep = [i for i, ids in enumerate(data.prompt_token_ids) if tuple(ids) not in seen]
     overlap = len(data) - len(keep)
