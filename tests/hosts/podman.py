@@ -78,8 +78,10 @@ def build_image(root: Path, store: Path) -> str:
     pth = stage / site.relative_to("/") / "image-rlx.pth"
     pth.parent.mkdir(parents=True, exist_ok=True)
     pth.write_text("/opt/rlx\n")
-    added = ["opt", "tmp", "proc", "dev", "sys", "run", "var"]
-    added.append(str(pth.relative_to(stage)))
+    # The empty mount points and the .pth go in as single entries (no recursion): a
+    # virtualenv under /tmp or /var would otherwise bring the same folders twice, which
+    # podman import refuses ("duplicates of file paths not supported").
+    single = ["tmp", "proc", "dev", "sys", "run", "var", "var/tmp", str(pth.relative_to(stage))]
     excludes = [f"--exclude={site.relative_to('/')}/{name}" for name in HEAVY]
     excludes += [f"--exclude={base.relative_to('/')}/lib/python3.*/{d}" for d in ("test",)]
     excludes += [f"--exclude={base.relative_to('/')}/lib/python3.*/site-packages"]
@@ -87,7 +89,20 @@ def build_image(root: Path, store: Path) -> str:
     parts = ["usr/bin", "usr/sbin", "usr/lib/x86_64-linux-gnu", "usr/lib64", "bin", "lib"]
     parts += ["lib64", "sbin", "etc", str(base.relative_to("/")), str(venv.relative_to("/"))]
     subprocess.run(
-        ["tar", "-cf", str(tarball), *excludes, "-C", "/", *parts, "-C", str(stage), *added],
+        [
+            "tar",
+            "-cf",
+            str(tarball),
+            *excludes,
+            "-C",
+            "/",
+            *parts,
+            "-C",
+            str(stage),
+            "opt",
+            "--no-recursion",
+            *single,
+        ],
         check=True,
         timeout=600,
     )
