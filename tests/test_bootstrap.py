@@ -119,7 +119,10 @@ def test_missing_node_is_named_and_command_never_runs(tmp_path, rlx_env):
         "SKYPILOT_NUM_GPUS_PER_NODE": "0",
     }
     result = rlx_node(
-        recipe_file(tmp_path, [f"touch {marker}"], auth="none", join_timeout=10), env, backend="sky"
+        # 30 s: the head's own Ray can take over 10 s to start on a busy 2-core machine
+        recipe_file(tmp_path, [f"touch {marker}"], auth="none", join_timeout=30),
+        env,
+        backend="sky",
     )
     assert result.returncode == 75, result.stderr
     assert "missing node 1 (10.255.255.7)" in result.stderr
