@@ -239,6 +239,7 @@ SITES: dict[str, Twin | str] = {
     "data.py::read_rows::data file does not exist": FILES,
     "data.py::render_prompt::a prompt must be a string or a list": DATA,
     "data.py::render_prompt::the tokenizer has no chat template,": FILES,
+    "engines.py::check_engines::received of the tensors of weights v": RUN,
     "engines.py::check_engines::holds weights version but the policy": RUN,
     "engines.py::check_engines::scores the probe sequence but the po": RUN,
     "learner.py::Learner.__init__::ppo needs a critic model path": INTERNAL,

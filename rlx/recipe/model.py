@@ -261,6 +261,12 @@ class RolloutSettings(StrictModel):
     gpu_memory_utilization: float = Field(
         0.5, gt=0, le=1, description="Share of GPU memory vLLM may take."
     )
+    weight_sync_bucket_mb: int = Field(
+        256,
+        ge=1,
+        description="Weight pushes to the engines travel in buckets of at most this many MiB "
+        "(gathered from the shards one parameter at a time): the extra memory a push needs.",
+    )
 
 
 class RewardSettings(StrictModel):

@@ -7,6 +7,7 @@ RlxError raised there keeps its message, a dead actor names its kind, rank and n
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import re
@@ -109,6 +110,7 @@ class Cluster:
         self.rollout = rollout
         self._groups = groups
         self.engine_dtype = engine_dtype
+        self.bucket_bytes = self.settings.rollout.weight_sync_bucket_mb * 2**20
         self.sampling = SamplingArgs.from_settings(self.settings)
         self.notes: list[str] = []  # what the workers said at start-up, for the run's log
 
@@ -333,18 +335,45 @@ class Cluster:
                 [w.refresh_engine.remote(version, probe) for w in train], "training worker"
             )
             return self._check_colocated(results, version, probe)
-        # Every rank scores and publishes (collectives under FSDP); rank 0's result is used.
+        # Every rank scores and gathers (collectives under FSDP); rank 0's results are used.
         policy_refs = [w.policy_probe.remote(probe) for w in train]
         if push:
-            published = [w.publish_weights.remote(self.engine_dtype) for w in train]
-            weights = published[0]  # one object
-            refs = [r.load_weights.remote(weights, version, probe) for r in self.rollout.handles]
-            gather(published[1:], "training worker")
+            self._stream_weights(version)
+            refs = [r.finish_push.remote(probe) for r in self.rollout.handles]
         else:
             refs = [r.report.remote(probe) for r in self.rollout.handles]
         reports = gather(refs, "rollout worker")
         policy_logprob = gather(policy_refs, "training worker")[0]
         return check_engines(reports, version, policy_logprob, probe.tolerance(self.engine_dtype))
+
+    def _stream_weights(self, version: int) -> None:
+        """The policy's parameters to every split engine, bucket by bucket: rank 0's bucket
+        goes once into Ray's object store and each engine reads it from there. At most two
+        buckets are under way at once (one loading into the engines while the next is
+        gathered), so a push holds about two buckets, not the model."""
+        train = self.train.handles
+        engines = self.rollout.handles
+        plans = gather(
+            [w.open_weight_stream.remote(self.engine_dtype, self.bucket_bytes) for w in train],
+            "training worker",
+        )
+        plan = plans[0]
+        for engine in engines:  # each engine runs its calls from here in order
+            engine.begin_push.remote(version, sum(len(names) for names in plan))
+        under_way: collections.deque[tuple[list[Any], list[Any]]] = collections.deque()
+        for index in range(len(plan)):
+            parts = [w.weight_bucket.remote(index) for w in train]
+            loads = [engine.push_bucket.remote(parts[0]) for engine in engines]
+            under_way.append((parts, loads))
+            if len(under_way) > 1:
+                self._land(*under_way.popleft())
+        while under_way:
+            self._land(*under_way.popleft())
+
+    @staticmethod
+    def _land(parts: list[Any], loads: list[Any]) -> None:
+        gather(parts, "training worker")
+        gather(loads, "rollout worker")
 
     def _check_colocated(
         self, refreshed: Sequence[tuple[EngineReport, float]], version: int, probe: Probe

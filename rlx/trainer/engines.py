@@ -3,8 +3,10 @@
 layout: colocated - every training worker holds an engine over its own policy: HF generate
 on the very nn.Module being trained (no copy, nothing to push), or a vLLM engine on the same
 GPU that sleeps while the policy trains and is woken and reloaded after each update.
-layout: split - engines live in their own actors (and GPUs); after each update rank 0
-publishes its weights once into Ray's object store and every engine loads them from there.
+layout: split - engines live in their own actors (and GPUs); after each update the policy's
+parameters are gathered from the shards a bucket at a time, and each bucket travels once
+through Ray's object store to every engine (cluster.py, Cluster.sync_weights): a push never
+holds more than two buckets, however large the model.
 
 Either way the controller then checks every engine: its weight version must equal the
 policy's, and its log-prob of a fixed probe sequence must match the policy's own within a
@@ -22,7 +24,7 @@ from typing import Any
 from torch import nn
 
 from rlx.errors import RlxError
-from rlx.trainer.rollout import HFEngine, RolloutEngine
+from rlx.trainer.rollout import DEFAULT_BUCKET_BYTES, HFEngine, RolloutEngine
 
 # Log-prob agreement per probe token: float32 copies of the same weights agree to rounding;
 # half precision (and vLLM's kernels against torch's) only to about a hundredth.
@@ -54,6 +56,8 @@ class EngineReport:
     node: str
     version: int
     probe_logprob: float
+    # A streamed push (split engines): (tensors received, tensors the push sent).
+    received: tuple[int, int] | None = None
 
 
 def check_engines(
@@ -64,6 +68,13 @@ def check_engines(
     worst = 0.0
     for report in reports:
         where = f"rollout engine {report.index} (node {report.node})"
+        if report.received is not None and report.received[0] != report.received[1]:
+            got, sent = report.received
+            raise StaleEngineError(
+                f"{where} received {got} of the {sent} tensors of weights version {version}: "
+                "the push was partial; stopping rather than training on samples from mixed "
+                "weights"
+            )
         if report.version != version:
             raise StaleEngineError(
                 f"{where} holds weights version {report.version} but the policy is at "
@@ -98,8 +109,15 @@ class ColocatedEngine:
     engine sleeps (frees its GPU memory) while the policy trains where the platform lets
     it; where it cannot (vLLM's CPU build) it keeps its memory and the run goes on."""
 
-    def __init__(self, engine: RolloutEngine, shares_policy: bool, can_sleep: bool = False):
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        shares_policy: bool,
+        can_sleep: bool = False,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ):
         self.engine = engine
+        self.bucket_bytes = bucket_bytes
         self.shares_policy = shares_policy
         self.can_sleep = can_sleep
         self._asleep = False
@@ -123,7 +141,9 @@ class ColocatedEngine:
 
         # Parameters one at a time (the engine streams them in buckets), not a state-dict
         # copy; tied weights appear once. A sharded policy gathers each on every rank.
-        self.engine.load_weights(named_full_tensors(policy, parameters=True), version)
+        self.engine.load_weights(
+            named_full_tensors(policy, parameters=True), version, self.bucket_bytes
+        )
 
 
 SLEEP_REFUSED = (
@@ -141,6 +161,7 @@ def make_colocated_engine(
     vllm_options: Mapping[str, Any],
     collective: Callable[[bool], bool] | None = None,
     say: Callable[[str], None] | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> ColocatedEngine:
     """kind is 'hf' or 'vllm' (already resolved from 'auto'). collective: the policy is
     sharded over the ranks (see HFEngine). `say` gets the one note about sleep mode where
@@ -156,4 +177,4 @@ def make_colocated_engine(
         say(SLEEP_REFUSED)
     options = {"enable_sleep_mode": can_sleep, **vllm_options}
     engine = VLLMEngine(model_path, dtype=dtype, **options)
-    return ColocatedEngine(engine, shares_policy=False, can_sleep=can_sleep)
+    return ColocatedEngine(engine, False, can_sleep, bucket_bytes)

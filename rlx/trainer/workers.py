@@ -5,6 +5,7 @@ each method moves tensors in and out and calls the Learner or an engine.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import time
@@ -80,6 +81,16 @@ class WorkerSpec:
     engine_kind: str  # "hf" | "vllm" (resolved), for the colocated or split engine
     colocated: bool  # training workers hold the engines
     use_gpu: bool
+
+
+@dataclass
+class _Push:
+    """A streamed weight push as a rollout worker sees it."""
+
+    version: int
+    expected: int
+    received: int = 0
+    skip: bool = False
 
 
 @dataclass
@@ -207,6 +218,8 @@ class TrainWorker:
         self.learner: Learner | None = None
         self.engine: ColocatedEngine | None = None
         self.model_files: Path | None = None  # config and tokenizer files, for checkpoints
+        self._push_plan: list[list[str]] = []  # the open weight push (split engines)
+        self._push_dtype: torch.dtype | None = None
 
     # ------------------------------------------------------------------ set-up
 
@@ -252,6 +265,7 @@ class TrainWorker:
                 vllm_options=_vllm_options(spec.settings, 1, spec.policy_path, spec.use_gpu),
                 collective=self.learner.collective,
                 say=notes.append,
+                bucket_bytes=spec.settings.rollout.weight_sync_bucket_mb * 2**20,
             )
         return notes
 
@@ -323,22 +337,29 @@ class TrainWorker:
         """The policy's probe log-prob; every rank is called (a collective under FSDP)."""
         return self._learner().probe(*_probe_ids(probe))
 
-    def publish_weights(self, dtype: str | None) -> dict[str, torch.Tensor]:
-        """The policy's whole tensors for split engines, on the CPU (in the engines' dtype
-        when given), from rank 0: returned once, they travel through Ray's object store to
-        every engine. Every rank is called: a sharded policy gathers each tensor from all
-        of them (one at a time); the other ranks return nothing."""
-        from rlx.trainer.parallel import named_full_tensors
+    def open_weight_stream(self, dtype: str | None, bucket_bytes: int) -> list[list[str]]:
+        """Start a push to split engines: the policy's parameters grouped into buckets of at
+        most bucket_bytes in the engines' dtype (when given). Every rank is called and
+        returns the same plan; weight_bucket then gives the buckets."""
+        from rlx.trainer.parallel import push_plan
+
+        self._push_dtype = None if dtype in (None, "auto") else getattr(torch, dtype)
+        self._push_plan = push_plan(self._learner().policy, self._push_dtype, bucket_bytes)
+        return self._push_plan
+
+    def weight_bucket(self, index: int) -> list[tuple[str, torch.Tensor]] | None:
+        """Bucket `index` of the open push as whole host tensors, from rank 0 (its result
+        travels once through Ray's object store to every engine). Under FSDP every rank is
+        called: each tensor is gathered from all of them; the other ranks return None."""
+        from rlx.trainer.parallel import gather_bucket
 
         learner = self._learner()
-        if learner.strategy != "fsdp" and self.spec.rank != 0:
-            return {}
-        target = None if dtype in (None, "auto") else getattr(torch, dtype)
-        out = {}
-        for name, tensor in named_full_tensors(learner.policy):
-            if self.spec.rank == 0:
-                out[name] = tensor.to("cpu", dtype=target or tensor.dtype)
-        return out
+        rank0 = self.spec.rank == 0
+        if learner.strategy != "fsdp" and not rank0:
+            return None
+        names = self._push_plan[index]
+        bucket = gather_bucket(learner.policy, names, self._push_dtype, keep=rank0)
+        return bucket if rank0 else None
 
     # ------------------------------------------------------------------ state
 
@@ -440,7 +461,9 @@ class RolloutWorker:
                 spec.settings, tensor_parallel, spec.policy_path, spec.use_gpu
             ),
         )
-        self._skip_loads = 0
+        self._push: _Push | None = None
+        self._skip_pushes = 0
+        self._drop_buckets = 0
 
     def node_ip(self) -> str:
         return _node_ip()
@@ -448,13 +471,45 @@ class RolloutWorker:
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingArgs, seed: int) -> Any:
         return _generate(self.engine, prompt_ids, sampling, seed)
 
+    def begin_push(self, version: int, expected: int) -> None:
+        """A streamed push of `expected` tensors starts; push_bucket calls follow, then
+        finish_push (Ray runs one caller's calls to an actor in order)."""
+        skip = self._skip_pushes > 0
+        self._skip_pushes -= int(skip)
+        self._push = _Push(version, expected, skip=skip)
+        if not skip:
+            self.engine.begin_weights()
+
+    def push_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> int:
+        push = self._push
+        if push is None:
+            raise RuntimeError("push_bucket without begin_push")
+        if push.skip:
+            return 0
+        if self._drop_buckets:
+            self._drop_buckets -= 1  # test hook: a bucket lost on the way
+            return 0
+        taken = self.engine.load_weight_bucket(bucket)
+        push.received += taken
+        return taken
+
+    def finish_push(self, probe: Probe) -> EngineReport:
+        """The push is over: with every tensor received the engine takes the new version;
+        the report says what arrived (the controller stops the run on a partial push)."""
+        push, self._push = self._push, None
+        if push is None:
+            raise RuntimeError("finish_push without begin_push")
+        if push.skip:
+            return self.report(probe)
+        if push.received == push.expected:
+            self.engine.finish_weights(push.version)
+        return dataclasses.replace(self.report(probe), received=(push.received, push.expected))
+
     def load_weights(
         self, weights: dict[str, torch.Tensor], version: int, probe: Probe
     ) -> EngineReport:
-        if self._skip_loads:
-            self._skip_loads -= 1  # test hook: behave like a push that never arrived
-        else:
-            self.engine.load_weights(weights, version)
+        """A whole push in one call (tests: load given weights under a given version)."""
+        self.engine.load_weights(weights, version)
         return self.report(probe)
 
     def report(self, probe: Probe) -> EngineReport:
@@ -463,9 +518,13 @@ class RolloutWorker:
             value = self.engine.logprob_probe(probe.prompt_ids, probe.response_ids)
         return EngineReport(self.index, _node_ip(), self.engine.weight_version, value)
 
-    def skip_next_loads(self, count: int = 1) -> None:
+    def skip_next_pushes(self, count: int = 1) -> None:
         """Test hook: ignore the next `count` weight pushes, as a broken transport would."""
-        self._skip_loads = count
+        self._skip_pushes = count
+
+    def drop_next_buckets(self, count: int = 1) -> None:
+        """Test hook: lose the next `count` buckets of a push (a partial push)."""
+        self._drop_buckets = count
 
     def host_memory(self) -> tuple[str, int, int]:
         return _node_ip(), os.getpid(), _rss_bytes()

@@ -250,6 +250,16 @@ def _run_strategy(rank: int, world: int, strategy: str, model: str, big_model: s
             results["generated"] = [o for o in outs if o is not None]
             results["probe"] = probe
 
+        # A push to split engines: buckets gathered from the shards, rank 0 keeping them.
+        plan = parallel.push_plan(learner.policy, torch.bfloat16, 60_000)
+        pushed = [
+            pair
+            for names in plan
+            for pair in parallel.gather_bucket(learner.policy, names, torch.bfloat16, rank == 0)
+        ]
+        if rank == 0:
+            results["pushed"] = (len(plan), pushed, policy_state)
+
     # Token-budget micro-batches: ranks make different numbers of passes, same gradient.
     # (The same learner, its settings swapped for ones with a budget: nothing has stepped.)
     tokens = uneven_budget(batch, world)
@@ -383,6 +393,14 @@ def test_ranks_train_like_one_unsharded_process(
         for want_ids, got_ids in zip(expected, got["generated"], strict=True):
             assert torch.equal(got_ids, want_ids)
         assert abs(got["probe"] - unsharded["probe"]) < 1e-4
+
+        buckets, pushed, whole = got["pushed"]
+        # Every parameter, in order; the head tied to the embeddings travels once.
+        assert buckets > 2
+        assert [name for name, _ in pushed] == [n for n in whole if n != "lm_head.weight"]
+        for name, tensor in pushed:
+            assert tensor.dtype == torch.bfloat16
+            assert torch.equal(tensor, whole[name].to(torch.bfloat16)), name
 
         for variant in ("checkpointed", "offloaded"):
             if variant in got:

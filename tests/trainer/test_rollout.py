@@ -307,3 +307,20 @@ def test_close_releases_the_model(tiny_model_dir: Path) -> None:
     engine = HFEngine(tiny_model_dir)
     engine.close()
     assert not hasattr(engine, "model")
+
+
+def test_buckets_follow_the_plan_and_keep_their_bound() -> None:
+    from rlx.trainer.rollout import bucket_plan, buckets
+
+    tensors = [(f"t{i}", torch.zeros(size)) for i, size in enumerate([10, 30, 5, 100, 1, 1, 40])]
+    sizes = [(name, t.numel() * 4) for name, t in tensors]
+    plan = bucket_plan(sizes, 160)
+    assert plan == [["t0", "t1"], ["t2"], ["t3"], ["t4", "t5"], ["t6"]]
+    streamed = [[name for name, _ in bucket] for bucket in buckets(iter(tensors), 160)]
+    assert streamed == plan  # the sender's plan and the stream agree, bucket for bucket
+    for names in plan:
+        alone = len(names) == 1
+        assert alone or sum(dict(sizes)[n] for n in names) <= 160  # a large tensor goes alone
+    assert [n for names in plan for n in names] == [n for n, _ in tensors]  # order kept
+    assert bucket_plan(sizes, 10**9) == [[n for n, _ in tensors]]  # one object: the whole
+    assert bucket_plan([], 160) == []

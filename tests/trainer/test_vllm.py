@@ -167,12 +167,13 @@ def test_split_engines_take_every_push_and_a_skipped_one_stops_the_run(
         cluster = trainer.cluster
         assert trainer.resume() == 0  # the engine starts from the policy's own weights
         probe = trainer.inputs.probe
+        cluster.bucket_bytes = 40_000  # a push is many buckets, each one rpc into vLLM
         metrics = trainer.step(1)
         assert metrics["sync/probe_diff"] <= probe.tolerance("float32")
         (report,) = ray.get([r.report.remote(probe) for r in cluster.rollout.handles])
         assert report.version == 1
 
-        ray.get(cluster.rollout.handles[0].skip_next_loads.remote(1))
+        ray.get(cluster.rollout.handles[0].skip_next_pushes.remote(1))
         with pytest.raises(
             StaleEngineError,
             match=r"rollout engine 0 \(node .*\) holds weights version 1 but the policy is at "

@@ -53,7 +53,7 @@ def test_split_engines_get_every_update_and_a_stale_one_stops_the_run(tmp_path: 
             assert value != before  # the update moved the weights the engines score with
             before = value
             if step == 1:
-                old_weights = ray.get(cluster.train.handles[0].publish_weights.remote(None))
+                old_weights = full_weights(ray, cluster.train.handles[0])
 
         # Right version, wrong weights: the probe catches it.
         report = ray.get(cluster.rollout.handles[0].load_weights.remote(old_weights, 2, probe))
@@ -61,14 +61,39 @@ def test_split_engines_get_every_update_and_a_stale_one_stops_the_run(tmp_path: 
         with pytest.raises(StaleEngineError, match="its weights are not the policy's"):
             check_engines([report], 2, policy, tolerance)
 
-        # A push that never arrives: the next step fails naming the engine.
-        ray.get(cluster.rollout.handles[1].skip_next_loads.remote(1))
+        # Small buckets: a push is many objects, each landing on both engines.
+        cluster.bucket_bytes = 40_000
+        plan = ray.get(cluster.train.handles[0].open_weight_stream.remote(None, 40_000))
+        assert len(plan) > 3
+        assert trainer.step(3)["sync/probe_diff"] <= tolerance
+
+        # One bucket lost on the way to an engine: the push is partial and the run stops.
+        ray.get(cluster.rollout.handles[0].drop_next_buckets.remote(1))
         with pytest.raises(
             StaleEngineError,
-            match=r"rollout engine 1 \(node .*\) holds weights version 2 but the policy is at "
-            r"version 3: the weight push did not arrive",
+            match=r"rollout engine 0 \(node .*\) received (\d+) of the (\d+) tensors of "
+            r"weights version 4: the push was partial",
         ):
-            trainer.step(3)
+            trainer.step(4)
+
+        # A push that never arrives: the next step fails naming the engine.
+        ray.get(cluster.rollout.handles[1].skip_next_pushes.remote(1))
+        with pytest.raises(
+            StaleEngineError,
+            match=r"rollout engine 1 \(node .*\) holds weights version 4 but the policy is at "
+            r"version 5: the weight push did not arrive",
+        ):
+            trainer.step(5)
+
+
+def full_weights(ray, worker) -> dict[str, torch.Tensor]:
+    """The policy's parameters as a push streams them, collected in one dict."""
+    plan = ray.get(worker.open_weight_stream.remote(None, 2**30))
+    return {
+        name: tensor
+        for index in range(len(plan))
+        for name, tensor in ray.get(worker.weight_bucket.remote(index))
+    }
 
 
 def test_colocated_hf_engine_is_the_policy_module(tiny_model_dir: Path) -> None:
