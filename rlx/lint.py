@@ -215,17 +215,25 @@ def check_layout(lr: LoadedRecipe) -> Iterator[Finding]:
 
 def check_colocated_tensor_parallel(lr: LoadedRecipe) -> Iterator[Finding]:
     trainer = lr.recipe.trainer
-    if trainer is None or trainer.layout != "colocated":
+    if trainer is None:
         return
     tp = trainer.rollout.tensor_parallel_size
-    if tp > 1 and lr.recipe.resources.gpus_per_node > 0:
-        vllm = trainer.rollout.engine != "hf"
+    if tp == 1 or lr.recipe.resources.gpus_per_node == 0:
+        return
+    where = ("trainer", "rollout", "tensor_parallel_size")
+    if trainer.rollout.engine == "hf":
         yield lr.finding(
-            ("trainer", "rollout", "tensor_parallel_size"),
-            ERROR if vllm else WARNING,
+            where,
+            ERROR,
+            f"tensor_parallel_size {tp} needs engine: vllm (an hf engine runs on one GPU); "
+            "set engine: vllm, or tensor_parallel_size: 1",
+        )
+    elif trainer.layout == "colocated":
+        yield lr.finding(
+            where,
+            ERROR,
             f"tensor_parallel_size {tp} needs layout: split with rollout_gpus a multiple of "
-            f"{tp} (colocated engines run one per training GPU)"
-            + ("" if vllm else "; the hf engine ignores it"),
+            f"{tp} (colocated engines run one per training GPU)",
         )
 
 

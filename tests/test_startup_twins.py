@@ -170,6 +170,17 @@ SITES: dict[str, Twin | str] = {
         _engine_choice,
         "trainer.rollout.tensor_parallel_size",
     ),
+    "main.py::engine_choice::trainer.rollout.engine: hf runs on o": Twin(
+        _all(
+            _set("resources.accelerators", "H100:8"),
+            _set("trainer.rollout.engine", "hf"),
+            _set("trainer.layout", "split"),
+            _set("trainer.rollout_gpus", 4),
+            _set("trainer.rollout.tensor_parallel_size", 2),
+        ),
+        _engine_choice,
+        "trainer.rollout.tensor_parallel_size",
+    ),
     "placement.py::check_batch_split::trainer.batch: ; pick sizes that div": Twin(
         _set("trainer.batch.minibatch_size", 24), _batch_split, "trainer.batch.minibatch_size"
     ),
@@ -253,7 +264,7 @@ SITES: dict[str, Twin | str] = {
     "main.py::resolve_inputs::trainer.data.train: has usable promp": DATA,
     "models.py::lr_multiplier::unknown schedule ; valid: constant,": INTERNAL,
     "placement.py::check_resources::the recipe asks for but the Ray clus": CLUSTER,
-    "placement.py::reserve::could not place ( each, ) within s o": CLUSTER,
+    "placement.py::reserve::could not place ( bundles of , ) wit": CLUSTER,
     "placement.py::thread_override::RLX_NUM_THREADS= is not a positive w": FILES,
     "resolve.py::load_tokenizer::trainer.model.path: cannot load a to": FILES,
     "resolve.py::resolve_data_path::trainer. : does not exist; give a .j": FILES,

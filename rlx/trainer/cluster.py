@@ -27,6 +27,8 @@ from rlx.trainer.placement import (
     NodeView,
     plan_actors,
     reserve,
+    rollout_actor_options,
+    tensor_parallel_bundles,
     thread_override,
 )
 from rlx.trainer.progress import Progress
@@ -134,17 +136,35 @@ class Cluster:
         plan = plan_actors(recipe)
         groups: list[Any] = []
         try:
+            # Where each rollout worker goes: (group, bundle index). Tensor-parallel engines
+            # on GPUs first, a group of one-GPU bundles each on one node, so the training
+            # ranks cannot leave their nodes' GPUs fragmented.
+            rollout_slots: list[tuple[Any, int]] = []
+            rollout_ips: list[str] = []
+            if plan.rollout_workers and plan.rollout_gpus > 1:
+                for index in range(plan.rollout_workers):
+                    group, ips = reserve(
+                        1,
+                        1,
+                        "STRICT_PACK",
+                        f"tensor-parallel rollout engine {index}",
+                        nodes,
+                        bundles=tensor_parallel_bundles(plan.rollout_gpus),
+                    )
+                    groups.append(group)
+                    rollout_slots.append((group, 0))
+                    rollout_ips.append(ips[0])
             strategy = "STRICT_SPREAD" if plan.spread_training else "PACK"
             train_group, train_ips = reserve(
                 plan.train_workers, plan.train_gpus, strategy, "training workers", nodes
             )
             groups.append(train_group)
-            rollout_ips: list[str] = []
-            if plan.rollout_workers:
+            if plan.rollout_workers and plan.rollout_gpus <= 1:
                 rollout_group, rollout_ips = reserve(
                     plan.rollout_workers, plan.rollout_gpus, "PACK", "rollout workers", nodes
                 )
                 groups.append(rollout_group)
+                rollout_slots = [(rollout_group, i) for i in range(plan.rollout_workers)]
             everyone = train_ips + rollout_ips
             # Rank 0 on this (the head) node when it trains, where the checkpoint is written
             # from; then node by node, so the ranks of one node are neighbours.
@@ -180,18 +200,17 @@ class Cluster:
                 )
                 train_handles.append(actor.remote(spec))
             rollout_handles = []
-            for index, ip in enumerate(rollout_ips):
+            tensor_parallel = settings.rollout.tensor_parallel_size
+            for index, ((group, bundle), ip) in enumerate(
+                zip(rollout_slots, rollout_ips, strict=True)
+            ):
                 spec = dataclasses.replace(
                     base, rank=index, node_share=everyone.count(ip), use_gpu=plan.rollout_gpus > 0
                 )
                 actor = ray.remote(RolloutWorker).options(
-                    num_cpus=1,
-                    num_gpus=plan.rollout_gpus,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=groups[1], placement_group_bundle_index=index
-                    ),
+                    **rollout_actor_options(plan.rollout_gpus, group, bundle)
                 )
-                rollout_handles.append(actor.remote(spec, index, max(plan.rollout_gpus, 1)))
+                rollout_handles.append(actor.remote(spec, index, tensor_parallel))
             train = WorkerSet(train_handles, [train_ips[b] for b in order])
             rollout = WorkerSet(rollout_handles, rollout_ips)
             cluster = cls(recipe, plan, train, rollout, groups, engine_dtype)

@@ -98,7 +98,9 @@ def resolve_inputs(recipe: Recipe, env: Mapping[str, str], paths: RunPaths) -> A
             f"trainer.data.train: {data.source} has {len(data)} usable prompts, fewer than "
             f"batch.prompts_per_step {settings.batch.prompts_per_step}"
         )
+    # Within what the engines accept: a prompt of the data and at most a response's length.
     response = list(tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"])
+    response = response[: settings.rollout.max_new_tokens]
     probe = Probe(list(data.prompt_token_ids[0]), response)
     held_out = load_validation_set(settings, tokenizer, data, paths.run_dir)
     inputs = RunInputs(
@@ -138,6 +140,12 @@ def engine_choice(recipe: Recipe) -> tuple[str, str]:
     kind = settings.rollout.engine
     if kind == "auto":
         kind = "vllm" if gpu and importlib.util.find_spec("vllm") is not None else "hf"
+    if kind == "hf" and gpu and settings.rollout.tensor_parallel_size > 1:
+        raise RlxError(
+            "trainer.rollout.engine: hf runs on one GPU, but tensor_parallel_size is "
+            f"{settings.rollout.tensor_parallel_size}; set engine: vllm, or "
+            "tensor_parallel_size: 1"
+        )
     if kind == "vllm":
         if importlib.util.find_spec("vllm") is None:
             raise RlxError(

@@ -131,26 +131,59 @@ def _bundle(cpus: float, gpus: int) -> dict[str, float]:
     return {"CPU": cpus, "GPU": float(gpus)} if gpus else {"CPU": cpus}
 
 
+def tensor_parallel_bundles(tp: int) -> list[dict[str, float]]:
+    """The bundles of one tensor-parallel vLLM engine on GPUs: one GPU each (vLLM's Ray
+    executor refuses a bundle of more), the engine's own actor in the first with a CPU.
+    Reserved STRICT_PACK: a tensor-parallel group stays on one node."""
+    return [_bundle(1.0, 1)] + [{"GPU": 1.0} for _ in range(tp - 1)]
+
+
+def rollout_actor_options(rollout_gpus: int, group: Any, bundle: int) -> dict[str, Any]:
+    """Ray options of a rollout worker in bundle `bundle` of `group`. One GPU (or none):
+    the actor holds it and vLLM runs inside. Tensor-parallel on GPUs: the actor holds no
+    GPU and its child tasks stay in its group, so vLLM's Ray executor (which takes the
+    current placement group) puts one worker on each GPU bundle rlx reserved."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    tensor_parallel = rollout_gpus > 1
+    return {
+        "num_cpus": 1,
+        "num_gpus": 0 if tensor_parallel else rollout_gpus,
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            placement_group=group,
+            placement_group_bundle_index=bundle,
+            placement_group_capture_child_tasks=tensor_parallel,
+        ),
+    }
+
+
 def reserve(
-    count: int, gpus: int, strategy: str, what: str, nodes: Sequence[NodeView]
+    count: int,
+    gpus: int,
+    strategy: str,
+    what: str,
+    nodes: Sequence[NodeView],
+    bundles: list[dict[str, float]] | None = None,
 ) -> tuple[Any, list[str]]:
-    """A ready placement group of `count` one-CPU bundles (with `gpus` GPUs each), and the
-    IP of the node each bundle landed on."""
+    """A ready placement group of `count` one-CPU bundles (with `gpus` GPUs each), or of
+    the given bundles, and the IP of the node each bundle landed on."""
     import ray
     from ray.util.placement_group import placement_group, placement_group_table
 
-    group = placement_group([_bundle(1.0, gpus) for _ in range(count)], strategy=strategy)
+    bundles = bundles or [_bundle(1.0, gpus) for _ in range(count)]
+    group = placement_group(bundles, strategy=strategy)
     try:
         ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
         ray.util.remove_placement_group(group)
+        shapes = ", ".join(sorted({str(b) for b in bundles}))
         raise RlxError(
-            f"could not place {count} {what} ({_bundle(1.0, gpus)} each, {strategy}) within "
+            f"could not place {what} ({len(bundles)} bundles of {shapes}, {strategy}) within "
             f"{PLACEMENT_TIMEOUT_S:.0f} s on {describe_nodes(nodes)}"
         ) from None
     ip_of = {n.node_id: n.ip for n in nodes}
     table = placement_group_table(group)["bundles_to_node_id"]
-    return group, [ip_of.get(table[index], "?") for index in range(count)]
+    return group, [ip_of.get(table[index], "?") for index in range(len(bundles))]
 
 
 def thread_override() -> int | None:

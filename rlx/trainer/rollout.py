@@ -138,6 +138,56 @@ def buckets(
         yield bucket
 
 
+@dataclass
+class PackedBucket:
+    """One bucket's tensors in one flat byte buffer. Ray's object store carries a numpy
+    array without pickling it: the sender writes it once into shared memory and a reader on
+    the node gets a view of it, so neither side holds a second copy of the bucket."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[tuple[int, ...]]
+    offsets: list[int]
+    data: Any  # numpy uint8 array
+
+    ALIGN = 64  # bytes: every tensor starts where any dtype may view it
+
+    @classmethod
+    def pack(cls, tensors: Sequence[tuple[str, torch.Tensor]]) -> PackedBucket:
+        offsets, total = [], 0
+        for _, tensor in tensors:
+            offsets.append(total)
+            nbytes = tensor.numel() * tensor.element_size()
+            total += -(-nbytes // cls.ALIGN) * cls.ALIGN
+        flat = torch.empty(total, dtype=torch.uint8)
+        for (_, tensor), offset in zip(tensors, offsets, strict=True):
+            raw = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+            flat[offset : offset + raw.numel()].copy_(raw)
+        return cls(
+            names=[name for name, _ in tensors],
+            dtypes=[str(tensor.dtype).removeprefix("torch.") for _, tensor in tensors],
+            shapes=[tuple(tensor.shape) for _, tensor in tensors],
+            offsets=offsets,
+            data=flat.numpy(),
+        )
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Views into the buffer (read them, do not write: it may be shared memory)."""
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # a read-only object-store buffer
+            flat = torch.from_numpy(self.data)
+        out = []
+        for name, dtype, shape, offset in zip(
+            self.names, self.dtypes, self.shapes, self.offsets, strict=True
+        ):
+            kind = getattr(torch, dtype)
+            nbytes = math.prod(shape) * torch.empty((), dtype=kind).element_size()
+            out.append((name, flat[offset : offset + nbytes].view(kind).view(shape)))
+        return out
+
+
 class RolloutEngine(abc.ABC):
     """What the trainer needs from a generator of rollouts."""
 

@@ -41,7 +41,13 @@ from rlx.trainer.engines import ColocatedEngine, EngineReport, Probe, make_coloc
 from rlx.trainer.learner import Learner, UpdateStats, needs_old_logprobs
 from rlx.trainer.models import autocast, compute_dtype
 from rlx.trainer.placement import threads_for
-from rlx.trainer.rollout import HFEngine, RolloutBatch, RolloutEngine, make_engine
+from rlx.trainer.rollout import (
+    HFEngine,
+    PackedBucket,
+    RolloutBatch,
+    RolloutEngine,
+    make_engine,
+)
 from rlx.trainer.seeding import derive_seed
 
 DIST_TIMEOUT = timedelta(minutes=30)
@@ -139,6 +145,15 @@ def _reset_peak_rss() -> bool:
     return True
 
 
+def memory_peak(reset: bool) -> int:
+    """Peak resident bytes of this process since the last reset; reset=True starts the
+    measurement afresh and returns the resident bytes now."""
+    if reset:
+        _reset_peak_rss()
+        return _rss_bytes()
+    return _peak_rss_bytes()
+
+
 def _peak_rss_bytes() -> int:
     with open("/proc/self/status") as status:
         for line in status:
@@ -157,6 +172,10 @@ def _vllm_options(
         "seed": settings.seed,
         "trust_remote_code": settings.model.trust_remote_code,
     }
+    if tensor_parallel > 1:
+        # Chosen, not left to vLLM: on GPUs its Ray executor, one worker per GPU bundle of
+        # the engine's placement group (exactly the GPUs rlx reserved); on CPU processes.
+        options["distributed_executor_backend"] = "ray" if use_gpu else "mp"
     if use_gpu:
         options["gpu_memory_utilization"] = rollout.gpu_memory_utilization
     else:
@@ -165,6 +184,33 @@ def _vllm_options(
         options["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(settings, model_path)
         options["enforce_eager"] = True
     return options
+
+
+def prepare_tensor_parallel(tensor_parallel: int, use_gpu: bool) -> None:
+    """The environment a tensor-parallel vLLM engine needs in this actor. GPU: its engine
+    core runs in a child process that joins this Ray cluster (by RAY_ADDRESS) and finds the
+    actor's placement group through vLLM. CPU: each of its worker processes is bound to its
+    own cores (VLLM_CPU_OMP_THREADS_BIND, unless set), this actor's cores split evenly."""
+    if use_gpu:
+        import ray
+
+        os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
+        return
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(tensor_parallel))
+
+
+def cpu_binding(tensor_parallel: int, cores: list[int] | None = None) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `tensor_parallel` workers over these cores (this
+    process's by default): consecutive, equal shares, "0-3|4-7"; with fewer cores than
+    workers, one core each, reused in turn."""
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else sorted(cores)
+    share = max(len(cores) // tensor_parallel, 1)
+    groups = []
+    for worker in range(tensor_parallel):
+        start = (worker * share) % len(cores)
+        mine = cores[start : start + share]
+        groups.append(",".join(str(core) for core in mine))
+    return "|".join(groups)
 
 
 def cpu_kv_cache_bytes(settings: TrainerSettings, model_path: str) -> int:
@@ -347,10 +393,16 @@ class TrainWorker:
         self._push_plan = push_plan(self._learner().policy, self._push_dtype, bucket_bytes)
         return self._push_plan
 
-    def weight_bucket(self, index: int) -> list[tuple[str, torch.Tensor]] | None:
-        """Bucket `index` of the open push as whole host tensors, from rank 0 (its result
-        travels once through Ray's object store to every engine). Under FSDP every rank is
-        called: each tensor is gathered from all of them; the other ranks return None."""
+    def tensor_bytes(self, names: list[str]) -> list[int]:
+        """Bytes of the named parameters in the open push's dtype (benchmarks)."""
+        params = dict(self._learner().policy.named_parameters())
+        return [params[n].numel() * (self._push_dtype or params[n].dtype).itemsize for n in names]
+
+    def weight_bucket(self, index: int) -> PackedBucket | None:
+        """Bucket `index` of the open push as whole tensors in one host buffer, from rank 0
+        (its result travels once through Ray's object store to every engine). Under FSDP
+        every rank is called: each tensor is gathered from all of them; the other ranks
+        return None."""
         from rlx.trainer.parallel import gather_bucket
 
         learner = self._learner()
@@ -359,7 +411,7 @@ class TrainWorker:
             return None
         names = self._push_plan[index]
         bucket = gather_bucket(learner.policy, names, self._push_dtype, keep=rank0)
-        return bucket if rank0 else None
+        return PackedBucket.pack(bucket) if rank0 else None
 
     # ------------------------------------------------------------------ state
 
@@ -369,6 +421,9 @@ class TrainWorker:
     def host_memory(self) -> tuple[str, int, int]:
         """(node IP, pid, resident bytes) of this worker process."""
         return _node_ip(), os.getpid(), _rss_bytes()
+
+    def memory_peak(self, reset: bool = False) -> int:
+        return memory_peak(reset)
 
     def save_checkpoint(
         self,
@@ -452,6 +507,8 @@ class RolloutWorker:
         self.spec = spec
         self.index = index
         self.device = _prepare_process(spec, f"rollout-worker-{index}")
+        if tensor_parallel > 1 and spec.engine_kind == "vllm":
+            prepare_tensor_parallel(tensor_parallel, spec.use_gpu)
         self.engine = make_engine(
             spec.engine_kind,
             spec.policy_path,
@@ -480,7 +537,7 @@ class RolloutWorker:
         if not skip:
             self.engine.begin_weights()
 
-    def push_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> int:
+    def push_bucket(self, bucket: PackedBucket) -> int:
         push = self._push
         if push is None:
             raise RuntimeError("push_bucket without begin_push")
@@ -489,7 +546,7 @@ class RolloutWorker:
         if self._drop_buckets:
             self._drop_buckets -= 1  # test hook: a bucket lost on the way
             return 0
-        taken = self.engine.load_weight_bucket(bucket)
+        taken = self.engine.load_weight_bucket(bucket.tensors())
         push.received += taken
         return taken
 
@@ -528,6 +585,9 @@ class RolloutWorker:
 
     def host_memory(self) -> tuple[str, int, int]:
         return _node_ip(), os.getpid(), _rss_bytes()
+
+    def memory_peak(self, reset: bool = False) -> int:
+        return memory_peak(reset)
 
     def close(self) -> None:
         self.engine.close()

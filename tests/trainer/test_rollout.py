@@ -324,3 +324,23 @@ def test_buckets_follow_the_plan_and_keep_their_bound() -> None:
     assert [n for names in plan for n in names] == [n for n, _ in tensors]  # order kept
     assert bucket_plan(sizes, 10**9) == [[n for n, _ in tensors]]  # one object: the whole
     assert bucket_plan([], 160) == []
+
+
+def test_a_packed_bucket_gives_back_every_tensor_exactly() -> None:
+    from rlx.trainer.rollout import PackedBucket
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = [
+        ("a", torch.randn(3, 5, generator=gen)),
+        ("b", torch.randn(7, generator=gen).to(torch.bfloat16)),  # odd byte count
+        ("c", torch.randn(2, 3, generator=gen).double().t()),  # not contiguous
+        ("d", torch.arange(5)),
+        ("e", torch.randn((), generator=gen)),
+    ]
+    packed = PackedBucket.pack(tensors)
+    assert all(offset % PackedBucket.ALIGN == 0 for offset in packed.offsets)
+    back = packed.tensors()
+    assert [name for name, _ in back] == list("abcde")
+    for (_, want), (_, got) in zip(tensors, back, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got, want)

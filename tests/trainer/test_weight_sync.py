@@ -92,7 +92,7 @@ def full_weights(ray, worker) -> dict[str, torch.Tensor]:
     return {
         name: tensor
         for index in range(len(plan))
-        for name, tensor in ray.get(worker.weight_bucket.remote(index))
+        for name, tensor in ray.get(worker.weight_bucket.remote(index)).tensors()
     }
 
 
