@@ -168,7 +168,7 @@ def _vllm_options(
     rollout = settings.rollout
     options: dict[str, Any] = {
         "tensor_parallel_size": tensor_parallel,
-        "max_model_len": settings.data.max_prompt_length + rollout.max_new_tokens,
+        "max_model_len": max_model_len(settings),
         "seed": settings.seed,
         "trust_remote_code": settings.model.trust_remote_code,
     }
@@ -184,6 +184,16 @@ def _vllm_options(
         options["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(settings, model_path)
         options["enforce_eager"] = True
     return options
+
+
+def max_model_len(settings: TrainerSettings) -> int:
+    """The longest sequence an engine is asked for: a prompt and the longest response
+    (rollout or validation), plus the one token the probe's request generates."""
+    longest = settings.rollout.max_new_tokens
+    validation = settings.validation
+    if validation is not None and validation.max_new_tokens is not None:
+        longest = max(longest, validation.max_new_tokens)
+    return settings.data.max_prompt_length + longest + 1
 
 
 def prepare_tensor_parallel(tensor_parallel: int, use_gpu: bool) -> None:

@@ -43,6 +43,8 @@ def test_the_executor_is_chosen_explicitly(tmp_path: Path, tiny_model_dir: Path)
     assert cpu["distributed_executor_backend"] == "mp" and "gpu_memory_utilization" not in cpu
     one = _vllm_options(settings, 1, str(tiny_model_dir), use_gpu=True)
     assert "distributed_executor_backend" not in one  # one GPU: vLLM runs in the actor
+    # A prompt, the longest response, and the one token the probe's request generates.
+    assert one["max_model_len"] == 64 + 32 + 1
 
 
 @pytest.fixture(scope="module")
