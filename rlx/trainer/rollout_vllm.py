@@ -88,6 +88,13 @@ def _finish_reload(worker: Any) -> None:
         method.process_weights_after_loading(lm_head)
 
 
+def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor itself when it spans its whole storage, else a compact copy."""
+    if tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size():
+        return tensor
+    return tensor.clone()
+
+
 class VLLMEngine(RolloutEngine):
     """Rollouts with vLLM. llm_options go to `vllm.LLM` (tensor_parallel_size,
     gpu_memory_utilization, max_model_len, enforce_eager, ...).
@@ -225,7 +232,10 @@ class VLLMEngine(RolloutEngine):
     def load_weight_bucket(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> int:
         """One collective_rpc per bucket: each worker loads the whole bucket (vLLM's own
         load_weights takes each worker's tensor-parallel slice of it)."""
-        counts = self._rpc(_load_bucket, list(bucket))
+        # Pickling a view writes its whole storage: a view into a packed bucket's buffer
+        # would carry the whole bucket once per tensor. Such views travel as copies.
+        owned = [(name, _own_storage(tensor)) for name, tensor in bucket]
+        counts = self._rpc(_load_bucket, owned)
         if any(count != len(bucket) for count in counts):
             raise RuntimeError(f"a vLLM worker loaded {counts} of {len(bucket)} tensors")
         return len(bucket)

@@ -344,3 +344,21 @@ def test_a_packed_bucket_gives_back_every_tensor_exactly() -> None:
     for (_, want), (_, got) in zip(tensors, back, strict=True):
         assert got.dtype == want.dtype and got.shape == want.shape
         assert torch.equal(got, want)
+
+
+def test_views_of_a_packed_bucket_pickle_as_themselves() -> None:
+    """A tensor that views a larger buffer is copied before it is pickled to vLLM's workers:
+    pickle writes a view's whole storage, so a bucket would travel once per tensor."""
+    import pickle
+
+    from rlx.trainer.rollout import PackedBucket
+    from rlx.trainer.rollout_vllm import _own_storage
+
+    tensors = [(f"t{i}", torch.full((1000,), float(i))) for i in range(8)]
+    views = PackedBucket.pack(tensors).tensors()
+    whole = sum(len(pickle.dumps(t)) for _, t in views)
+    owned = [_own_storage(t) for _, t in views]
+    assert sum(len(pickle.dumps(t)) for t in owned) < whole / 4
+    assert all(torch.equal(a, b) for a, (_, b) in zip(owned, tensors, strict=True))
+    alone = torch.zeros(10)
+    assert _own_storage(alone) is alone  # no copy when there is nothing to trim
