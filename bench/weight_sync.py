@@ -187,7 +187,18 @@ def main() -> None:
         model = write_qwen25_05b(folder / "model", args.layers)
         data = write_synthetic_dataset(folder / "prompts.jsonl", 8, seed=0)
         model_mib = (model / "model.safetensors").stat().st_size / MIB
-        rows = [(c, run_setting(model, data, args, c, folder)) for c in args.buckets]
+        rows = []
+        for choice in args.buckets:
+            try:
+                row = run_setting(model, data, args, choice, folder)
+            except Exception as exc:  # e.g. a worker killed for memory: say so, go on
+                reason = str(exc).strip().splitlines()[0][:160]
+                print(f"bucket {choice}: failed: {type(exc).__name__}: {reason}", flush=True)
+                continue
+            print(f"bucket {choice}: {row}", flush=True)
+            rows.append((choice, row))
+        if not rows:
+            raise SystemExit("no setting completed")
     print(
         f"policy: Qwen2.5-0.5B shape, {args.layers} layers, {model_mib:.0f} MiB float32 "
         f"(the largest tensor, the embedding, {151936 * 896 * 4 / MIB:.0f} MiB); engine "

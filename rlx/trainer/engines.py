@@ -118,23 +118,33 @@ class ColocatedEngine:
     ):
         self.engine = engine
         self.bucket_bytes = bucket_bytes
+        self._state_away = False  # the learner's optimiser state is on the host for now
         self.shares_policy = shares_policy
         self.can_sleep = can_sleep
         self._asleep = False
 
-    def release(self) -> None:
-        """Before forwards and the update: a vLLM engine gives back its GPU memory."""
+    def release(self, learner: Any = None) -> None:
+        """Before forwards and the update: a vLLM engine gives back its GPU memory, then the
+        learner's optimiser state comes back to the GPU (moved off it for generation)."""
         if self.can_sleep and not self._asleep:
             self.engine.sleep()  # type: ignore[attr-defined]
             self._asleep = True
+            if learner is not None and self._state_away:
+                learner.move_optimizer_state(learner.device)
+                self._state_away = False
 
-    def refresh(self, policy: nn.Module, version: int) -> None:
-        """After the update: make the engine generate with the policy's new weights."""
+    def refresh(self, policy: nn.Module, version: int, learner: Any = None) -> None:
+        """After the update: make the engine generate with the policy's new weights. A
+        sleeping engine wakes into the room the learner leaves: its optimiser state moves
+        to the host (gradients are already freed after each step), the allocator's cache
+        is emptied (in wake_up), then the engine maps its memory again."""
         if self.shares_policy:
             assert isinstance(self.engine, SharedModuleEngine)
             self.engine.mark_version(version)
             return
         if self._asleep:
+            if learner is not None and learner.device.type == "cuda":
+                self._state_away = learner.move_optimizer_state("cpu") > 0
             self.engine.wake_up()  # type: ignore[attr-defined]
             self._asleep = False
         from rlx.trainer.parallel import named_full_tensors
@@ -154,7 +164,7 @@ SLEEP_REFUSED = (
 
 def make_colocated_engine(
     kind: str,
-    policy: nn.Module,
+    policy: nn.Module | None,
     model_path: str,
     *,
     dtype: str,
@@ -167,6 +177,8 @@ def make_colocated_engine(
     sharded over the ranks (see HFEngine). `say` gets the one note about sleep mode where
     the platform refuses it (None: keep quiet)."""
     if kind == "hf":
+        if policy is None:
+            raise ValueError("a colocated hf engine generates with the policy module itself")
         return ColocatedEngine(
             SharedModuleEngine(policy, collective=collective), shares_policy=True
         )

@@ -242,6 +242,28 @@ class Learner:
                 out[rows, : values.shape[1]] = values
         return torch.where(batch.response_mask, out, 0.0)
 
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        return [o for o in (self.optimizer, self.critic_optimizer) if o is not None]
+
+    def move_optimizer_state(self, device: torch.device | str) -> int:
+        """Move the optimisers' state tensors (AdamW's moments) to `device`: to the host
+        while a colocated engine generates on the GPU, back before the update. Returns the
+        bytes moved. A no-op on CPU and where FSDP already keeps the state on the host."""
+        device = torch.device(device)
+        moved = 0
+        for optimizer in self._optimizers():
+            for state in optimizer.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.device != device:
+                        # step counters stay where the optimiser keeps them (a host scalar)
+                        if value.dim() == 0 and key == "step":
+                            continue
+                        state[key] = value.to(device, non_blocking=True)
+                        moved += value.numel() * value.element_size()
+        if moved and device.type == "cpu" and torch.cuda.is_available():
+            torch.cuda.synchronize()  # the copies have landed before their memory is freed
+        return moved
+
     @contextlib.contextmanager
     def no_grad(self) -> Iterator[None]:
         """inference_mode, or no_grad under FSDP: FSDP2 gathers weights into buffers it keeps,

@@ -304,6 +304,11 @@ class TrainWorker:
                 world_size=spec.world_size,
                 timeout=DIST_TIMEOUT,
             )
+        # A colocated vLLM engine starts before the learner fills the GPU: it sizes its
+        # share (gpu_memory_utilization) from memory that is still free. It loads the
+        # policy's starting weights from the same files.
+        if spec.colocated and spec.engine_kind == "vllm":
+            self.engine = self._colocated_engine(None, None, notes)
         self.learner = Learner(
             spec.settings,
             spec.policy_path,
@@ -312,18 +317,24 @@ class TrainWorker:
             rank=spec.rank,
             world_size=spec.world_size,
         )
-        if spec.colocated:
-            self.engine = make_colocated_engine(
-                spec.engine_kind,
-                self.learner.policy,
-                spec.policy_path,
-                dtype=dtype_name(compute_dtype(spec.settings.model.dtype, self.device)),
-                vllm_options=_vllm_options(spec.settings, 1, spec.policy_path, spec.use_gpu),
-                collective=self.learner.collective,
-                say=notes.append,
-                bucket_bytes=spec.settings.rollout.weight_sync_bucket_mb * 2**20,
+        if spec.colocated and self.engine is None:
+            self.engine = self._colocated_engine(
+                self.learner.policy, self.learner.collective, notes
             )
         return notes
+
+    def _colocated_engine(self, policy: Any, collective: Any, notes: list[str]) -> ColocatedEngine:
+        spec = self.spec
+        return make_colocated_engine(
+            spec.engine_kind,
+            policy,
+            spec.policy_path,
+            dtype=dtype_name(compute_dtype(spec.settings.model.dtype, self.device)),
+            vllm_options=_vllm_options(spec.settings, 1, spec.policy_path, spec.use_gpu),
+            collective=collective,
+            say=notes.append,
+            bucket_bytes=spec.settings.rollout.weight_sync_bucket_mb * 2**20,
+        )
 
     def _learner(self) -> Learner:
         if self.learner is None:
@@ -347,7 +358,7 @@ class TrainWorker:
 
     def prepare(self, batch: SequenceBatch, old_logprobs: bool) -> dict[str, torch.Tensor]:
         if self.engine is not None:
-            self.engine.release()
+            self.engine.release(self.learner)
         return self._learner().prepare(batch, old_logprobs=old_logprobs)
 
     def update(
@@ -357,7 +368,7 @@ class TrainWorker:
         not need (prepare: reference and old log-probs), then the update, then with a probe
         (colocated) the engine brought to the new weights, version `step`."""
         if self.engine is not None:
-            self.engine.release()
+            self.engine.release(self.learner)
         learner = self._learner()
         started = time.perf_counter()
         if prepare:
@@ -382,7 +393,7 @@ class TrainWorker:
         if self.engine is None:
             raise RuntimeError("this worker holds no engine (layout: split)")
         learner = self._learner()
-        self.engine.refresh(learner.policy, version)
+        self.engine.refresh(learner.policy, version, learner)
         engine = self.engine.engine
         with learner.no_grad():
             value = engine.logprob_probe(probe.prompt_ids, probe.response_ids)

@@ -194,3 +194,22 @@ def test_lr_schedules() -> None:
     assert lr_multiplier(3, warmup_steps=3, total_steps=13, schedule="cosine") == 1.0
     assert lr_multiplier(8, warmup_steps=3, total_steps=13, schedule="cosine") == pytest.approx(0.5)
     assert lr_multiplier(13, warmup_steps=3, total_steps=13, schedule="linear") == 0.0
+
+
+def test_optimiser_state_moves_away_and_back_whole(tmp_path, tiny_model_dir, step_batch):
+    """What a colocated GPU worker does before its engine wakes: every AdamW moment of the
+    policy and the critic leaves the training device (here: to "meta", a device other than
+    the CPU that needs no accelerator), the step counters stay."""
+    conf = small(tmp_path, algorithm="ppo")
+    learner = Learner(conf, str(tiny_model_dir), str(tiny_model_dir), torch.device("cpu"))
+    extra = learner.prepare(step_batch, old_logprobs=True)
+    returns = torch.where(step_batch.response_mask, 1.0, 0.0)
+    learner.update(step_batch.with_fields(**extra, **{RETURNS: returns}), step=1)
+    assert learner.move_optimizer_state("cpu") == 0  # already there: nothing moves
+    params = sum(p.numel() for o in (learner.optimizer, learner.critic_optimizer) for p in o.state)
+    moved = learner.move_optimizer_state("meta")
+    assert moved == 2 * params * 4  # both AdamW moments of every trained parameter, float32
+    for o in (learner.optimizer, learner.critic_optimizer):
+        for state in o.state.values():
+            assert state["exp_avg"].is_meta and state["exp_avg_sq"].is_meta
+            assert not state["step"].is_meta  # the step counter stays where it is
