@@ -42,6 +42,9 @@ from rlx.recipe.model import Recipe
 CLUSTER_FAILURE = 75
 RAY_START_TIMEOUT = 180.0
 POLL_SECONDS = 1.0
+# How long a failed head command waits for the GCS to say whether a node was lost (its
+# health checks declare a dead raylet within about 7 s; see raynode.FAST_FAILURE_ENV).
+LOSS_GRACE_SECONDS = 10.0
 GCS_CONNECT_SECONDS = 5
 JOIN_POLL_SECONDS = 0.1  # polls while the cluster forms: each is one cheap GCS call
 HEAD_LOST_SECONDS = 15.0  # a worker waits this long without the head before giving up
@@ -271,9 +274,11 @@ class Bootstrap:
         try:
             while True:
                 try:
-                    return proc.wait(timeout=POLL_SECONDS)
+                    code = proc.wait(timeout=POLL_SECONDS)
                 except subprocess.TimeoutExpired:
                     pass
+                else:
+                    return self.cluster_or_command_failure(gcs, alive, code)
                 lost = self.lost_nodes(gcs, alive)
                 if lost:
                     self.say(f"lost {', '.join(lost)}; stopping the job")
@@ -281,6 +286,26 @@ class Bootstrap:
                     return CLUSTER_FAILURE
         finally:
             self.terminate(proc)
+
+    def cluster_or_command_failure(self, gcs: raynode.Gcs, alive: set[str], code: int) -> int:
+        """The head command's exit code, unless it failed because a node was lost: a
+        trainer's collective can fail on a dead peer seconds before the GCS declares the
+        node dead. A failed command therefore waits up to LOSS_GRACE_SECONDS for that
+        verdict; a lost node makes it a cluster failure (75: worth a retry)."""
+        if code == 0 or code == CLUSTER_FAILURE or len(self.node.node_ips) == 1:
+            return code  # one node: there is no other node whose loss could explain it
+        deadline = self.clock() + LOSS_GRACE_SECONDS
+        while True:
+            lost = self.lost_nodes(gcs, alive)
+            if lost:
+                self.say(
+                    f"lost {', '.join(lost)}; the head command's failure (exit code {code}) "
+                    "is the cluster's"
+                )
+                return CLUSTER_FAILURE
+            if self.clock() >= deadline:
+                return code
+            time.sleep(POLL_SECONDS)
 
     def lost_nodes(self, gcs: raynode.Gcs, alive: set[str]) -> list[str]:
         try:
