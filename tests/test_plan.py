@@ -274,7 +274,21 @@ def test_host_memory_too_small_fails_lint(tmp_path: Path) -> None:
     path = _variant(tmp_path, "ppo-7b.yaml", resources__memory="100")
     errors = _lint_errors(path)
     assert any(
-        "resources.memory: does not fit: host RAM per node: needs 210.5 GiB of 93.1 GiB" in e
-        and "resources.memory: '227+'" in e
+        "resources.memory: does not fit: host RAM per node: needs 198.3 GiB of 93.1 GiB" in e
+        and "resources.memory: '213+'" in e
         for e in errors
     ), errors
+
+
+def test_a_split_push_holds_two_buckets_not_the_model(tmp_path: Path) -> None:
+    # ppo-7b's largest tensor, the embedding (152064 x 3584 in bf16), is over the default
+    # 256 MiB bucket, so it sets the bucket; a 4 GiB bucket setting sets it instead.
+    embedding = 152064 * 3584 * 2
+    for bucket_mb, bucket in ((None, embedding), (4096, 4 * GIB)):
+        changes = (
+            {} if bucket_mb is None else {"trainer__rollout__weight_sync_bucket_mb": bucket_mb}
+        )
+        plan = plan_recipe(load_recipe(_variant(tmp_path, "ppo-7b.yaml", **changes)).recipe, {})
+        items = {i.name: i.bytes for budget in plan.hosts for i in budget.items}
+        assert items["weight push"] == 2 * bucket
+        assert items["engines' received bucket"] == 4 * bucket  # 4 engines on their node

@@ -158,6 +158,12 @@ def engine_weight_bytes(shape: ModelShape, *, dtype: str, tensor_parallel: int =
     return _ceil_div(shape.params * DTYPE_BYTES[dtype], tensor_parallel)
 
 
+def push_bucket_bytes(shape: ModelShape, *, dtype: str, bucket_bytes: int) -> int:
+    """The largest bucket of a streamed weight push: bucket_bytes, or the largest tensor
+    when it is bigger (it travels alone): the embedding, V*H*b."""
+    return max(bucket_bytes, shape.vocab * shape.hidden * DTYPE_BYTES[dtype])
+
+
 def checkpoint_bytes(params: int, critic_params: int, *, param_dtype: str) -> int:
     """One checkpoint on disk: each trained model's weights and AdamW moments,
     3*(N + N_critic)*p (the reference is the starting model and gradients are not saved)."""

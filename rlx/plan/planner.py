@@ -435,6 +435,11 @@ def _host_budgets(
     capacity = None if memory is None else int(float(memory.rstrip("+")) * 1e9)
     compute, master, _ = _dtypes(trainer, gpu, strategy)
     engine_copy = mem.engine_weight_bytes(shape, dtype=compute if gpu else "bfloat16")
+    bucket = mem.push_bucket_bytes(
+        shape,
+        dtype=compute if gpu else "bfloat16",
+        bucket_bytes=trainer.rollout.weight_sync_bucket_mb * 2**20,
+    )
     per_rank_host = sum(
         i.bytes for i in training.items if not gpu or i.note.endswith("in host memory")
     )
@@ -467,11 +472,15 @@ def _host_budgets(
                 items.append(
                     Item("vLLM weights asleep", ranks * engine_copy, "sleep mode keeps them here")
                 )
+        # A split push streams buckets: at most two are under way (in the object store of
+        # the sender's node and of each engine's), and an engine loads one at a time.
         if trainer.layout == "split" and (engines or index == 0):
-            items.append(Item("weight push", engine_copy, "object store copy"))
+            items.append(
+                Item("weight push", 2 * bucket, f"2 buckets of {gib(bucket)} GiB in flight")
+            )
         if engines:
             items.append(Item("rollout engine processes", engines * int(HOST_ENGINE_GIB * GIB)))
-            items.append(Item("engines' received weights", engines * engine_copy, "deserialised"))
+            items.append(Item("engines' received bucket", engines * bucket, "deserialised"))
         budget.peak = sum(i.bytes for i in items)
         budget.peak_phase = "steady"
         out.append(budget)
