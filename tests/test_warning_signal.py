@@ -28,3 +28,16 @@ def test_sigterm_stops_at_the_next_check() -> None:
         with pytest.raises(Stopped) as info:
             stop.check()
     assert info.value.code == 128 + signal.SIGTERM
+
+
+def test_a_repeated_warning_still_saves_first_but_sigterm_after_it_stops_at_once() -> None:
+    # Slurm signals every process of the step and `rlx node` forwards the warning as well:
+    # the trainer gets USR1 twice, and the second must not skip the checkpoint.
+    with handle_signals(StopRequest()) as stop:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        stop.check()
+        assert stop.checkpoint_first
+        with pytest.raises(Stopped) as info:
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert info.value.code == 128 + signal.SIGTERM

@@ -95,7 +95,8 @@ class StopRequest:
     """Set by SIGTERM or SIGINT; the loop calls check() between phases and stops there.
 
     The handler does not raise: an exception thrown from inside Ray's C++ calls (ray.wait,
-    ray.get) comes out mangled. A second signal does stop at once, for a start-up that hangs.
+    ray.get) comes out mangled. A second SIGTERM or SIGINT does stop at once, for a start-up
+    that hangs; a repeated warning (USR1) does not.
     """
 
     def __init__(self) -> None:
@@ -103,6 +104,10 @@ class StopRequest:
 
     def handler(self, signum: int, _frame: object) -> None:
         if self.signum is not None:
+            if signum == signal.SIGUSR1:
+                # The warning again: Slurm signals every process of the step and the node
+                # forwards it too, so it usually arrives twice. Still save first.
+                return
             raise Stopped(signum)
         self.signum = signum
 
