@@ -6,6 +6,7 @@ channel), with the job's token; status, logs, down and exit codes come from Ray'
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import secrets
 import signal
@@ -231,9 +232,8 @@ FAILING_TASK = (
 def test_post_mortem_debugger_listens_on_a_failing_task(emulated_hosts, tmp_path: Path) -> None:
     """ray.debug: post-mortem on every node; a failing remote task waits for a debugger and
     the head's log shows where it listens."""
-    spec = __import__("importlib.util").util.find_spec("debugpy")
-    if spec is None or spec.origin is None:
-        pytest.skip("debugpy (rlx[node]) is not installed")
+    spec = importlib.util.find_spec("debugpy")  # in rlx[node] and rlx[dev]
+    assert spec is not None and spec.origin is not None, "debugpy is not installed"
     hosts = emulated_hosts
     recipe = probe_recipe(tmp_path / "probe").model_copy(
         update={"name": "debug", "command": [FAILING_TASK]}
