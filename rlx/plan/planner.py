@@ -434,12 +434,10 @@ def _host_budgets(
     memory = recipe.resources.memory
     capacity = None if memory is None else int(float(memory.rstrip("+")) * 1e9)
     compute, master, _ = _dtypes(trainer, gpu, strategy)
-    engine_copy = mem.engine_weight_bytes(shape, dtype=compute if gpu else "bfloat16")
-    bucket = mem.push_bucket_bytes(
-        shape,
-        dtype=compute if gpu else "bfloat16",
-        bucket_bytes=trainer.rollout.weight_sync_bucket_mb * 2**20,
-    )
+    engine_dtype = compute if gpu else "bfloat16"
+    engine_copy = mem.engine_weight_bytes(shape, dtype=engine_dtype)
+    bucket_bytes = trainer.rollout.weight_sync_bucket_mb * 2**20
+    bucket = mem.push_bucket_bytes(shape, dtype=engine_dtype, bucket_bytes=bucket_bytes)
     per_rank_host = sum(
         i.bytes for i in training.items if not gpu or i.note.endswith("in host memory")
     )
