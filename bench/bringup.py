@@ -108,7 +108,7 @@ def sky_template_job(hosts, workdir: Path, marker: Path):
 
 
 def floor_job(hosts, workdir: Path, marker: Path):
-    from rlx.launchers import raynode
+    from rlx.node import raynode
     from rlx.recipe.model import RaySettings
     from tests.hosts.rendered import RenderedJob
 

@@ -442,9 +442,9 @@ def node(
 ) -> None:
     """Run on every node of a job: form the Ray cluster, run the trainer on the head, exit
     with its code. Rendered run blocks call this."""
-    from rlx.launchers import bootstrap
-    from rlx.launchers.nodeenv import node_info
     from rlx.launchers.ship import check_node_version
+    from rlx.node import bootstrap
+    from rlx.node.env import node_info
 
     check_node_version(os.environ)
     loaded = _recipe_from(recipe)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlx.launchers import raynode
-from rlx.launchers.nodeenv import primary_ip
+from rlx.node import raynode
+from rlx.node.env import primary_ip
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.timeout(300)

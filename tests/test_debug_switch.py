@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import yaml
 
-from rlx.launchers import raynode
 from rlx.lint import lint_loaded
+from rlx.node import raynode
 from rlx.recipe import parse_recipe
 
 

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from rlx.cli import app
 from rlx.launchers import get_operations
 from rlx.launchers.base import Job, recall, remember
-from rlx.launchers.dstack_ops import NodeJob, RunView, verdict
+from rlx.launchers.dstack.ops import NodeJob, RunView, verdict
 
 from .conftest import RECIPES
 from .dstack_server import DstackServer, free_port
@@ -334,7 +334,7 @@ def test_secret_values_survive_dstack_interpolation():
     pytest.importorskip("dstack")
     from dstack._internal.utils.interpolator import VariablesInterpolator
 
-    from rlx.launchers.dstack import escape
+    from rlx.launchers.dstack.render import escape
 
     interpolate = VariablesInterpolator({"secrets": {"x": "LEAK"}}).interpolate_or_error
     for value in ("plain", "a$b", "$$", "${{ secrets.x }}", "end$"):

@@ -294,7 +294,7 @@ def test_operating_a_managed_job_without_controller(workdir: Path):
 
 def test_every_explained_error_is_a_skypilot_exception():
     sky_exceptions = pytest.importorskip("sky.exceptions")
-    from rlx.launchers.sky_errors import EXPLAIN
+    from rlx.launchers.sky.errors import EXPLAIN
 
     for key in EXPLAIN:
         module, _, name = key.rpartition(".")
@@ -303,14 +303,14 @@ def test_every_explained_error_is_a_skypilot_exception():
 
 
 def test_unknown_errors_get_a_generic_line():
-    from rlx.launchers.sky_errors import Target, explain
+    from rlx.launchers.sky.errors import Target, explain
 
     line = explain(RuntimeError("\x1b[1mboom\x1b[0m\ndetails"), Target("c"))
     assert line == "SkyPilot failed: boom; run `sky check` or see `sky api logs`"
 
 
 def test_node_filter_keeps_one_rank():
-    from rlx.launchers.sky_ops import NodeFilter
+    from rlx.launchers.sky.ops import NodeFilter
 
     out = StringIO()
     sink = NodeFilter(1, out)

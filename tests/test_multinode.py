@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from rlx.launchers.bootstrap import CLUSTER_FAILURE
+from rlx.node.bootstrap import CLUSTER_FAILURE
 from tests.hosts import Hosts, SlurmCluster
 from tests.hosts.probejob import (
     RUN_TIMEOUT,
@@ -83,7 +83,7 @@ def make_job(backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> It
 def test_hosts_run_this_checkouts_rlx(emulated_hosts: Hosts, tmp_path: Path) -> None:
     done = emulated_hosts[1].run(
         "command -v rlx && rlx node --help >/dev/null && "
-        "python -c 'import rlx.launchers.bootstrap as b; print(b.__file__)'",
+        "python -c 'import rlx.node.bootstrap as b; print(b.__file__)'",
         env=node_base_env(tmp_path),
         timeout=60,
     )

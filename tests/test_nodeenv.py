@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rlx.errors import RlxError
-from rlx.launchers.nodeenv import detect_backend, node_info
+from rlx.node.env import detect_backend, node_info
 
 SKY = {
     "SKYPILOT_NODE_RANK": "2",
@@ -48,7 +48,7 @@ def test_dstack_master_first_even_if_listed_later():
 
 
 def test_slurm_resolves_hostnames():
-    from rlx.launchers.nodeenv import from_slurm
+    from rlx.node.env import from_slurm
 
     addresses = {"gpu-a": "10.2.0.1", "gpu-b": "10.2.0.2"}
     info = from_slurm(SLURM, gpus_per_node=8, resolve=addresses.__getitem__)
@@ -58,7 +58,7 @@ def test_slurm_resolves_hostnames():
 
 
 def test_slurm_unresolvable_host_is_clear():
-    from rlx.launchers.nodeenv import from_slurm
+    from rlx.node.env import from_slurm
 
     def resolve(host: str) -> str:
         raise OSError("no")
@@ -68,7 +68,7 @@ def test_slurm_unresolvable_host_is_clear():
 
 
 def test_slurm_node_not_in_job():
-    from rlx.launchers.nodeenv import from_slurm
+    from rlx.node.env import from_slurm
 
     with pytest.raises(RlxError, match=r"this node \(gpu-z\) is not in the job's node list"):
         from_slurm({**SLURM, "SLURMD_NODENAME": "gpu-z"}, 0, resolve=lambda h: "1.2.3.4")

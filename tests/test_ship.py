@@ -79,7 +79,7 @@ def test_the_run_block_installs_the_shipped_wheel(backend, emulated_hosts, tmp_p
     if backend == "sky":
         import sky
 
-        from rlx.launchers.sky_ops import launch_config
+        from rlx.launchers.sky.ops import launch_config
 
         task = sky.Task.from_yaml_config(launch_config(request))
         envs = {k: str(v) for k, v in task.envs.items()}
@@ -88,7 +88,7 @@ def test_the_run_block_installs_the_shipped_wheel(backend, emulated_hosts, tmp_p
     else:
         from dstack._internal.server.services.jobs.configurators.base import _join_shell_commands
 
-        from rlx.launchers.dstack_ops import configuration
+        from rlx.launchers.dstack.ops import configuration
 
         conf = configuration(request)
         [(remote, local)] = [(f.path, f.local_path) for f in conf.files if f.path.endswith(".whl")]

@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from rlx.errors import RecipeError
-from rlx.launchers import render, slurm
+from rlx.launchers import render
+from rlx.launchers.slurm import render as slurm
 from rlx.recipe import parse_recipe
 
 from .conftest import require

@@ -9,20 +9,20 @@ from types import ModuleType
 from rlx.errors import RlxError
 
 BACKENDS = {
-    "sky": "rlx.launchers.sky",
-    "dstack": "rlx.launchers.dstack",
-    "slurm": "rlx.launchers.slurm",
-    "local": "rlx.launchers.local",
+    "sky": "rlx.launchers.sky.render",
+    "dstack": "rlx.launchers.dstack.render",
+    "slurm": "rlx.launchers.slurm.render",
+    "local": "rlx.launchers.local.ops",
     "ray": "rlx.launchers.ray.render",
 }
 RENDERABLE = ("sky", "dstack", "slurm", "ray")
 # Where each backend's launch, status, logs and down live: SkyPilot's and dstack's apart from
 # their renderers, since they import those libraries and rendering must not.
 OPERATIONS = {
-    "sky": "rlx.launchers.sky_ops",
-    "dstack": "rlx.launchers.dstack_ops",
-    "slurm": "rlx.launchers.slurm",
-    "local": "rlx.launchers.local",
+    "sky": "rlx.launchers.sky.ops",
+    "dstack": "rlx.launchers.dstack.ops",
+    "slurm": "rlx.launchers.slurm.render",
+    "local": "rlx.launchers.local.ops",
     "ray": "rlx.launchers.ray.ops",
 }
 

@@ -22,7 +22,7 @@ from rlx.launchers.tunnel import listen, relay_argv, serve
 
 def job_nodes(job: Job) -> list[str]:
     """The job's nodes, head first, as its driver log names them."""
-    from rlx.launchers.slurm import _job_hosts, _state, attempt_folder
+    from rlx.launchers.slurm.render import _job_hosts, _state, attempt_folder
 
     hosts = _job_hosts(attempt_folder(job))
     if not hosts:

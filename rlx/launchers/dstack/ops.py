@@ -23,8 +23,8 @@ import yaml
 from rlx.errors import RlxError
 from rlx.launchers.base import Job, JobStatus, LaunchRequest, remember
 from rlx.launchers.common import WHEEL_ENV
-from rlx.launchers.dstack import NAME, SUFFIX, escape
-from rlx.launchers.dstack_errors import Target, dstack_errors, no_capacity
+from rlx.launchers.dstack.errors import Target, dstack_errors, no_capacity
+from rlx.launchers.dstack.render import NAME, SUFFIX, escape
 from rlx.launchers.ops_common import absolute_local, one_line, save_rendered
 from rlx.launchers.ship import build_wheel, wheel_dir
 

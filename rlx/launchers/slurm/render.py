@@ -14,7 +14,6 @@ from pathlib import Path
 
 from rlx.errors import RlxError
 from rlx.launchers.base import Job, JobStatus, LaunchRequest
-from rlx.launchers.bootstrap import CLUSTER_FAILURE
 from rlx.launchers.common import (
     NODE_RLX_VERSION,
     NOT_INSTALLED,
@@ -27,6 +26,7 @@ from rlx.launchers.common import (
 )
 from rlx.launchers.keep import save_token
 from rlx.launchers.ops_common import save_rendered
+from rlx.node.bootstrap import CLUSTER_FAILURE
 from rlx.recipe import Recipe
 from rlx.recipe.model import SlurmContainer
 
@@ -671,7 +671,7 @@ def down(job: Job) -> None:
 
 
 def _job_recipe(job: Job) -> Recipe | None:
-    from rlx.launchers.slurm_attach import _rendered_value
+    from rlx.launchers.slurm.attach import _rendered_value
 
     raw = _rendered_value(job, RECIPE_ENV)
     return Recipe.model_validate_json(raw) if raw else None
@@ -693,7 +693,7 @@ def _attach_container(recipe: Recipe | None, job_id: str) -> tuple[list[str], li
 
 def attach(job: Job, node: int, command: list[str]) -> int:
     """A shell (or `command`) on node `node` of the running job, inside its container."""
-    from rlx.launchers.slurm_attach import attach as attach_step
+    from rlx.launchers.slurm.attach import attach as attach_step
 
     recipe = _job_recipe(job)
     port = recipe.ray.port if recipe else 6379
@@ -703,7 +703,7 @@ def attach(job: Job, node: int, command: list[str]) -> int:
 
 def tunnel(job: Job, local_port: int) -> None:
     """Forward a local port to the head's dashboard through srun, until Ctrl-C."""
-    from rlx.launchers.slurm_attach import tunnel as tunnel_step
+    from rlx.launchers.slurm.attach import tunnel as tunnel_step
 
     recipe = _job_recipe(job)
     remote = recipe.ray.dashboard_port if recipe else 8265

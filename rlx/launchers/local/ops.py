@@ -123,8 +123,8 @@ def _train(recipe: Recipe, run_dir: Path) -> int:
 
 def _run_command(recipe: Recipe, values: Mapping[str, str], job: Job, workdir: Path) -> int:
     """A recipe whose head runs its own `command`: the node bootstrap, on this one node."""
-    from rlx.launchers import bootstrap
-    from rlx.launchers.nodeenv import node_info
+    from rlx.node import bootstrap
+    from rlx.node.env import node_info
 
     remember(job, workdir)
     env = {**os.environ, **values}

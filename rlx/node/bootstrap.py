@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from rlx.errors import RlxError
-from rlx.launchers import raynode
 from rlx.launchers.common import RAY_TOKEN_SECRET
-from rlx.launchers.nodeenv import NodeInfo
+from rlx.node import raynode
+from rlx.node.env import NodeInfo
 from rlx.recipe.model import Recipe
 
 # Exit code when the cluster itself failed (a node never joined or was lost), as opposed to

@@ -1,0 +1,1 @@
+"""dstack backend."""

@@ -1,0 +1,1 @@
+"""sky backend."""

@@ -1,0 +1,1 @@
+"""slurm backend."""
