@@ -115,7 +115,7 @@ def child(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from rlx.trainer.learner import Learner
+    from rlx.trainer.learn.learner import Learner
 
     torch.set_num_threads(args.threads)
     rank, world = args.rank, args.world
@@ -170,8 +170,8 @@ def write_batch(path: Path, args: argparse.Namespace) -> None:
     do), every token real, advantages random."""
     import torch
 
-    from rlx.trainer.batching import SequenceBatch
-    from rlx.trainer.learner import ADVANTAGES
+    from rlx.trainer.batch import SequenceBatch
+    from rlx.trainer.learn.learner import ADVANTAGES
 
     generator = torch.Generator().manual_seed(0)
     rows = args.prompts * args.n

@@ -4,7 +4,7 @@
 
 Both sides train the same saved model, on the synthetic letters_or_digits prompts in file
 order. --model tiny (the default): a tiny Qwen2 (hidden 256, 4 layers, built once with
-rlx.trainer.tiny.build_tiny_model; 3 rounds x 14 steps, 4 dropped). --model qwen2.5-0.5b:
+rlx.trainer.learn.tiny.build_tiny_model; 3 rounds x 14 steps, 4 dropped). --model qwen2.5-0.5b:
 random weights with Qwen2.5-0.5B's full config (hidden 896, 24 layers, 14 heads, 2 key/value
 heads, vocabulary 151936, tied embeddings; bench/shapes.py), 494M parameters in float32,
 and the tiny byte-level tokenizer (sampled ids above its 260 decode to nothing; both sides
@@ -84,8 +84,8 @@ MODELS: dict[str, ModelChoice] = {
 
 def build_inputs(folder: Path, choice: str) -> tuple[Path, Path]:
     """The saved model and the prompt file both sides read."""
-    from rlx.trainer.synthetic import write_synthetic_dataset
-    from rlx.trainer.tiny import build_tiny_model
+    from rlx.trainer.learn.tiny import build_tiny_model
+    from rlx.trainer.tasks.synthetic import write_synthetic_dataset
 
     if choice == "tiny":
         model = build_tiny_model(
@@ -164,7 +164,7 @@ def run_trl(model: Path, data: Path, steps: int, out: Path) -> list[float]:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rlx.trainer.synthetic import letters_or_digits_reward
+    from rlx.trainer.tasks.synthetic import letters_or_digits_reward
 
     torch.set_num_threads(THREADS)
     rows = read_rows(data)

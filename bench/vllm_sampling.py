@@ -2,7 +2,7 @@
 
     python bench/vllm_sampling.py [--repeats 5]
 
-The same saved tiny model (rlx.trainer.tiny, Qwen2, float32) and the same prompts for
+The same saved tiny model (rlx.trainer.learn.tiny, Qwen2, float32) and the same prompts for
 every engine; each call samples n responses per prompt at temperature 1 with a seed and
 exactly max_new_tokens tokens (min_new_tokens = max_new_tokens, so every engine emits the
 same number of tokens). Engines:
@@ -48,9 +48,9 @@ def _timed(engine, prompts, n: int, tokens: int, seed: int, repeats: int) -> tup
 
 
 def main() -> None:
-    from rlx.trainer.rollout import HFEngine
-    from rlx.trainer.rollout_vllm import VLLMEngine
-    from rlx.trainer.tiny import build_tiny_model
+    from rlx.trainer.learn.tiny import build_tiny_model
+    from rlx.trainer.rollout.hf import HFEngine
+    from rlx.trainer.rollout.vllm import VLLMEngine
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)

@@ -180,7 +180,7 @@ def main() -> None:
 
     from shapes import write_qwen25_05b
 
-    from rlx.trainer.synthetic import write_synthetic_dataset
+    from rlx.trainer.tasks.synthetic import write_synthetic_dataset
 
     with tempfile.TemporaryDirectory(prefix="rlx-bench-sync-") as tmp:
         folder = Path(tmp)

@@ -129,7 +129,7 @@ def test_model_shapes_from_folder_cache_and_table(tmp_path: Path) -> None:
 
 def test_tiny_shape_matches_the_built_tiny_model(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    from rlx.trainer.tiny import build_tiny_model
+    from rlx.trainer.learn.tiny import build_tiny_model
 
     build_tiny_model(tmp_path, arch="qwen2", hidden_size=32, num_layers=2, num_heads=4, seed=0)
     built = find_shape(str(tmp_path), {})
@@ -142,7 +142,7 @@ def test_tiny_shape_matches_the_built_tiny_model(tmp_path: Path) -> None:
 
 
 def test_logits_chunk_is_the_trainers() -> None:
-    models = pytest.importorskip("rlx.trainer.models")
+    models = pytest.importorskip("rlx.trainer.learn.models")
     if not hasattr(models, "LOGITS_CHUNK_BYTES"):
         pytest.skip("this trainer does not chunk its log-probs")
     assert models.LOGITS_CHUNK_BYTES == mem.LOGITS_CHUNK_BYTES

@@ -6,8 +6,8 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from rlx.launchers.progress import progress_detail, run_dir_from_log
-from rlx.trainer.record import RunResult
+from rlx.runs import progress_detail, run_dir_from_log
+from rlx.trainer.report.record import RunResult
 
 
 def write_run(run_dir: Path, state: str, steps: int, rewards: list[float], started: float) -> None:

@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 TRAINER = REPO / "rlx" / "trainer"
 ERROR_KINDS = {"RlxError", "DataError", "RewardSpecError", "RewardError", "StaleEngineError"}
 # Model construction runs at start-up in every worker; its ValueErrors count too.
-VALUE_ERROR_FILES = {"learner.py", "models.py", "tiny.py", "parallel.py", "workers.py"}
+VALUE_ERROR_FILES = {"learner.py", "models.py", "tiny.py", "sharding.py", "workers.py"}
 
 CLUSTER = "needs the Ray cluster as it is at start-up (nodes, GPUs, addresses)"
 FILES = "needs the head's files or installed packages"
@@ -126,13 +126,13 @@ def _engine_choice(recipe: Any, tmp: Path, monkeypatch: pytest.MonkeyPatch) -> A
 
 
 def _plan_actors(recipe: Any, tmp: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
-    from rlx.trainer.placement import plan_actors
+    from rlx.trainer.actors.placement import plan_actors
 
     return plan_actors(recipe)
 
 
 def _batch_split(recipe: Any, tmp: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
-    from rlx.trainer.placement import check_batch_split, plan_actors
+    from rlx.trainer.actors.placement import check_batch_split, plan_actors
 
     return check_batch_split(recipe, plan_actors(recipe))
 
@@ -181,10 +181,10 @@ SITES: dict[str, Twin | str] = {
         _engine_choice,
         "trainer.rollout.tensor_parallel_size",
     ),
-    "placement.py::check_batch_split::trainer.batch: ; pick sizes that div": Twin(
+    "actors/placement.py::check_batch_split::trainer.batch: ; pick sizes that div": Twin(
         _set("trainer.batch.minibatch_size", 24), _batch_split, "trainer.batch.minibatch_size"
     ),
-    "placement.py::plan_actors::trainer.rollout_gpus : layout: split": Twin(
+    "actors/placement.py::plan_actors::trainer.rollout_gpus : layout: split": Twin(
         _all(GPU, _set("trainer.layout", "split"), _set("trainer.rollout_gpus", 8)),
         _plan_actors,
         "trainer.rollout_gpus",
@@ -204,10 +204,10 @@ SITES: dict[str, Twin | str] = {
     "resolve.py::trainer_settings::recipe has no 'trainer:' section, so": Twin(
         lambda recipe: recipe.pop("trainer"), _trainer_settings, "trainer"
     ),
-    "rewards.py::resolve_reward::bad reward spec ; expected": Twin(
+    "tasks/rewards.py::resolve_reward::bad reward spec ; expected": Twin(
         _set("trainer.reward.function", "module:not-a-name"), _reward, "trainer.reward.function"
     ),
-    "rewards.py::resolve_reward::unknown reward ; valid: , or a user": Twin(
+    "tasks/rewards.py::resolve_reward::unknown reward ; valid: , or a user": Twin(
         _set("trainer.reward.function", "gsm9k"), _reward, "trainer.reward.function"
     ),
     "checkpoint/resume.py::resolve_resume::checkpoint.resume: does not exist; g": FILES,
@@ -225,62 +225,62 @@ SITES: dict[str, Twin | str] = {
     "checkpoint/store.py::verify_files::checkpoint : is missing or truncated": RUN,
     "checkpoint/store.py::verify_files::checkpoint : does not match its chec": RUN,
     "checkpoint/training.py::load_parts::is not a complete checkpoint (no val": RUN,
-    "learner.py::Learner.load_sharded_state::the checkpoint has no (not a PPO run": RUN,
-    "learner.py::Learner.load_parts::the checkpoint has no critic_schedul": RUN,
+    "learn/learner.py::Learner.load_sharded_state::the checkpoint has no (not a PPO run": RUN,
+    "learn/learner.py::Learner.load_parts::the checkpoint has no critic_schedul": RUN,
     "loop.py::Trainer.resume::checkpoint is a single-file checkpoi": RUN,
-    "workers.py::TrainWorker.load_checkpoint::is a single-file checkpoint of an ol": RUN,
-    "models.py::ResponseScorer.__init__::caps its logits (final_logit_softcap": FILES,
-    "parallel.py::decoder_layers::names no decoder-layer class (_no_sp": FILES,
-    "parallel.py::local_rows::unexpected placements : only Shard(0": INTERNAL,
-    "parallel.py::local_rows::local shard of has rows": INTERNAL,
-    "parallel.py::load_shards::: the checkpoint has shape , the mod": FILES,
-    "cluster.py::gather::": RUN,
-    "cluster.py::gather::a": RUN,
-    "data.py::_read_jsonl::: : each line must be a JSON object,": DATA,
-    "data.py::_read_jsonl::: : invalid JSON:": DATA,
-    "data.py::_read_parquet::: not a readable parquet file:": DATA,
-    "data.py::detect_format::: cannot tell the format from the su": FILES,
-    "data.py::detect_format::unknown data format ; valid:": INTERNAL,
-    "data.py::load_prompt_dataset::: all prompts are longer than max_pr": DATA,
-    "data.py::load_prompt_dataset::: row :": DATA,
-    "data.py::load_prompt_dataset::: row : prompt has tokens, more than": DATA,
-    "data.py::load_prompt_dataset::max_prompt_length must be at least 1": INTERNAL,
-    "data.py::load_prompt_dataset::unknown overlong policy ; valid:": INTERNAL,
-    "data.py::read_rows::: the file holds no rows": DATA,
-    "data.py::read_rows::data file does not exist": FILES,
-    "data.py::render_prompt::a prompt must be a string or a list": DATA,
-    "data.py::render_prompt::the tokenizer has no chat template,": FILES,
-    "engines.py::check_engines::received of the tensors of weights v": RUN,
-    "engines.py::check_engines::holds weights version but the policy": RUN,
-    "engines.py::check_engines::scores the probe sequence but the po": RUN,
-    "learner.py::Learner.__init__::ppo needs a critic model path": INTERNAL,
+    "actors/workers.py::TrainWorker.load_checkpoint::is a single-file checkpoint of an ol": RUN,
+    "learn/models.py::ResponseScorer.__init__::caps its logits (final_logit_softcap": FILES,
+    "learn/sharding.py::decoder_layers::names no decoder-layer class (_no_sp": FILES,
+    "learn/sharding.py::local_rows::unexpected placements : only Shard(0": INTERNAL,
+    "learn/sharding.py::local_rows::local shard of has rows": INTERNAL,
+    "learn/sharding.py::load_shards::: the checkpoint has shape , the mod": FILES,
+    "actors/cluster.py::gather::": RUN,
+    "actors/cluster.py::gather::a": RUN,
+    "tasks/data.py::_read_jsonl::: : each line must be a JSON object,": DATA,
+    "tasks/data.py::_read_jsonl::: : invalid JSON:": DATA,
+    "tasks/data.py::_read_parquet::: not a readable parquet file:": DATA,
+    "tasks/data.py::detect_format::: cannot tell the format from the su": FILES,
+    "tasks/data.py::detect_format::unknown data format ; valid:": INTERNAL,
+    "tasks/data.py::load_prompt_dataset::: all prompts are longer than max_pr": DATA,
+    "tasks/data.py::load_prompt_dataset::: row :": DATA,
+    "tasks/data.py::load_prompt_dataset::: row : prompt has tokens, more than": DATA,
+    "tasks/data.py::load_prompt_dataset::max_prompt_length must be at least 1": INTERNAL,
+    "tasks/data.py::load_prompt_dataset::unknown overlong policy ; valid:": INTERNAL,
+    "tasks/data.py::read_rows::: the file holds no rows": DATA,
+    "tasks/data.py::read_rows::data file does not exist": FILES,
+    "tasks/data.py::render_prompt::a prompt must be a string or a list": DATA,
+    "tasks/data.py::render_prompt::the tokenizer has no chat template,": FILES,
+    "rollout/colocated.py::check_engines::received of the tensors of weights v": RUN,
+    "rollout/colocated.py::check_engines::holds weights version but the policy": RUN,
+    "rollout/colocated.py::check_engines::scores the probe sequence but the po": RUN,
+    "learn/learner.py::Learner.__init__::ppo needs a critic model path": INTERNAL,
     "loop.py::Trainer.resume::cannot resume from :": RUN,
     "loop.py::Trainer.resume::checkpoint is from a run, this recip": RUN,
     "main.py::connect_ray::RAY_ADDRESS= : give the head's expli": CLUSTER,
     "main.py::connect_ray::cannot join the Ray cluster at :": CLUSTER,
     "main.py::engine_choice::trainer.rollout.engine: vllm is not": FILES,
     "main.py::engine_choice::trainer.rollout.engine: vllm without": FILES,
-    "validation.py::load_validation_set::trainer.validation.data: every promp": DATA,
+    "tasks/validation.py::load_validation_set::trainer.validation.data: every promp": DATA,
     "main.py::resolve_inputs::trainer.data.train: has usable promp": DATA,
-    "models.py::lr_multiplier::unknown schedule ; valid: constant,": INTERNAL,
-    "placement.py::check_resources::the recipe asks for but the Ray clus": CLUSTER,
-    "placement.py::reserve::could not place ( bundles of , ) wit": CLUSTER,
-    "placement.py::thread_override::RLX_NUM_THREADS= is not a positive w": FILES,
+    "learn/models.py::lr_multiplier::unknown schedule ; valid: constant,": INTERNAL,
+    "actors/placement.py::check_resources::the recipe asks for but the Ray clus": CLUSTER,
+    "actors/placement.py::reserve::could not place ( bundles of , ) wit": CLUSTER,
+    "actors/placement.py::thread_override::RLX_NUM_THREADS= is not a positive w": FILES,
     "resolve.py::load_tokenizer::trainer.model.path: cannot load a to": FILES,
     "resolve.py::resolve_data_path::trainer. : does not exist; give a .j": FILES,
     "resolve.py::resolve_model_path::trainer. .path: has no config.json;": FILES,
     "resolve.py::resolve_model_path::trainer. .path: is not a folder; giv": FILES,
-    "rewards.py::_load_module_from_file::reward : cannot load as Python": FILES,
-    "rewards.py::_load_module_from_file::reward : file does not exist": FILES,
-    "rewards.py::math_verify::reward math_verify needs the math-ve": FILES,
-    "rewards.py::resolve_reward::reward : cannot import module ( ); i": FILES,
-    "rewards.py::resolve_reward::reward : has no attribute ; its func": FILES,
-    "rewards.py::resolve_reward::reward : is not callable": FILES,
-    "rewards.py::score::reward failed on sample : :": RUN,
-    "rewards.py::score::reward returned for sample ; it must": RUN,
-    "tiny.py::build_tiny_model::hidden_size is not divisible by num_": INTERNAL,
-    "tiny.py::build_tiny_model::num_heads is not divisible by num_kv": INTERNAL,
-    "tiny.py::build_tiny_model::unknown arch ; valid:": INTERNAL,
+    "tasks/rewards.py::_load_module_from_file::reward : cannot load as Python": FILES,
+    "tasks/rewards.py::_load_module_from_file::reward : file does not exist": FILES,
+    "tasks/rewards.py::math_verify::reward math_verify needs the math-ve": FILES,
+    "tasks/rewards.py::resolve_reward::reward : cannot import module ( ); i": FILES,
+    "tasks/rewards.py::resolve_reward::reward : has no attribute ; its func": FILES,
+    "tasks/rewards.py::resolve_reward::reward : is not callable": FILES,
+    "tasks/rewards.py::score::reward failed on sample : :": RUN,
+    "tasks/rewards.py::score::reward returned for sample ; it must": RUN,
+    "learn/tiny.py::build_tiny_model::hidden_size is not divisible by num_": INTERNAL,
+    "learn/tiny.py::build_tiny_model::num_heads is not divisible by num_kv": INTERNAL,
+    "learn/tiny.py::build_tiny_model::unknown arch ; valid:": INTERNAL,
 }
 
 BASE = """
@@ -302,7 +302,7 @@ def test_every_start_up_refusal_is_classified():
     stale = [site for site in SITES if site not in found]
     assert not unclassified, (
         "start-up refusals with no entry in SITES: give each a lint twin (a check in "
-        "rlx/lint.py and a Twin here) or the reason the recipe alone cannot decide it:\n"
+        "rlx/lint and a Twin here) or the reason the recipe alone cannot decide it:\n"
         + "\n".join(unclassified)
     )
     assert not stale, "SITES names raise sites that no longer exist:\n" + "\n".join(stale)

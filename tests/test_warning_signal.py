@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from rlx.trainer.console import Stopped, StopRequest, handle_signals
+from rlx.trainer.report.console import Stopped, StopRequest, handle_signals
 
 
 def test_warning_waits_for_the_step_then_stops_with_75() -> None:

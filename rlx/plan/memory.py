@@ -16,7 +16,7 @@ ADAM_MOMENTS = 2  # AdamW keeps exp_avg and exp_avg_sq, each in the parameter's 
 # Gathered decoder layers alive at once under FSDP2: the running one and the prefetched one.
 FSDP_LAYERS_IN_FLIGHT = 2
 # The trainer's log-probs run the LM head over this many bytes of fp32 logits at a time
-# (rlx.trainer.models.LOGITS_CHUNK_BYTES; a test keeps the two equal).
+# (rlx.trainer.learn.models.LOGITS_CHUNK_BYTES; a test keeps the two equal).
 LOGITS_CHUNK_BYTES = 1 << 28
 
 # Accelerator memory in GiB, by the names resources.accelerators uses (SkyPilot's).

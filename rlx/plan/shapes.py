@@ -15,7 +15,7 @@ from typing import Any
 
 from rlx.errors import RlxError
 
-# tiny:<arch>-h<hidden>-l<layers>, as rlx.trainer.resolve builds them (rlx.trainer.tiny).
+# tiny:<arch>-h<hidden>-l<layers>, as rlx.trainer.resolve builds them (rlx.trainer.learn.tiny).
 TINY_SPEC = re.compile(r"tiny:(?P<arch>[a-z0-9]+)-h(?P<hidden>[0-9]+)-l(?P<layers>[0-9]+)")
 TINY_HEADS = 4
 TINY_VOCAB = 260  # 256 byte tokens and 4 special ones
@@ -200,7 +200,7 @@ def _read_config(path: Path) -> dict[str, Any]:
 
 
 def tiny_shape(spec: str) -> ModelShape | None:
-    """The shape of a `tiny:` model (rlx.trainer.tiny's defaults), or None if not one."""
+    """The shape of a `tiny:` model (rlx.trainer.learn.tiny's defaults), or None if not one."""
     match = TINY_SPEC.fullmatch(spec)
     if match is None:
         return None

@@ -20,8 +20,9 @@ import torch
 
 from rlx.errors import RlxError
 from rlx.recipe.model import Recipe
-from rlx.trainer import algos, validation
-from rlx.trainer.batching import SequenceBatch, outcome_token_rewards, pack_rollout
+from rlx.trainer import algos
+from rlx.trainer.actors.cluster import Cluster
+from rlx.trainer.batch import SequenceBatch, outcome_token_rewards, pack_rollout
 from rlx.trainer.checkpoint import (
     CheckpointManager,
     capture_rng_state,
@@ -36,11 +37,7 @@ from rlx.trainer.checkpoint.training import (
     kill_after_step,
     load_parts,
 )
-from rlx.trainer.cluster import Cluster
-from rlx.trainer.console import StopRequest
-from rlx.trainer.data import PromptDataset, PromptSampler
-from rlx.trainer.engines import Probe
-from rlx.trainer.learner import (
+from rlx.trainer.learn.learner import (
     ADVANTAGES,
     OLD_LOGP,
     REF_LOGP,
@@ -48,7 +45,9 @@ from rlx.trainer.learner import (
     VALUES,
     needs_old_logprobs,
 )
-from rlx.trainer.metrics import (
+from rlx.trainer.learn.sharding import resolve_strategy
+from rlx.trainer.report.console import StopRequest
+from rlx.trainer.report.metrics import (
     HOST_MEMORY,
     RESPONSE_LENGTH,
     REWARD_MEAN,
@@ -57,10 +56,12 @@ from rlx.trainer.metrics import (
     TOKENS_PER_S,
     MetricsLogger,
 )
-from rlx.trainer.parallel import resolve_strategy
-from rlx.trainer.progress import Progress
+from rlx.trainer.report.progress import Progress
 from rlx.trainer.resolve import RunPaths
-from rlx.trainer.rewards import RewardFn, score
+from rlx.trainer.rollout.colocated import Probe
+from rlx.trainer.tasks import validation
+from rlx.trainer.tasks.data import PromptDataset, PromptSampler
+from rlx.trainer.tasks.rewards import RewardFn, score
 
 GIB = 2**30
 

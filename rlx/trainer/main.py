@@ -18,8 +18,8 @@ from typing import Any, TextIO
 
 from rlx.errors import RlxError
 from rlx.recipe.model import Recipe
-from rlx.trainer.console import Stopped, StopRequest, console_to_log, handle_signals
-from rlx.trainer.record import RunResult, finish, summary_lines, write_result
+from rlx.trainer.report.console import Stopped, StopRequest, console_to_log, handle_signals
+from rlx.trainer.report.record import RunResult, finish, summary_lines, write_result
 from rlx.trainer.resolve import RunPaths, run_paths, trainer_settings
 
 # The fixed probe response every engine and the policy score after each weight push.
@@ -49,7 +49,7 @@ def connect_ray(recipe: Recipe, env: Mapping[str, str]) -> tuple[bool, str]:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise RlxError(f"cannot join the Ray cluster at {address}: {first}") from None
         return False, f"at {address}"
-    from rlx.trainer.placement import plan_actors
+    from rlx.trainer.actors.placement import plan_actors
 
     cpus = max(os.cpu_count() or 1, plan_actors(recipe).bundles + 1)
     ray.init(
@@ -68,10 +68,8 @@ def connect_ray(recipe: Recipe, env: Mapping[str, str]) -> tuple[bool, str]:
 def resolve_inputs(recipe: Recipe, env: Mapping[str, str], paths: RunPaths) -> Any:
     """Model folders, tokenizer, prompts, reward and probe: everything checked on the head
     before any actor starts. Returns (RunInputs, policy path, critic path)."""
-    from rlx.trainer.data import load_recipe_prompts
-    from rlx.trainer.engines import Probe
+    from rlx.trainer.learn.models import quiet_transformers
     from rlx.trainer.loop import RunInputs
-    from rlx.trainer.models import quiet_transformers
     from rlx.trainer.resolve import (
         load_tokenizer,
         model_cache_dir,
@@ -79,7 +77,9 @@ def resolve_inputs(recipe: Recipe, env: Mapping[str, str], paths: RunPaths) -> A
         resolve_model_path,
         resolve_reward_fn,
     )
-    from rlx.trainer.validation import load_validation_set
+    from rlx.trainer.rollout.colocated import Probe
+    from rlx.trainer.tasks.data import load_recipe_prompts
+    from rlx.trainer.tasks.validation import load_validation_set
 
     settings = trainer_settings(recipe)
     quiet_transformers()
@@ -133,7 +133,7 @@ def engine_choice(recipe: Recipe) -> tuple[str, str]:
     """(engine kind, engine dtype name) for this recipe's machines."""
     import importlib.util
 
-    from rlx.trainer.models import compute_dtype
+    from rlx.trainer.learn.models import compute_dtype
 
     settings = trainer_settings(recipe)
     gpu = recipe.resources.gpus_per_node > 0
@@ -182,10 +182,15 @@ def training_session(
     """A Trainer whose actors are up (and torn down again on exit)."""
     import ray
 
-    from rlx.trainer.cluster import Cluster
+    from rlx.trainer.actors.cluster import Cluster
+    from rlx.trainer.actors.placement import (
+        alive_nodes,
+        check_batch_split,
+        check_resources,
+        plan_actors,
+    )
     from rlx.trainer.loop import Trainer
-    from rlx.trainer.metrics import host_memory_bytes
-    from rlx.trainer.placement import alive_nodes, check_batch_split, check_resources, plan_actors
+    from rlx.trainer.report.metrics import host_memory_bytes
 
     inputs, policy_path, critic_path = resolve_inputs(recipe, env, paths)
     kind, engine_dtype = engine_choice(recipe)

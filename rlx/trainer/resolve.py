@@ -18,7 +18,7 @@ from typing import Any
 from rlx.errors import RlxError
 from rlx.recipe.model import Recipe, TrainerSettings
 from rlx.trainer.checkpoint import resolve_run_id
-from rlx.trainer.rewards import RewardFn, resolve_reward
+from rlx.trainer.tasks.rewards import RewardFn, resolve_reward
 
 # tiny:<arch>-h<hidden>-l<layers>, e.g. tiny:qwen2-h64-l2: a random model built locally.
 TINY_SPEC = re.compile(r"tiny:(?P<arch>[a-z0-9]+)-h(?P<hidden>[0-9]+)-l(?P<layers>[0-9]+)")
@@ -131,7 +131,7 @@ def resolve_model_path(spec: str, cache_dir: Path, seed: int, field: str = "mode
 def build_tiny_cached(
     arch: str, hidden: int, layers: int, cache_dir: Path, seed: int, field: str = "model"
 ) -> Path:
-    from rlx.trainer.tiny import ARCHS, HEAD_DIM, build_tiny_model
+    from rlx.trainer.learn.tiny import ARCHS, HEAD_DIM, build_tiny_model
 
     if arch not in ARCHS:
         raise RlxError(f"trainer.{field}.path: tiny arch {arch!r} is not one of {', '.join(ARCHS)}")
@@ -181,7 +181,7 @@ def load_tokenizer(path: str, trust_remote_code: bool) -> Any:
 
 
 def synthetic_writers() -> dict[str, Any]:
-    from rlx.trainer.synthetic import write_arithmetic_dataset, write_synthetic_dataset
+    from rlx.trainer.tasks.synthetic import write_arithmetic_dataset, write_synthetic_dataset
 
     return {"letters_or_digits": write_synthetic_dataset, "arithmetic": write_arithmetic_dataset}
 

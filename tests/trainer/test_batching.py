@@ -3,13 +3,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlx.trainer.batching import (
+from rlx.trainer.batch import (
     concat_rollouts,
     outcome_token_rewards,
     pack_rollout,
     split_evenly,
 )
-from rlx.trainer.rollout import RolloutBatch, pad_responses
+from rlx.trainer.rollout.hf import RolloutBatch, pad_responses
 
 PAD = 9
 

@@ -423,7 +423,7 @@ def _worker_settings(tmp: Path, strategy: str) -> Any:
 
 
 def _start_worker(rank: int, world: int, port: int, tmp: Path, model: str, strategy: str) -> Any:
-    from rlx.trainer.workers import TrainWorker, WorkerSpec
+    from rlx.trainer.actors.workers import TrainWorker, WorkerSpec
 
     spec = WorkerSpec(
         _worker_settings(tmp, strategy), model, model, rank, world, world, 1, "hf", False, False
@@ -526,9 +526,9 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def ppo_batch(tiny_model_dir: Path) -> Any:
     """12 samples (3 prompts x 4) with advantages and returns: splits over 2 and 3 ranks."""
-    from rlx.trainer.batching import pack_rollout
-    from rlx.trainer.learner import ADVANTAGES, RETURNS
-    from rlx.trainer.rollout import HFEngine
+    from rlx.trainer.batch import pack_rollout
+    from rlx.trainer.learn.learner import ADVANTAGES, RETURNS
+    from rlx.trainer.rollout.hf import HFEngine
 
     engine = HFEngine(tiny_model_dir)
     prompts = [[256, 72, 105], [256, 65, 66, 67, 68], [256, 49]]

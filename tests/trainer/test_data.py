@@ -7,15 +7,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rlx.trainer.data import (
+from rlx.trainer.learn.tiny import build_tokenizer
+from rlx.trainer.tasks.data import (
     DataError,
     PromptSampler,
     get_field,
     load_prompt_dataset,
     read_rows,
 )
-from rlx.trainer.synthetic import write_arithmetic_dataset, write_synthetic_dataset
-from rlx.trainer.tiny import build_tokenizer
+from rlx.trainer.tasks.synthetic import write_arithmetic_dataset, write_synthetic_dataset
 
 GENERATION_PROMPT = "<|im_start|>assistant\n"
 

@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rlx.trainer.batching import SequenceBatch, pack_rollout
+from rlx.trainer.batch import SequenceBatch, pack_rollout
 from rlx.trainer.checkpoint.training import load_learner_state, save_learner_state
-from rlx.trainer.learner import (
+from rlx.trainer.learn.learner import (
     ADVANTAGES,
     OLD_LOGP,
     REF_LOGP,
@@ -25,8 +25,8 @@ from rlx.trainer.learner import (
     merge_update_stats,
     needs_old_logprobs,
 )
-from rlx.trainer.models import lr_multiplier
-from rlx.trainer.rollout import HFEngine
+from rlx.trainer.learn.models import lr_multiplier
+from rlx.trainer.rollout.hf import HFEngine
 
 from .gradients import assert_same_gradients, record_gradients
 from .helpers import make_recipe

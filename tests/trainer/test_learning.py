@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rlx.trainer.main import run_training
-from rlx.trainer.metrics import read_metrics
+from rlx.trainer.report.metrics import read_metrics
 
 from .helpers import make_recipe
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlx.trainer import metrics as metrics_module
-from rlx.trainer.metrics import (
+from rlx.trainer.report import metrics as metrics_module
+from rlx.trainer.report.metrics import (
     METRICS_FILE,
     TENSORBOARD_DIR,
     MetricsLogger,
@@ -22,8 +22,8 @@ from rlx.trainer.metrics import (
     host_memory_bytes,
     read_metrics,
 )
-from rlx.trainer.plots import second_panel, summary, write_plot
-from rlx.trainer.progress import Progress, track
+from rlx.trainer.report.plots import second_panel, summary, write_plot
+from rlx.trainer.report.progress import Progress, track
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlx.trainer.batching import SequenceBatch, pack_rollout
-from rlx.trainer.models import ResponseScorer, prompt_groups, score_responses
-from rlx.trainer.rollout import HFEngine
+from rlx.trainer.batch import SequenceBatch, pack_rollout
+from rlx.trainer.learn.models import ResponseScorer, prompt_groups, score_responses
+from rlx.trainer.rollout.hf import HFEngine
 
 pytestmark = pytest.mark.timeout(300)
 

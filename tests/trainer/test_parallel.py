@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rlx.trainer.batching import SequenceBatch, micro_batch_rows, pack_rollout
-from rlx.trainer.learner import (
+from rlx.trainer.batch import SequenceBatch, micro_batch_rows, pack_rollout
+from rlx.trainer.learn.learner import (
     ADVANTAGES,
     REF_LOGP,
     RETURNS,
@@ -26,7 +26,7 @@ from rlx.trainer.learner import (
     UpdateStats,
     merge_update_stats,
 )
-from rlx.trainer.rollout import HFEngine
+from rlx.trainer.rollout.hf import HFEngine
 
 from .gradients import assert_same_gradients, record_gradients
 from .helpers import make_recipe
@@ -156,8 +156,8 @@ def _rank(rank: int, world: int, strategies: str, model: str, big_model: str, tm
 def _run_strategy(rank: int, world: int, strategy: str, model: str, big_model: str, tmp: str):
     from safetensors.torch import load_file
 
-    from rlx.trainer import parallel
-    from rlx.trainer.models import load_causal_lm
+    from rlx.trainer.learn import sharding as parallel
+    from rlx.trainer.learn.models import load_causal_lm
 
     results: dict[str, Any] = {}
     folder = Path(tmp)
@@ -225,7 +225,7 @@ def _run_strategy(rank: int, world: int, strategy: str, model: str, big_model: s
     # Generation through the sharded policy (colocated engine): every rank its own prompts
     # and length, an idle rank joins; and the probe every rank scores.
     if strategy == "fsdp":
-        from rlx.trainer.engines import make_colocated_engine
+        from rlx.trainer.rollout.colocated import make_colocated_engine
 
         engine = make_colocated_engine(
             "hf",
@@ -324,7 +324,7 @@ class _Grads(torch.nn.Module):
 
 @pytest.fixture(scope="module")
 def big_model_dir(tmp_path_factory) -> Path:
-    from rlx.trainer.tiny import build_tiny_model
+    from rlx.trainer.learn.tiny import build_tiny_model
 
     folder = tmp_path_factory.mktemp("big") / "model"
     return build_tiny_model(folder, hidden_size=512, num_layers=8, num_heads=8)
@@ -420,7 +420,7 @@ def test_ranks_train_like_one_unsharded_process(
 def test_chunked_logprobs_equal_the_full_logits(tiny_model_dir, step_batch) -> None:
     from transformers import AutoModelForCausalLM
 
-    from rlx.trainer.models import ResponseScorer, score_responses
+    from rlx.trainer.learn.models import ResponseScorer, score_responses
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     model.train()

@@ -6,7 +6,7 @@ import pytest
 
 from rlx.errors import RlxError
 from rlx.recipe import parse_recipe
-from rlx.trainer.placement import (
+from rlx.trainer.actors.placement import (
     NodeView,
     check_batch_split,
     check_resources,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rlx.trainer.rewards import (
+from rlx.trainer.tasks.rewards import (
     REWARD_FUNCTIONS,
     RewardError,
     RewardSpecError,
@@ -17,7 +17,7 @@ from rlx.trainer.rewards import (
     resolve_reward,
     score,
 )
-from rlx.trainer.synthetic import arithmetic_rows
+from rlx.trainer.tasks.synthetic import arithmetic_rows
 
 
 @pytest.mark.parametrize(

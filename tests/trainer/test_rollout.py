@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlx.trainer.rollout import (
+from rlx.trainer.learn.tiny import build_tiny_model, token_id
+from rlx.trainer.rollout.hf import (
     HFEngine,
     RolloutBatch,
     make_engine,
@@ -18,7 +19,6 @@ from rlx.trainer.rollout import (
     top_p_filter,
     vllm_usable,
 )
-from rlx.trainer.tiny import build_tiny_model, token_id
 
 EOS = token_id("<|im_end|>")
 PAD = token_id("<|pad|>")
@@ -310,7 +310,7 @@ def test_close_releases_the_model(tiny_model_dir: Path) -> None:
 
 
 def test_buckets_follow_the_plan_and_keep_their_bound() -> None:
-    from rlx.trainer.rollout import bucket_plan, buckets
+    from rlx.trainer.rollout.hf import bucket_plan, buckets
 
     tensors = [(f"t{i}", torch.zeros(size)) for i, size in enumerate([10, 30, 5, 100, 1, 1, 40])]
     sizes = [(name, t.numel() * 4) for name, t in tensors]
@@ -327,7 +327,7 @@ def test_buckets_follow_the_plan_and_keep_their_bound() -> None:
 
 
 def test_a_packed_bucket_gives_back_every_tensor_exactly() -> None:
-    from rlx.trainer.rollout import PackedBucket
+    from rlx.trainer.rollout.hf import PackedBucket
 
     gen = torch.Generator().manual_seed(0)
     tensors = [
@@ -351,8 +351,8 @@ def test_views_of_a_packed_bucket_pickle_as_themselves() -> None:
     pickle writes a view's whole storage, so a bucket would travel once per tensor."""
     import pickle
 
-    from rlx.trainer.rollout import PackedBucket
-    from rlx.trainer.rollout_vllm import _own_storage
+    from rlx.trainer.rollout.hf import PackedBucket
+    from rlx.trainer.rollout.vllm import _own_storage
 
     tensors = [(f"t{i}", torch.full((1000,), float(i))) for i in range(8)]
     views = PackedBucket.pack(tensors).tensors()

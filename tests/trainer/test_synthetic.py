@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlx.trainer.rewards import resolve_reward, score
-from rlx.trainer.synthetic import (
+from rlx.trainer.tasks.rewards import resolve_reward, score
+from rlx.trainer.tasks.synthetic import (
     CHARSETS,
     MIN_CHARS,
     arithmetic_rows,
@@ -79,7 +79,7 @@ def _chat_prompt_ids(tokenizer, kind: str) -> list[int]:
 
 
 def test_random_policy_scores_low(tiny_model_dir: Path, tiny_tokenizer) -> None:
-    from rlx.trainer.rollout import HFEngine
+    from rlx.trainer.rollout.hf import HFEngine
 
     engine = HFEngine(tiny_model_dir)
     kinds = sorted(CHARSETS)
@@ -100,9 +100,9 @@ def test_plain_grpo_learns_the_task_in_a_few_dozen_steps(tmp_path: Path) -> None
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlx.trainer.data import PromptSampler, load_prompt_dataset
-    from rlx.trainer.rollout import HFEngine
-    from rlx.trainer.tiny import build_tiny_model
+    from rlx.trainer.learn.tiny import build_tiny_model
+    from rlx.trainer.rollout.hf import HFEngine
+    from rlx.trainer.tasks.data import PromptSampler, load_prompt_dataset
 
     folder = build_tiny_model(tmp_path / "model", seed=1)
     tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -14,13 +14,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from rlx.trainer.placement import (
+from rlx.trainer.actors.placement import (
     alive_nodes,
     reserve,
     rollout_actor_options,
     tensor_parallel_bundles,
 )
-from rlx.trainer.workers import _vllm_options, cpu_binding
+from rlx.trainer.actors.workers import _vllm_options, cpu_binding
 
 from .helpers import make_recipe
 

@@ -9,9 +9,9 @@ import pytest
 
 from rlx.errors import RlxError
 from rlx.recipe.model import TrainerSettings
-from rlx.trainer.data import load_prompt_dataset
 from rlx.trainer.resolve import resolve_data_path
-from rlx.trainer.validation import due, load_validation_set
+from rlx.trainer.tasks.data import load_prompt_dataset
+from rlx.trainer.tasks.validation import due, load_validation_set
 
 from .helpers import trainer_section
 

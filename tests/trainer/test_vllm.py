@@ -18,8 +18,8 @@ import pytest
 import torch
 import yaml
 
-from rlx.trainer.engines import SLEEP_REFUSED, Probe, StaleEngineError
-from rlx.trainer.rollout import top_p_filter
+from rlx.trainer.rollout.colocated import SLEEP_REFUSED, Probe, StaleEngineError
+from rlx.trainer.rollout.hf import top_p_filter
 
 from .helpers import make_recipe
 
@@ -32,7 +32,7 @@ PROMPTS = [[257, 72, 105, 33], [257, 65, 66], [257, 120, 121, 122, 10]]
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path):
-    from rlx.trainer.rollout_vllm import VLLMEngine
+    from rlx.trainer.rollout.vllm import VLLMEngine
 
     vllm_engine = VLLMEngine(
         tiny_model_dir,
@@ -185,8 +185,8 @@ def test_split_engines_take_every_push_and_a_skipped_one_stops_the_run(
 def test_a_tensor_parallel_engine_generates_and_takes_pushes(tmp_path: Path, monkeypatch) -> None:
     """tensor_parallel_size=2 on CPU: two vLLM workers, one core each, each holding half of
     every attention and MLP layer; a push is resharded by vLLM's own loaders."""
-    from rlx.trainer.rollout_vllm import VLLMEngine
-    from rlx.trainer.tiny import build_tiny_model
+    from rlx.trainer.learn.tiny import build_tiny_model
+    from rlx.trainer.rollout.vllm import VLLMEngine
 
     if (os.cpu_count() or 1) < 2:
         pytest.skip("tensor parallelism on CPU needs two cores")

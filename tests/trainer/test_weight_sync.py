@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlx.trainer.engines import StaleEngineError, check_engines, make_colocated_engine
 from rlx.trainer.main import training_session
 from rlx.trainer.resolve import run_paths
+from rlx.trainer.rollout.colocated import StaleEngineError, check_engines, make_colocated_engine
 
 from .helpers import make_recipe
 

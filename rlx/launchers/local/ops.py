@@ -24,7 +24,7 @@ from rlx.launchers.base import Job, JobStatus, LaunchRequest, remember
 from rlx.recipe import Recipe
 
 if TYPE_CHECKING:
-    from rlx.trainer.record import RunResult
+    from rlx.trainer.report.record import RunResult
 
 NAME = "local"
 SUFFIX = ""
@@ -107,9 +107,9 @@ def launch(request: LaunchRequest) -> Job:
 
 
 def _train(recipe: Recipe, run_dir: Path) -> int:
-    from rlx.trainer.console import Stopped
     from rlx.trainer.main import run_training
-    from rlx.trainer.record import read_result
+    from rlx.trainer.report.console import Stopped
+    from rlx.trainer.report.record import read_result
 
     try:
         result = run_training(recipe, print_summary=False)
@@ -144,7 +144,7 @@ def print_summary(record: RunResult) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from rlx.trainer.record import reward_summary, validation_lines
+    from rlx.trainer.report.record import reward_summary, validation_lines
 
     table = Table(title=f"run {record.run_id}: {record.state.lower()}", show_header=False)
     table.add_column(style="bold", no_wrap=True)
@@ -178,7 +178,7 @@ def _pid_running(job: Job) -> bool:
 
 
 def status(job: Job) -> JobStatus:
-    from rlx.trainer.record import read_result
+    from rlx.trainer.report.record import read_result
 
     running = _pid_running(job)
     run_dir = job.extra.get("run_dir")
@@ -195,7 +195,7 @@ def status(job: Job) -> JobStatus:
             return JobStatus(
                 job.name, NAME, "FAILED", f"stopped without finishing (pid {job.handle} is gone)"
             )
-        from rlx.launchers.progress import progress_detail
+        from rlx.runs import progress_detail
 
         detail = progress_detail(Path(run_dir)) if run_dir else None
         return JobStatus(job.name, NAME, "RUNNING", detail or "starting")

@@ -595,7 +595,7 @@ def status(job: Job) -> JobStatus:
 def _progress(job: Job) -> str:
     """Training progress when the run folder the head names is on this machine's
     filesystem (Slurm's logging folder is usually shared)."""
-    from rlx.launchers.progress import progress_detail, run_dir_from_log
+    from rlx.runs import progress_detail, run_dir_from_log
 
     head = attempt_folder(job) / "head.log"
     try:

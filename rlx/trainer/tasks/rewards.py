@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from rlx.errors import RlxError
-from rlx.trainer.synthetic import letters_or_digits_reward
+from rlx.trainer.tasks.synthetic import letters_or_digits_reward
 
 RewardFn = Callable[[str, str, str | None], float]
 

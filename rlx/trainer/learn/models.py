@@ -16,8 +16,8 @@ from rlx.recipe.model import ModelSettings, OptimSettings
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from rlx.trainer.batching import SequenceBatch
-    from rlx.trainer.parallel import ShardSpec
+    from rlx.trainer.batch import SequenceBatch
+    from rlx.trainer.learn.sharding import ShardSpec
 
 
 FUSED_ADAM_DEVICES = ("cpu", "cuda")
@@ -58,7 +58,7 @@ def load_causal_lm(
             path, dtype=storage, trust_remote_code=settings.trust_remote_code
         ).to(device)
     else:
-        from rlx.trainer.parallel import build_sharded
+        from rlx.trainer.learn.sharding import build_sharded
 
         config = AutoConfig.from_pretrained(path, trust_remote_code=settings.trust_remote_code)
         _prepare_config(config, settings, trainable)
@@ -130,7 +130,7 @@ def load_value_model(
         )
         critic = ValueModel(body, body.config.hidden_size).to(device)
     else:
-        from rlx.trainer.parallel import build_sharded
+        from rlx.trainer.learn.sharding import build_sharded
 
         config = AutoConfig.from_pretrained(path, trust_remote_code=settings.trust_remote_code)
         _prepare_config(config, settings, trainable=True)
@@ -263,7 +263,7 @@ class ResponseScorer(nn.Module):
         temperature: float,
         entropy_grad: bool,
     ) -> tuple[Tensor, Tensor]:
-        from rlx.trainer.parallel import run_as_forward
+        from rlx.trainer.learn.sharding import run_as_forward
 
         return run_as_forward(
             self.lm,

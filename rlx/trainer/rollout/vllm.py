@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from rlx.trainer.rollout import (
+from rlx.trainer.rollout.hf import (
     DEFAULT_BUCKET_BYTES,
     NamedTensors,
     RolloutBatch,

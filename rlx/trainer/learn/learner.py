@@ -26,9 +26,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from rlx.recipe.model import TrainerSettings
-from rlx.trainer import algos, parallel
-from rlx.trainer.batching import SequenceBatch, micro_batch_rows
-from rlx.trainer.models import (
+from rlx.trainer import algos
+from rlx.trainer.batch import SequenceBatch, micro_batch_rows
+from rlx.trainer.learn import sharding as parallel
+from rlx.trainer.learn.models import (
     ResponseScorer,
     TokenScores,
     autocast,

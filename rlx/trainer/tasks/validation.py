@@ -15,8 +15,8 @@ from typing import Any
 
 from rlx.errors import RlxError
 from rlx.recipe.model import TrainerSettings
-from rlx.trainer.data import PromptDataset
-from rlx.trainer.metrics import VAL_PASS1, VAL_REWARD
+from rlx.trainer.report.metrics import VAL_PASS1, VAL_REWARD
+from rlx.trainer.tasks.data import PromptDataset
 
 
 def due(settings: TrainerSettings, step: int) -> bool:
@@ -32,8 +32,8 @@ def load_validation_set(
 ) -> tuple[PromptDataset, int] | None:
     """The held-out prompts, less any the training data also holds: (the set, how many
     were dropped as also in training). None without a validation section."""
-    from rlx.trainer.data import load_recipe_prompts
     from rlx.trainer.resolve import resolve_data_path
+    from rlx.trainer.tasks.data import load_recipe_prompts
 
     validation = settings.validation
     if validation is None:
@@ -71,8 +71,8 @@ def validate(
     step: int,
 ) -> Mapping[str, float]:
     """val/pass@1 and val/reward_mean of the policy the engines hold now."""
-    from rlx.trainer.rewards import score
-    from rlx.trainer.workers import SamplingArgs
+    from rlx.trainer.actors.workers import SamplingArgs
+    from rlx.trainer.tasks.rewards import score
 
     validation = settings.validation
     assert validation is not None

@@ -26,8 +26,8 @@ def _duration(seconds: float) -> str:
 
 def progress_detail(run_dir: Path, now: float | None = None) -> str | None:
     """'step 12 of 100, reward 0.412, 3m05s elapsed, ETA 22m40s'; None without a record."""
-    from rlx.trainer.metrics import REWARD_MEAN, read_metrics
-    from rlx.trainer.record import read_result
+    from rlx.trainer.report.metrics import REWARD_MEAN, read_metrics
+    from rlx.trainer.report.record import read_result
     from rlx.trainer.resolve import METRICS_FILE
 
     record = read_result(run_dir)

@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from rlx.trainer.metrics import (
+from rlx.trainer.report.metrics import (
     APPROX_KL,
     KL,
     REWARD_MEAN,

@@ -88,7 +88,7 @@ def _under(path: str, roots: Iterable[str]) -> bool:
 def _dp_ranks(recipe: Recipe) -> int:
     """Training (data-parallel) ranks, as the trainer will place them: one per training GPU,
     or one per node on CPU-only jobs."""
-    from rlx.trainer.placement import plan_actors  # light: no torch or ray at import
+    from rlx.trainer.actors.placement import plan_actors  # light: no torch or ray at import
 
     try:
         return plan_actors(recipe).train_workers
@@ -245,8 +245,8 @@ def check_trainer_specs(lr: LoadedRecipe) -> Iterator[Finding]:
     """The names the trainer resolves on the head before any worker starts: tiny model
     specs, synthetic tasks and built-in rewards."""
     from rlx.plan.shapes import TINY_HEADS, TINY_SPEC
-    from rlx.trainer.rewards import REWARD_FUNCTIONS
-    from rlx.trainer.tiny import ARCHS
+    from rlx.trainer.learn.tiny import ARCHS
+    from rlx.trainer.tasks.rewards import REWARD_FUNCTIONS
 
     trainer = lr.recipe.trainer
     if trainer is None:

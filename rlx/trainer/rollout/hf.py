@@ -445,7 +445,7 @@ class HFEngine(RolloutEngine):
         runs once, and `generate` starts from a cache in which every row has its prompt's
         keys and values (it then feeds the last prompt token itself). {} when no prompt
         repeats or the model cannot share (see can_share_prompts)."""
-        from rlx.trainer.models import can_share_prompts, prompt_groups, shared_prompt_cache
+        from rlx.trainer.learn.models import can_share_prompts, prompt_groups, shared_prompt_cache
 
         head_ids, head_mask = input_ids[:, :-1], attention_mask[:, :-1]  # (B, P - 1)
         groups = None
@@ -587,7 +587,7 @@ def make_engine(
     if name == "auto":
         name = "vllm" if vllm_usable() else "hf"
     if name == "vllm":
-        from rlx.trainer.rollout_vllm import VLLMEngine
+        from rlx.trainer.rollout.vllm import VLLMEngine
 
         return VLLMEngine(model_path, dtype=dtype or "auto", **dict(vllm_options or {}))
     return HFEngine(model_path, dtype=dtype, device=device, max_batch_size=max_batch_size)

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from rlx.recipe.model import TrainerSettings
-from rlx.trainer.batching import SequenceBatch
+from rlx.trainer.actors.placement import threads_for
+from rlx.trainer.batch import SequenceBatch
 from rlx.trainer.checkpoint import (
     CheckpointManager,
     capture_rng_state,
@@ -37,11 +38,15 @@ from rlx.trainer.checkpoint.training import (
     model_files_folder,
     save_learner_state,
 )
-from rlx.trainer.engines import ColocatedEngine, EngineReport, Probe, make_colocated_engine
-from rlx.trainer.learner import Learner, UpdateStats, needs_old_logprobs
-from rlx.trainer.models import autocast, compute_dtype
-from rlx.trainer.placement import threads_for
-from rlx.trainer.rollout import (
+from rlx.trainer.learn.learner import Learner, UpdateStats, needs_old_logprobs
+from rlx.trainer.learn.models import autocast, compute_dtype
+from rlx.trainer.rollout.colocated import (
+    ColocatedEngine,
+    EngineReport,
+    Probe,
+    make_colocated_engine,
+)
+from rlx.trainer.rollout.hf import (
     HFEngine,
     PackedBucket,
     RolloutBatch,
@@ -111,7 +116,7 @@ class UpdateOutcome:
 
 
 def _prepare_process(spec: WorkerSpec, stream: str) -> torch.device:
-    from rlx.trainer.models import quiet_transformers
+    from rlx.trainer.learn.models import quiet_transformers
 
     quiet_transformers()
     # Ray sets OMP_NUM_THREADS=1 in its workers; torch then uses one core unless told.
@@ -408,7 +413,7 @@ class TrainWorker:
         """Start a push to split engines: the policy's parameters grouped into buckets of at
         most bucket_bytes in the engines' dtype (when given). Every rank is called and
         returns the same plan; weight_bucket then gives the buckets."""
-        from rlx.trainer.parallel import push_plan
+        from rlx.trainer.learn.sharding import push_plan
 
         self._push_dtype = None if dtype in (None, "auto") else getattr(torch, dtype)
         self._push_plan = push_plan(self._learner().policy, self._push_dtype, bucket_bytes)
@@ -424,7 +429,7 @@ class TrainWorker:
         (its result travels once through Ray's object store to every engine). Under FSDP
         every rank is called: each tensor is gathered from all of them; the other ranks
         return None."""
-        from rlx.trainer.parallel import gather_bucket
+        from rlx.trainer.learn.sharding import gather_bucket
 
         learner = self._learner()
         rank0 = self.spec.rank == 0

@@ -24,7 +24,7 @@ from typing import Any
 from torch import nn
 
 from rlx.errors import RlxError
-from rlx.trainer.rollout import DEFAULT_BUCKET_BYTES, HFEngine, RolloutEngine
+from rlx.trainer.rollout.hf import DEFAULT_BUCKET_BYTES, HFEngine, RolloutEngine
 
 # Log-prob agreement per probe token: float32 copies of the same weights agree to rounding;
 # half precision (and vLLM's kernels against torch's) only to about a hundredth.
@@ -147,7 +147,7 @@ class ColocatedEngine:
                 self._state_away = learner.move_optimizer_state("cpu") > 0
             self.engine.wake_up()  # type: ignore[attr-defined]
             self._asleep = False
-        from rlx.trainer.parallel import named_full_tensors
+        from rlx.trainer.learn.sharding import named_full_tensors
 
         # Parameters one at a time (the engine streams them in buckets), not a state-dict
         # copy; tied weights appear once. A sharded policy gathers each on every rank.
@@ -182,7 +182,7 @@ def make_colocated_engine(
         return ColocatedEngine(
             SharedModuleEngine(policy, collective=collective), shares_policy=True
         )
-    from rlx.trainer.rollout_vllm import VLLMEngine, sleep_mode_available
+    from rlx.trainer.rollout.vllm import VLLMEngine, sleep_mode_available
 
     can_sleep = sleep_mode_available()
     if not can_sleep and say is not None:

@@ -19,10 +19,7 @@ from typing import Any
 
 from rlx.errors import RlxError
 from rlx.recipe.model import Recipe
-from rlx.trainer.batching import SequenceBatch, concat_rollouts, split_evenly
-from rlx.trainer.engines import EngineReport, Probe, check_engines
-from rlx.trainer.learner import merge_update_stats
-from rlx.trainer.placement import (
+from rlx.trainer.actors.placement import (
     ActorPlan,
     NodeView,
     plan_actors,
@@ -31,16 +28,19 @@ from rlx.trainer.placement import (
     tensor_parallel_bundles,
     thread_override,
 )
-from rlx.trainer.progress import Progress
-from rlx.trainer.rollout import RolloutBatch
-from rlx.trainer.seeding import derive_seed
-from rlx.trainer.workers import (
+from rlx.trainer.actors.workers import (
     RolloutWorker,
     SamplingArgs,
     TrainWorker,
     UpdateOutcome,
     WorkerSpec,
 )
+from rlx.trainer.batch import SequenceBatch, concat_rollouts, split_evenly
+from rlx.trainer.learn.learner import merge_update_stats
+from rlx.trainer.report.progress import Progress
+from rlx.trainer.rollout.colocated import EngineReport, Probe, check_engines
+from rlx.trainer.rollout.hf import RolloutBatch
+from rlx.trainer.seeding import derive_seed
 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 

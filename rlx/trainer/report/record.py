@@ -62,8 +62,8 @@ def read_result(run_dir: Path) -> RunResult | None:
 
 def finish(result: RunResult, paths: RunPaths) -> None:
     """The plot and the summary figures, from the metrics file."""
-    from rlx.trainer.metrics import REWARD_MEAN, read_metrics
-    from rlx.trainer.plots import summary, write_plot
+    from rlx.trainer.report.metrics import REWARD_MEAN, read_metrics
+    from rlx.trainer.report.plots import summary, write_plot
 
     if paths.metrics.is_file():
         write_plot(paths.metrics, paths.plot)

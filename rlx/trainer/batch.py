@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
-from rlx.trainer.rollout import RolloutBatch, pad_responses
+from rlx.trainer.rollout.hf import RolloutBatch, pad_responses
 
 
 @dataclass(frozen=True)

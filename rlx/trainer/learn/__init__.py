@@ -1,0 +1,1 @@
+"""The learner: models, their sharding over ranks, the update. Plain torch: never Ray."""

@@ -1,0 +1,1 @@
+"""What a run shows: metrics, plots, the console, progress bars, the run record."""

@@ -1,0 +1,1 @@
+"""Rollout engines: sample responses with their log-probs, take weight pushes, pass the probe."""

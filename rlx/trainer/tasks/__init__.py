@@ -1,0 +1,1 @@
+"""What the policy is trained on: prompts, rewards, synthetic tasks, validation."""
