@@ -19,6 +19,7 @@ from rlx.errors import RlxError
 from rlx.plan import memory as mem
 from rlx.plan.shapes import ModelShape, PlanError, find_shape
 from rlx.recipe.model import Recipe, TrainerSettings, effective_strategy
+from rlx.trainer.rollout import choose_engine
 
 GIB = mem.GIB
 HEADROOM = 0.10  # a plan with less spare memory than this is a warning
@@ -365,7 +366,7 @@ def _training_budget(
     train_peak = resident + act[used] + logits + gathered
     budget.peak, budget.peak_phase = train_peak, "update"
 
-    if gpu and trainer.layout == "colocated" and _engine_kind(trainer) == "vllm":
+    if _colocated_vllm(trainer, gpu):
         util = trainer.rollout.gpu_memory_utilization
         engine = int(util * (capacity or 0))
         weights = mem.engine_weight_bytes(shape, dtype=compute)
@@ -385,8 +386,11 @@ def _training_budget(
     return budget
 
 
-def _engine_kind(trainer: TrainerSettings) -> str:
-    return "hf" if trainer.rollout.engine == "hf" else "vllm"
+def _colocated_vllm(trainer: TrainerSettings, gpu: bool) -> bool:
+    """Training GPUs that also hold a vLLM engine: the engine the trainer chooses (on GPUs
+    only; the count of GPUs does not change the choice)."""
+    engine = choose_engine(trainer.rollout.engine, gpus_per_node=int(gpu))
+    return gpu and trainer.layout == "colocated" and engine == "vllm"
 
 
 def _rollout_budget(
@@ -466,7 +470,7 @@ def _host_budgets(
                 items.append(
                     Item("checkpoint save/resume", ranks * ckpt_share, "each rank's shard")
                 )
-            if gpu and trainer.layout == "colocated" and _engine_kind(trainer) == "vllm":
+            if _colocated_vllm(trainer, gpu):
                 items.append(
                     Item("vLLM weights asleep", ranks * engine_copy, "sleep mode keeps them here")
                 )

@@ -1,8 +1,10 @@
-"""One step's samples as the trainer's forward passes take them, and how they are cut up.
+"""One step's samples: as the engines return them (RolloutBatch) and as the trainer's
+forward passes take them (SequenceBatch), and how they are cut up. A leaf: torch only.
 
-A SequenceBatch holds B rows of prompt + response: prompts left-padded to width P, responses
-right-padded to width R, so every response starts at column P and the logit at column P - 1
-predicts its first token. Per-token tensors computed along the step (old and reference
+A RolloutBatch holds len(prompts) * n responses, right-padded, with their sampling
+log-probs. A SequenceBatch holds B rows of prompt + response: prompts left-padded to width
+P, responses right-padded to width R, so every response starts at column P and the logit at
+column P - 1 predicts its first token. Per-token tensors computed along the step (old and reference
 log-probs, values, advantages, returns) ride along in `fields`, each (B, R).
 """
 
@@ -14,7 +16,58 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
-from rlx.trainer.rollout.hf import RolloutBatch, pad_responses
+
+@dataclass
+class RolloutBatch:
+    """Samples of one generate call: len(prompts) * n rows, grouped by prompt
+    (rows i*n .. i*n+n-1 answer prompt i).
+
+    response_ids are right-padded with pad_token_id; response_mask is True on real tokens,
+    the terminating EOS included; logprobs are float32 sampling log-probs, 0 where masked.
+    finished is True where the response ended with EOS (False: cut at max_new_tokens).
+    """
+
+    prompt_ids: list[list[int]]
+    response_ids: torch.Tensor  # (N, R) long
+    response_mask: torch.Tensor  # (N, R) bool
+    logprobs: torch.Tensor  # (N, R) float32
+    finished: torch.Tensor  # (N,) bool
+    n: int
+    pad_token_id: int
+    weight_version: int
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        return self.response_mask.sum(dim=1)  # (N,)
+
+    def response_lists(self) -> list[list[int]]:
+        """Each response's tokens without padding (EOS kept where it was generated)."""
+        lengths = self.response_lengths.tolist()
+        return [
+            row[:length] for row, length in zip(self.response_ids.tolist(), lengths, strict=True)
+        ]
+
+
+def pad_responses(
+    responses: Sequence[Sequence[int]],
+    logprobs: Sequence[Sequence[float]],
+    pad_token_id: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-pad ragged responses: (ids, mask, logprobs), each (N, max length)."""
+    width = max((len(r) for r in responses), default=0)
+    ids = torch.full((len(responses), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(responses), width), dtype=torch.bool)
+    values = torch.zeros((len(responses), width), dtype=torch.float32)
+    for row, (tokens, lps) in enumerate(zip(responses, logprobs, strict=True)):
+        if len(tokens) != len(lps):
+            raise ValueError(f"response {row}: {len(tokens)} tokens but {len(lps)} log-probs")
+        ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        mask[row, : len(tokens)] = True
+        values[row, : len(tokens)] = torch.tensor(lps, dtype=torch.float32)
+    return ids, mask, values
 
 
 @dataclass(frozen=True)

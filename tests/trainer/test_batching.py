@@ -4,12 +4,13 @@ import pytest
 import torch
 
 from rlx.trainer.batch import (
+    RolloutBatch,
     concat_rollouts,
     outcome_token_rewards,
     pack_rollout,
+    pad_responses,
     split_evenly,
 )
-from rlx.trainer.rollout.hf import RolloutBatch, pad_responses
 
 PAD = 9
 

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from rlx.errors import RlxError
-from rlx.trainer.rollout.colocated import EngineReport, Probe, StaleEngineError, check_engines
+from rlx.trainer.rollout.probe import EngineReport, Probe, StaleEngineError, check_engines
 
 
 def report(version: int, value: float, index: int = 0) -> EngineReport:

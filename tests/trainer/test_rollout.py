@@ -9,16 +9,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from rlx.trainer.batch import RolloutBatch, pad_responses
 from rlx.trainer.learn.tiny import build_tiny_model, token_id
-from rlx.trainer.rollout.hf import (
-    HFEngine,
-    RolloutBatch,
-    make_engine,
-    mask_after_eos,
-    pad_responses,
-    top_p_filter,
-    vllm_usable,
-)
+from rlx.trainer.rollout import choose_engine, make_engine
+from rlx.trainer.rollout.hf import HFEngine, mask_after_eos, top_p_filter
 
 EOS = token_id("<|im_end|>")
 PAD = token_id("<|pad|>")
@@ -280,10 +274,17 @@ def test_generate_argument_errors(tiny_model_dir: Path, kwargs: dict, message: s
 
 def test_make_engine(tiny_model_dir: Path) -> None:
     assert isinstance(make_engine("hf", tiny_model_dir), HFEngine)
-    if not vllm_usable():
-        assert isinstance(make_engine("auto", tiny_model_dir), HFEngine)
-    with pytest.raises(ValueError, match="unknown rollout engine 'trt'; valid: hf, vllm, auto"):
+    with pytest.raises(ValueError, match="unknown rollout engine 'trt'; valid: hf, vllm"):
         make_engine("trt", tiny_model_dir)
+
+
+def test_auto_is_vllm_on_gpus_and_hf_on_cpu() -> None:
+    assert choose_engine("auto", 0) == "hf"
+    assert choose_engine("auto", 8) == "vllm"
+    assert choose_engine("hf", 8) == "hf"
+    assert choose_engine("vllm", 0) == "vllm"
+    with pytest.raises(ValueError, match="unknown rollout engine 'trt'; valid: auto, hf, vllm"):
+        choose_engine("trt", 0)
 
 
 def test_vllm_engine_says_how_to_install_it(
@@ -310,7 +311,7 @@ def test_close_releases_the_model(tiny_model_dir: Path) -> None:
 
 
 def test_buckets_follow_the_plan_and_keep_their_bound() -> None:
-    from rlx.trainer.rollout.hf import bucket_plan, buckets
+    from rlx.trainer.weights import bucket_plan, buckets
 
     tensors = [(f"t{i}", torch.zeros(size)) for i, size in enumerate([10, 30, 5, 100, 1, 1, 40])]
     sizes = [(name, t.numel() * 4) for name, t in tensors]
@@ -327,7 +328,7 @@ def test_buckets_follow_the_plan_and_keep_their_bound() -> None:
 
 
 def test_a_packed_bucket_gives_back_every_tensor_exactly() -> None:
-    from rlx.trainer.rollout.hf import PackedBucket
+    from rlx.trainer.weights import PackedBucket
 
     gen = torch.Generator().manual_seed(0)
     tensors = [
@@ -351,8 +352,8 @@ def test_views_of_a_packed_bucket_pickle_as_themselves() -> None:
     pickle writes a view's whole storage, so a bucket would travel once per tensor."""
     import pickle
 
-    from rlx.trainer.rollout.hf import PackedBucket
     from rlx.trainer.rollout.vllm import _own_storage
+    from rlx.trainer.weights import PackedBucket
 
     tensors = [(f"t{i}", torch.full((1000,), float(i))) for i in range(8)]
     views = PackedBucket.pack(tensors).tensors()

@@ -18,8 +18,9 @@ import pytest
 import torch
 import yaml
 
-from rlx.trainer.rollout.colocated import SLEEP_REFUSED, Probe, StaleEngineError
+from rlx.trainer.rollout.colocated import SLEEP_REFUSED
 from rlx.trainer.rollout.hf import top_p_filter
+from rlx.trainer.rollout.probe import Probe, StaleEngineError
 
 from .helpers import make_recipe
 

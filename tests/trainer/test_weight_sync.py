@@ -12,7 +12,8 @@ import torch
 
 from rlx.trainer.main import training_session
 from rlx.trainer.resolve import run_paths
-from rlx.trainer.rollout.colocated import StaleEngineError, check_engines, make_colocated_engine
+from rlx.trainer.rollout.colocated import make_colocated_engine
+from rlx.trainer.rollout.probe import StaleEngineError, check_engines
 
 from .helpers import make_recipe
 

@@ -35,11 +35,10 @@ from rlx.trainer.actors.workers import (
     UpdateOutcome,
     WorkerSpec,
 )
-from rlx.trainer.batch import SequenceBatch, concat_rollouts, split_evenly
+from rlx.trainer.batch import RolloutBatch, SequenceBatch, concat_rollouts, split_evenly
 from rlx.trainer.learn.learner import merge_update_stats
 from rlx.trainer.report.progress import Progress
-from rlx.trainer.rollout.colocated import EngineReport, Probe, check_engines
-from rlx.trainer.rollout.hf import RolloutBatch
+from rlx.trainer.rollout.probe import EngineReport, Probe, check_engines
 from rlx.trainer.seeding import derive_seed
 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")

@@ -18,7 +18,7 @@ import torch
 
 from rlx.recipe.model import TrainerSettings
 from rlx.trainer.actors.placement import threads_for
-from rlx.trainer.batch import SequenceBatch
+from rlx.trainer.batch import RolloutBatch, SequenceBatch
 from rlx.trainer.checkpoint import (
     CheckpointManager,
     capture_rng_state,
@@ -40,20 +40,13 @@ from rlx.trainer.checkpoint.training import (
 )
 from rlx.trainer.learn.learner import Learner, UpdateStats, needs_old_logprobs
 from rlx.trainer.learn.models import autocast, compute_dtype
-from rlx.trainer.rollout.colocated import (
-    ColocatedEngine,
-    EngineReport,
-    Probe,
-    make_colocated_engine,
-)
-from rlx.trainer.rollout.hf import (
-    HFEngine,
-    PackedBucket,
-    RolloutBatch,
-    RolloutEngine,
-    make_engine,
-)
+from rlx.trainer.rollout import make_engine
+from rlx.trainer.rollout.base import RolloutEngine
+from rlx.trainer.rollout.colocated import ColocatedEngine, make_colocated_engine
+from rlx.trainer.rollout.hf import HFEngine
+from rlx.trainer.rollout.probe import EngineReport, Probe
 from rlx.trainer.seeding import derive_seed
+from rlx.trainer.weights import PackedBucket
 
 DIST_TIMEOUT = timedelta(minutes=30)
 

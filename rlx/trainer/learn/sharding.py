@@ -361,7 +361,7 @@ def named_full_tensors(
 def push_plan(module: nn.Module, dtype: torch.dtype | None, bucket_bytes: int) -> list[list[str]]:
     """The module's parameters (tied ones once) grouped into buckets of at most bucket_bytes
     in `dtype` (their own when None); the same on every rank (sizes are global)."""
-    from rlx.trainer.rollout.hf import bucket_plan
+    from rlx.trainer.weights import bucket_plan
 
     sizes = [
         (name, param.numel() * (dtype or param.dtype).itemsize)

@@ -1,1 +1,62 @@
-"""Rollout engines: sample responses with their log-probs, take weight pushes, pass the probe."""
+"""Rollout engines: sample n responses per prompt with their log-probs, take weight pushes, and
+pass the probe that proves they hold the policy's weights.
+
+Engines sit behind one base class (base.RolloutEngine) and a name -> class table; a module is
+imported only when its engine is chosen (vLLM's is heavy and absent on most CPUs). This
+module imports neither torch nor vLLM: lint and `rlx plan` ask it which engine a recipe gets.
+
+    base.py       the interface every engine implements
+    hf.py         transformers' generate (CPU, or a GPU without vLLM)
+    vllm.py       vLLM (GPU, or CPU with vLLM's CPU build)
+    colocated.py  the engine a training worker holds (layout: colocated)
+    probe.py      the check after every weight push
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+# Engine name -> "module:class", imported when chosen.
+ENGINES = {
+    "hf": "rlx.trainer.rollout.hf:HFEngine",
+    "vllm": "rlx.trainer.rollout.vllm:VLLMEngine",
+}
+
+
+def choose_engine(engine: str, gpus_per_node: int) -> str:
+    """The engine a recipe's `trainer.rollout.engine` runs on machines with gpus_per_node
+    GPUs: `auto` is vLLM on GPUs and HF generate on CPU. The trainer, the planner and lint
+    all ask this one function, so what is planned and checked is what runs (a GPU job whose
+    nodes lack vLLM stops at start-up saying so, it does not fall back)."""
+    if engine == "auto":
+        return "vllm" if gpus_per_node > 0 else "hf"
+    if engine not in ENGINES:
+        raise ValueError(f"unknown rollout engine {engine!r}; valid: auto, {', '.join(ENGINES)}")
+    return engine
+
+
+def engine_class(kind: str) -> type:
+    """The class of engine `kind` (a name of ENGINES), imported now."""
+    if kind not in ENGINES:
+        raise ValueError(f"unknown rollout engine {kind!r}; valid: {', '.join(ENGINES)}")
+    module, _, name = ENGINES[kind].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def make_engine(
+    kind: str,
+    model_path: str | Path,
+    *,
+    dtype: str | None = None,
+    device: str | None = None,
+    max_batch_size: int | None = None,
+    vllm_options: dict[str, Any] | None = None,
+) -> Any:
+    """An engine of `kind` ("hf" or "vllm", as choose_engine decided) over the model folder.
+    vllm_options go to vllm.LLM (tensor_parallel_size, gpu_memory_utilization, ...)."""
+    engine = engine_class(kind)
+    if kind == "vllm":
+        return engine(model_path, dtype=dtype or "auto", **dict(vllm_options or {}))
+    return engine(model_path, dtype=dtype, device=device, max_batch_size=max_batch_size)

@@ -19,14 +19,9 @@ from typing import Any
 
 import torch
 
-from rlx.trainer.rollout.hf import (
-    DEFAULT_BUCKET_BYTES,
-    NamedTensors,
-    RolloutBatch,
-    RolloutEngine,
-    check_sampling_args,
-    pad_responses,
-)
+from rlx.trainer.batch import RolloutBatch, pad_responses
+from rlx.trainer.rollout.base import RolloutEngine, check_sampling_args
+from rlx.trainer.weights import DEFAULT_BUCKET_BYTES, NamedTensors
 
 INSTALL_HINT = (
     'the vllm rollout engine needs vLLM: pip install "rlx[vllm]" on a CUDA machine, or '

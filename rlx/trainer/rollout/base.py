@@ -1,0 +1,111 @@
+"""What the trainer needs from a rollout engine, whichever it is.
+
+Log-probs are those of the distribution the token was actually drawn from: logits divided
+by the temperature, restricted to the top-p nucleus and renormalised, with EOS forbidden
+before min_new_tokens. At temperature 1 and top_p 1 that is the model's own distribution,
+so they equal a teacher-forced forward pass of the same weights.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from rlx.trainer.batch import RolloutBatch
+from rlx.trainer.weights import DEFAULT_BUCKET_BYTES, NamedTensors, buckets
+
+
+class RolloutEngine(abc.ABC):
+    """What the trainer needs from a generator of rollouts."""
+
+    @abc.abstractmethod
+    def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        n: int,
+        *,
+        max_new_tokens: int,
+        min_new_tokens: int = 0,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> RolloutBatch:
+        """n samples per prompt; the same seed and inputs give the same samples.
+        temperature 0 is greedy decoding (log-probs then of the untempered model)."""
+
+    # A weight push is begin_weights, load_weight_bucket once per bucket, finish_weights:
+    # the sender streams buckets of a bounded size, never the whole state in one object.
+
+    def begin_weights(self) -> None:  # noqa: B027 - most engines need no preparation
+        """A push starts: buckets follow, then finish_weights."""
+
+    @abc.abstractmethod
+    def load_weight_bucket(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> int:
+        """Copy some named tensors (HF parameter names) into the engine's model; returns
+        how many it took."""
+
+    @abc.abstractmethod
+    def finish_weights(self, version: int) -> None:
+        """Every bucket of the push has landed: the engine now holds weights `version`."""
+
+    def load_weights(
+        self, weights: NamedTensors, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ) -> None:
+        """A whole push in one call, streamed in buckets of at most bucket_bytes."""
+        items = weights.items() if isinstance(weights, Mapping) else weights
+        self.begin_weights()
+        loaded = 0
+        for bucket in buckets(items, bucket_bytes):
+            taken = self.load_weight_bucket(bucket)
+            if taken != len(bucket):
+                raise RuntimeError(f"the engine took {taken} of the {len(bucket)} tensors sent")
+            loaded += taken
+        if loaded == 0:
+            raise ValueError("load_weights: no tensors given")
+        self.finish_weights(version)
+
+    @property
+    @abc.abstractmethod
+    def weight_version(self) -> int:
+        """The version passed to the last load_weights (0 before any)."""
+
+    @abc.abstractmethod
+    def logprob_probe(self, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> float:
+        """Sum of log-probs (temperature 1) of response_ids following prompt_ids.
+
+        Two engines holding the same weights agree on it; the trainer compares it with the
+        policy's own value to prove a weight push arrived.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the engine's model and memory; the engine is unusable afterwards."""
+
+
+def check_sampling_args(
+    prompt_token_ids: Sequence[Sequence[int]],
+    n: int,
+    max_new_tokens: int,
+    min_new_tokens: int,
+    temperature: float,
+    top_p: float,
+) -> None:
+    if not prompt_token_ids:
+        raise ValueError("generate needs at least one prompt")
+    for index, ids in enumerate(prompt_token_ids):
+        if len(ids) == 0:
+            raise ValueError(f"prompt {index} is empty; every prompt needs at least one token")
+    if n < 1:
+        raise ValueError(f"n must be at least 1, got {n}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if not 0 <= min_new_tokens <= max_new_tokens:
+        raise ValueError(
+            f"min_new_tokens must be in [0, max_new_tokens={max_new_tokens}], got {min_new_tokens}"
+        )
+    if temperature < 0:
+        raise ValueError(f"temperature must be > 0 for sampling (0: greedy), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
