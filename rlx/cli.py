@@ -442,9 +442,9 @@ def node(
 ) -> None:
     """Run on every node of a job: form the Ray cluster, run the trainer on the head, exit
     with its code. Rendered run blocks call this."""
-    from rlx.launchers.ship import check_node_version
     from rlx.node import bootstrap
     from rlx.node.env import node_info
+    from rlx.node.version import check_node_version
 
     check_node_version(os.environ)
     loaded = _recipe_from(recipe)
@@ -487,28 +487,12 @@ def export(
 
 def _recipe_from(path: Path | None) -> Any:
     """The recipe from a file, or from $RLX_RECIPE_JSON on a node."""
-    from rlx.errors import RlxError
-    from rlx.launchers.common import RECIPE_ENV
+    from rlx.node.env import recipe_from_env
     from rlx.recipe import load_recipe
-    from rlx.recipe.model import Recipe
 
     if path is not None:
         return load_recipe(path).recipe
-    raw = os.environ.get(RECIPE_ENV)
-    if not raw:
-        raise RlxError(
-            "no recipe: give the recipe file, or run inside a rendered job (which sets "
-            f"{RECIPE_ENV})"
-        )
-    from pydantic import ValidationError
-
-    try:
-        return Recipe.model_validate_json(raw)
-    except ValidationError as exc:
-        raise RlxError(
-            f"{RECIPE_ENV} does not hold a valid recipe ({exc.error_count()} "
-            "errors); render the job again with this rlx version"
-        ) from None
+    return recipe_from_env(os.environ)
 
 
 def main() -> None:

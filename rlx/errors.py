@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Exit code of a job worth running again: the cluster failed (a node never joined or was
+# lost) or the trainer checkpointed on a warning (Slurm's USR1). EX_TEMPFAIL; Slurm's
+# requeue and managed-job recovery key on it.
+TRY_AGAIN = 75
+
 
 class RlxError(Exception):
     """An error the user can fix; its message says what is wrong and what to do."""

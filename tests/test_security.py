@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from rlx.launchers.base import collect_secrets
-from rlx.launchers.common import RAY_TOKEN_SECRET
+from rlx.node.env import RAY_TOKEN_SECRET
 from rlx.recipe import parse_recipe
 from tests.hosts import Host, SlurmCluster
 from tests.hosts.probejob import (

@@ -15,7 +15,8 @@ import yaml
 
 from rlx.errors import RlxError
 from rlx.launchers.base import LaunchRequest
-from rlx.launchers.ship import build_wheel, check_node_version, shipped_version
+from rlx.launchers.ship import build_wheel, shipped_version
+from rlx.node.version import check_node_version
 from tests.hosts.probejob import assert_nothing_left, probe_recipe
 from tests.hosts.rendered import REPO, RenderedJob
 

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rlx.errors import RlxError
-from rlx.launchers.common import RAY_TOKEN_SECRET
+from rlx.node.env import RAY_TOKEN_SECRET
 from rlx.recipe import Recipe
 
 

@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import shlex
 from typing import Any
 
 import yaml
 
 from rlx import __version__
+from rlx.node.env import RAY_TOKEN_SECRET, WHEEL_ENV
 from rlx.recipe import Recipe
 
-# Environment variables rlx itself sets on every node.
-RECIPE_ENV = "RLX_RECIPE_JSON"
-RAY_TOKEN_SECRET = "RLX_RAY_TOKEN"
-
 NOT_INSTALLED = "rlx: rlx is not installed on this node; add: pip install rlx[train] to setup"
-# The wheel of the launching rlx on the node (set by `rlx launch`, which ships it).
-WHEEL_ENV = "RLX_WHEEL"
 
 # What rlx this node runs, to compare with the shipped wheel's version (which is the hash
 # of rlx's files): the same hash when this rlx can compute it, else its package version.
@@ -65,14 +59,6 @@ def header_lines(recipe: Recipe, source: str, how_to_run: list[str]) -> list[str
 def _printable(text: str) -> str:
     # A recipe path with a newline in it must not end the comment it is quoted in.
     return "".join(c if c.isprintable() else "?" for c in text)
-
-
-def recipe_json(recipe: Recipe) -> str:
-    """The whole validated recipe, as one line of JSON: what `rlx node` and `rlx train`
-    read on the nodes (so the nodes need no copy of the recipe file)."""
-    return json.dumps(
-        recipe.model_dump(mode="json"), separators=(",", ":"), sort_keys=False, ensure_ascii=True
-    )
 
 
 def secret_names(recipe: Recipe) -> list[str]:

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from rlx.launchers.base import Job, state_dir
-from rlx.launchers.common import RAY_TOKEN_SECRET
+from rlx.node.env import RAY_TOKEN_SECRET
 from rlx.recipe import Recipe
 
 # The head's command while the cluster is kept: say how to use it, then hold until stopped.

@@ -4,7 +4,8 @@ node installs exactly that version before `rlx node` when its own differs.
 The wheel is built here from the package's own files (no build tool, no network): its
 version is rlx's plus a local label with the hash of those files (`0.1.0+g1a2b3c4d5e`), so
 two different checkouts never pass for each other. The node side is a few lines of shell in
-the rendered run block (see `common.install_shipped`), and `rlx node` checks the result.
+the rendered run block (see `common.INSTALL_SHIPPED`), and `rlx node` checks the result
+(rlx/node/version.py).
 """
 
 from __future__ import annotations
@@ -16,32 +17,9 @@ import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 
-import rlx
-from rlx import __version__
-from rlx.errors import RlxError
-from rlx.launchers.common import WHEEL_ENV
-
-SKIP_DIRS = {"__pycache__"}
-SKIP_SUFFIXES = {".pyc", ".pyo"}
-
-
-def _package_files() -> list[tuple[str, bytes]]:
-    root = Path(rlx.__file__).parent
-    files = []
-    for path in sorted(root.rglob("*")):
-        if not path.is_file() or path.suffix in SKIP_SUFFIXES:
-            continue
-        if SKIP_DIRS & set(path.relative_to(root).parts):
-            continue
-        files.append((f"rlx/{path.relative_to(root).as_posix()}", path.read_bytes()))
-    return files
-
-
-def shipped_version(files: list[tuple[str, bytes]] | None = None) -> str:
-    digest = hashlib.sha256()
-    for name, data in files if files is not None else _package_files():
-        digest.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
-    return f"{__version__.split('+')[0]}+g{digest.hexdigest()[:10]}"
+# The rendered run block imports shipped_version from here (rlx.launchers.ship): the name
+# stays importable at this path for the nodes of jobs rendered by any rlx version.
+from rlx.node.version import package_files, shipped_version
 
 
 def _requirements() -> list[str]:
@@ -63,7 +41,7 @@ def wheel_dir(env: Mapping[str, str]) -> Path:
 
 def build_wheel(out_dir: Path) -> Path:
     """A wheel of the running rlx in out_dir (reused when one of that version is there)."""
-    files = _package_files()
+    files = package_files()
     version = shipped_version(files)
     path = out_dir / f"rlx-{version}-py3-none-any.whl"
     if path.exists():
@@ -90,22 +68,3 @@ def build_wheel(out_dir: Path) -> Path:
             wheel.writestr(zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0)), data)
     partial.replace(path)
     return path
-
-
-def wheel_version(wheel: str) -> str:
-    """The version in a wheel's file name (rlx-VERSION-py3-none-any.whl)."""
-    return Path(wheel).name.split("-")[1]
-
-
-def check_node_version(env: Mapping[str, str]) -> None:
-    """On a node of a job that shipped rlx: the rlx running here must be that one."""
-    wheel = env.get(WHEEL_ENV, "")
-    if not wheel:
-        return
-    want = wheel_version(wheel)
-    have = shipped_version()  # the hash of the files this node runs, as the wheel's is
-    if have != want:
-        raise RlxError(
-            f"this node runs rlx {have}, the job was launched with rlx {want}; the shipped "
-            f"wheel ({wheel}) did not install: see the lines above in this node's log"
-        )

@@ -31,15 +31,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from rlx.errors import RlxError
-from rlx.launchers.common import RAY_TOKEN_SECRET
+from rlx.errors import TRY_AGAIN, RlxError
 from rlx.node import raynode
-from rlx.node.env import NodeInfo
+from rlx.node.env import RAY_TOKEN_SECRET, NodeInfo
 from rlx.recipe.model import Recipe
 
 # Exit code when the cluster itself failed (a node never joined or was lost), as opposed to
-# the trainer failing: EX_TEMPFAIL, worth a retry. Managed-job recovery can key on it.
-CLUSTER_FAILURE = 75
+# the trainer failing: worth a retry.
+CLUSTER_FAILURE = TRY_AGAIN
 RAY_START_TIMEOUT = 180.0
 POLL_SECONDS = 1.0
 # How long a failed head command waits for the GCS to say whether a node was lost (its

@@ -7,15 +7,65 @@ Exact variable names (checked against each project's source):
   DSTACK_NODES_NUM, DSTACK_GPUS_PER_NODE, DSTACK_RUN_NAME.
 - Slurm: RLX_NODE_HOSTS (the job's hostnames, head first, set by the rendered sbatch script
   from `scontrol show hostnames`), SLURMD_NODENAME, SLURM_JOB_ID.
+
+This module is also the one home of the variables rlx itself sets on the nodes (renderers
+write them, `rlx node` and `rlx train` read them), and of the recipe's form on the nodes:
+the whole validated recipe as one line of JSON, so nodes need no copy of the recipe file.
 """
 
 from __future__ import annotations
 
+import json
 import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from rlx.errors import RlxError
+
+if TYPE_CHECKING:
+    from rlx.recipe.model import Recipe
+
+# Set by every rendered job on every node.
+RECIPE_ENV = "RLX_RECIPE_JSON"  # the recipe (recipe_json)
+RAY_TOKEN_SECRET = "RLX_RAY_TOKEN"  # the job's Ray token, a secret: never written to a file
+WHEEL_ENV = "RLX_WHEEL"  # the wheel of the launching rlx, shipped with the job
+# Set by the Slurm batch script.
+NODE_HOSTS_ENV = "RLX_NODE_HOSTS"  # the job's hostnames, head first, one per line
+JOB_DIR_ENV = "RLX_JOB_DIR"  # the job's own folder on the shared filesystem (absolute)
+# Chosen by the user (or a launcher) to name the run, so a relaunch continues it.
+RUN_ID_ENV = "RLX_RUN_ID"
+
+
+def recipe_json(recipe: Recipe) -> str:
+    """The whole validated recipe as one line of JSON (JSON holds no raw newline), as it
+    travels in RECIPE_ENV."""
+    return json.dumps(
+        recipe.model_dump(mode="json"), separators=(",", ":"), sort_keys=False, ensure_ascii=True
+    )
+
+
+def recipe_from_env(env: Mapping[str, str]) -> Recipe:
+    """The recipe a rendered job carries in RECIPE_ENV; one line when it is missing or was
+    written by another rlx version."""
+    from pydantic import ValidationError
+
+    from rlx.recipe.model import Recipe
+
+    raw = env.get(RECIPE_ENV)
+    if not raw:
+        raise RlxError(
+            "no recipe: give the recipe file, or run inside a rendered job (which sets "
+            f"{RECIPE_ENV})"
+        )
+    try:
+        return Recipe.model_validate_json(raw)
+    except ValidationError as exc:
+        raise RlxError(
+            f"{RECIPE_ENV} does not hold a valid recipe ({exc.error_count()} "
+            "errors); render the job again with this rlx version"
+        ) from None
+
 
 BACKEND_MARKERS = (
     ("sky", "SKYPILOT_NODE_RANK"),
@@ -141,7 +191,7 @@ def from_dstack(env: Mapping[str, str]) -> NodeInfo:
 def from_slurm(
     env: Mapping[str, str], gpus_per_node: int, resolve: Callable[[str], str] = socket.gethostbyname
 ) -> NodeInfo:
-    hosts = _lines(_need(env, "RLX_NODE_HOSTS", "slurm"))
+    hosts = _lines(_need(env, NODE_HOSTS_ENV, "slurm"))
     own = env.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
     if own not in hosts:
         raise RlxError(

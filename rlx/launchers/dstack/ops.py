@@ -22,11 +22,11 @@ import yaml
 
 from rlx.errors import RlxError
 from rlx.launchers.base import Job, JobStatus, LaunchRequest, remember
-from rlx.launchers.common import WHEEL_ENV
 from rlx.launchers.dstack.errors import Target, dstack_errors, no_capacity
 from rlx.launchers.dstack.render import NAME, SUFFIX, escape
 from rlx.launchers.ops_common import absolute_local, one_line, save_rendered
 from rlx.launchers.ship import build_wheel, wheel_dir
+from rlx.node.env import WHEEL_ENV
 
 PROJECT = "project"  # Job.extra key: the dstack project the run was submitted to
 PLACEMENT_WAIT_S = 180.0  # how long `launch` waits for the server to place a new run

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from rlx.errors import RlxError
 from rlx.launchers.base import Job, JobStatus, LaunchRequest, remember
+from rlx.node.env import RUN_ID_ENV
 from rlx.recipe import Recipe
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ POLL_SECONDS = 0.5
 
 
 def run_id_for(name: str, env: Mapping[str, str]) -> str:
-    explicit = env.get("RLX_RUN_ID", "").strip()
+    explicit = env.get(RUN_ID_ENV, "").strip()
     return explicit or f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
@@ -92,7 +93,7 @@ def launch(request: LaunchRequest) -> Job:
 
     recipe = request.recipe
     run_id = run_id_for(request.name, os.environ)
-    values = {**recipe.env, **request.secrets, "RLX_RUN_ID": run_id}
+    values = {**recipe.env, **request.secrets, RUN_ID_ENV: run_id}
     job = Job(request.name, NAME, str(os.getpid()), request.source, "", extra={"run_id": run_id})
     if recipe.trainer is None or recipe.command is not None:
         job.extra["exit_code"] = str(_run_command(recipe, values, job, request.workdir))

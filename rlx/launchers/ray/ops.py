@@ -24,10 +24,10 @@ from typing import Any
 
 from rlx.errors import RlxError
 from rlx.launchers.base import Job, JobStatus, LaunchRequest
-from rlx.launchers.common import RAY_TOKEN_SECRET
 from rlx.launchers.ops_common import absolute_local, save_rendered
 from rlx.launchers.ray.errors import Target, translated
 from rlx.launchers.ray.render import NAME, SUFFIX, submission
+from rlx.node.env import RAY_TOKEN_SECRET
 
 TOKEN_ENVS = ("RAY_AUTH_TOKEN", RAY_TOKEN_SECRET)
 STOPPED_EXIT = 143  # as a process ended by SIGTERM, which is what stopping sends the driver

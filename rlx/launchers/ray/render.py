@@ -12,7 +12,8 @@ import json
 import shlex
 from typing import Any
 
-from rlx.launchers.common import RECIPE_ENV, header_lines, recipe_json
+from rlx.launchers.common import header_lines
+from rlx.node.env import RECIPE_ENV, recipe_json
 from rlx.recipe import Recipe
 
 NAME = "ray"

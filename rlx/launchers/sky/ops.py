@@ -20,11 +20,11 @@ import yaml
 
 from rlx.errors import RlxError
 from rlx.launchers.base import Job, JobStatus, LaunchRequest, remember
-from rlx.launchers.common import WHEEL_ENV
 from rlx.launchers.ops_common import absolute_local, one_line, save_rendered
 from rlx.launchers.ship import build_wheel, wheel_dir
 from rlx.launchers.sky.errors import Target, sky_errors
 from rlx.launchers.sky.render import NAME, SUFFIX
+from rlx.node.env import WHEEL_ENV
 from rlx.recipe.model import is_bucket
 
 MANAGED = "managed"  # Job.extra key: "1" for a managed job (handle = managed job id)

@@ -5,15 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 from rlx.launchers.common import (
-    RECIPE_ENV,
     drop_empty,
     dump_yaml,
     header_lines,
     node_command,
-    recipe_json,
     secret_names,
     setup_script,
 )
+from rlx.node.env import RECIPE_ENV, recipe_json
 from rlx.recipe import Recipe
 from rlx.recipe.model import is_bucket
 

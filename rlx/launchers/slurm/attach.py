@@ -15,9 +15,9 @@ from pathlib import Path
 
 from rlx.errors import RlxError
 from rlx.launchers.base import Job
-from rlx.launchers.common import RECIPE_ENV
 from rlx.launchers.keep import token_path
 from rlx.launchers.tunnel import listen, relay_argv, serve
+from rlx.node.env import RECIPE_ENV
 
 
 def job_nodes(job: Job) -> list[str]:

@@ -12,21 +12,19 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from rlx.errors import RlxError
+from rlx.errors import TRY_AGAIN, RlxError
 from rlx.launchers.base import Job, JobStatus, LaunchRequest
-from rlx.launchers.common import (
-    NODE_RLX_VERSION,
-    NOT_INSTALLED,
+from rlx.launchers.common import NODE_RLX_VERSION, NOT_INSTALLED, header_lines, setup_script
+from rlx.launchers.keep import save_token
+from rlx.launchers.ops_common import save_rendered
+from rlx.node.env import (
+    JOB_DIR_ENV,
+    NODE_HOSTS_ENV,
     RAY_TOKEN_SECRET,
     RECIPE_ENV,
     WHEEL_ENV,
-    header_lines,
     recipe_json,
-    setup_script,
 )
-from rlx.launchers.keep import save_token
-from rlx.launchers.ops_common import save_rendered
-from rlx.node.bootstrap import CLUSTER_FAILURE
 from rlx.recipe import Recipe
 from rlx.recipe.model import SlurmContainer
 
@@ -105,9 +103,6 @@ def _pyxis_flags(recipe: Recipe, container: SlurmContainer) -> list[str]:
     return flags
 
 
-# Where the job's own files live on the shared filesystem (its log folder, absolute).
-JOB_DIR_ENV = "RLX_JOB_DIR"
-
 # Every node runs this: when RLX_WHEEL names a wheel (rlx launch ships one in the job's
 # folder) and this node's rlx is another version, the wheel goes into a virtualenv of the
 # node's own in the job's folder, never into the environment the site's users share (nodes
@@ -158,7 +153,7 @@ def step_env_names(recipe: Recipe) -> list[str]:
         names.append(RAY_TOKEN_SECRET)
     return [
         *names,
-        "RLX_NODE_HOSTS",
+        NODE_HOSTS_ENV,
         "RLX_SETUP",
         "RLX_NODE",
         WHEEL_ENV,
@@ -286,8 +281,8 @@ def script(recipe: Recipe) -> list[str]:
         ]
     out += [
         'mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
-        "RLX_NODE_HOSTS=$(printf '%s\\n' \"${nodes[@]}\")",
-        "export RLX_NODE_HOSTS",
+        f"{NODE_HOSTS_ENV}=$(printf '%s\\n' \"${{nodes[@]}}\")",
+        f"export {NODE_HOSTS_ENV}",
         "head_node=${nodes[0]}",
         'echo "rlx: head ${head_node}, nodes: ${nodes[*]}"',
         "",
@@ -385,7 +380,7 @@ def _requeue(retries: int) -> list[str]:
     next attempt starts this script again and the trainer resumes from its checkpoint."""
     return [
         "",
-        f'if [[ $rc -eq {CLUSTER_FAILURE} && "${{SLURM_RESTART_COUNT:-0}}" -lt {retries} ]]; then',
+        f'if [[ $rc -eq {TRY_AGAIN} && "${{SLURM_RESTART_COUNT:-0}}" -lt {retries} ]]; then',
         '  echo "rlx: attempt $((${SLURM_RESTART_COUNT:-0} + 1)) ended with exit code $rc; '
         f'requeueing (retry $((${{SLURM_RESTART_COUNT:-0}} + 1)) of {retries})"',
         '  scontrol requeue "$SLURM_JOB_ID"',

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from rlx.errors import RlxError
+from rlx.node.env import RUN_ID_ENV
 from rlx.trainer.checkpoint.store import (
     MARKER,
     CheckpointManager,
@@ -16,7 +17,7 @@ from rlx.trainer.checkpoint.store import (
 
 # Where a relaunched job's stable name comes from, first match wins. SLURM_JOB_ID is left
 # out on purpose: a resubmitted batch job gets a new id and would not find its checkpoints.
-RUN_ID_ENV_VARS = ("RLX_RUN_ID", "SKYPILOT_TASK_ID", "DSTACK_RUN_NAME")
+RUN_ID_ENV_VARS = (RUN_ID_ENV, "SKYPILOT_TASK_ID", "DSTACK_RUN_NAME")
 
 
 def resolve_run_id(recipe_name: str, env: Mapping[str, str]) -> str:

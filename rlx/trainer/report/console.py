@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
+from rlx.errors import TRY_AGAIN
+
 
 class Stopped(Exception):
     """SIGTERM or SIGINT arrived: stop, release the actors, exit 128 + signal."""
@@ -20,7 +22,7 @@ class Stopped(Exception):
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         # USR1 is the scheduler's warning (Slurm --signal): checkpointed, worth a requeue.
-        self.code = 75 if signum == signal.SIGUSR1 else 128 + signum
+        self.code = TRY_AGAIN if signum == signal.SIGUSR1 else 128 + signum
 
 
 # --------------------------------------------------------------------------- console
