@@ -22,7 +22,8 @@ import pytest
 import yaml
 
 from rlx.errors import RlxError
-from rlx.lint import SYNTHETIC_TASKS, lint_loaded
+from rlx.lint import lint_loaded
+from rlx.lint.trainer import SYNTHETIC_TASKS
 from rlx.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parent.parent

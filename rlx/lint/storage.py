@@ -1,0 +1,138 @@
+"""Checks of where a run's state lives: checkpoints, the checkpoint to resume from, models
+and data every node reads, volumes and file mounts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+from rlx.lint.core import ERROR, WARNING, Check, Problem
+from rlx.recipe import Recipe
+from rlx.recipe.model import is_bucket
+
+
+def _retries_on(recipe: Recipe) -> str | None:
+    """Which setting restarts the job on failure, if any."""
+    if recipe.sky and recipe.sky.recovery:
+        return "sky.recovery"
+    if recipe.dstack and recipe.dstack.retry:
+        return "dstack.retry"
+    return None
+
+
+def _shared_roots(recipe: Recipe, *, writable: bool) -> list[str]:
+    """Paths every node sees with the same content. File mounts of local files are copies,
+    fine to read but not to write; bucket mounts and volumes are shared both ways."""
+    roots = [v.path for v in recipe.volumes if not (writable and v.read_only)]
+    for target, source in recipe.file_mounts.items():
+        if is_bucket(source) or not writable:
+            roots.append(target.rstrip("/") or "/")
+    return roots
+
+
+def _under(path: str, roots: Iterable[str]) -> bool:
+    path = path.rstrip("/")
+    return any(path == root or path.startswith(root.rstrip("/") + "/") for root in roots)
+
+
+def check_checkpoint_storage(recipe: Recipe) -> Iterator[Problem]:
+    trainer = recipe.trainer
+    if trainer is None:
+        return
+    ckpt = trainer.checkpoint
+    retries = _retries_on(recipe)
+    if ckpt.dir is None:
+        if retries:
+            yield Problem(
+                ("trainer", "checkpoint", "dir"),
+                ERROR,
+                f"{retries} restarts the job, but without checkpoint.dir it starts "
+                "over from step 0; set checkpoint.dir on a volume",
+            )
+        if "resume" in ckpt.model_fields_set and ckpt.resume == "auto":
+            yield Problem(
+                ("trainer", "checkpoint", "resume"),
+                ERROR,
+                "resume: auto needs checkpoint.dir to look in; set it",
+            )
+        return
+    if _under(ckpt.dir, _shared_roots(recipe, writable=True)):
+        return
+    reasons = []
+    if recipe.resources.nodes > 1:
+        reasons.append(f"{recipe.resources.nodes} nodes write shards there")
+    if retries:
+        reasons.append(f"{retries} may restart the job on another machine")
+    if reasons:
+        yield Problem(
+            ("trainer", "checkpoint", "dir"),
+            ERROR,
+            f"{ckpt.dir} is on node-local disk but {' and '.join(reasons)}; put it "
+            "under a volume path (volumes:) or a bucket mount",
+        )
+
+
+def check_resume_path(recipe: Recipe) -> Iterator[Problem]:
+    trainer = recipe.trainer
+    if trainer is None or trainer.checkpoint.resume in ("auto", "never"):
+        return
+    readable = _shared_roots(recipe, writable=False)
+    if recipe.resources.nodes > 1 and not _under(trainer.checkpoint.resume, readable):
+        yield Problem(
+            ("trainer", "checkpoint", "resume"),
+            ERROR,
+            "every node loads the checkpoint to resume from, but this path is not on shared "
+            "storage; put it under a volume or a file mount",
+        )
+
+
+def check_shared_model_and_data(recipe: Recipe) -> Iterator[Problem]:
+    trainer = recipe.trainer
+    if trainer is None or recipe.resources.nodes == 1:
+        return
+    readable = _shared_roots(recipe, writable=False)
+    models = [("model", trainer.model.path)]
+    if trainer.critic_model:
+        models.append(("critic_model", trainer.critic_model.path))
+    for field, path in models:
+        if path.startswith(("/", "~")) and not _under(path, readable):
+            yield Problem(
+                ("trainer", field, "path"),
+                ERROR,
+                f"{path} is read on every node but is not on shared storage; put it "
+                "under a volume, a file mount, or the workdir (relative path)",
+            )
+    data = trainer.data.train
+    if data.startswith(("/", "~")) and not _under(data, readable):
+        yield Problem(
+            ("trainer", "data", "train"),
+            WARNING,
+            f"{data} is read on the head only, which a restarted job may not land "
+            "on; keep data on a volume or in the workdir",
+        )
+
+
+def check_volumes_for_backends(recipe: Recipe) -> Iterator[Problem]:
+    cloud_backends = [b for b in ("sky", "dstack") if getattr(recipe, b) is not None]
+    for i, volume in enumerate(recipe.volumes):
+        if volume.name is None and cloud_backends:
+            yield Problem(
+                ("volumes", i, "path"),
+                ERROR,
+                f"{volume.path} has no volume name, so "
+                f"{' and '.join(cloud_backends)} cannot attach it; add 'name:'",
+            )
+    for target in recipe.file_mounts:
+        if not target.startswith(("/", "~")):
+            yield Problem(
+                ("file_mounts", target),
+                ERROR,
+                f"mount point {target!r} must be absolute (or start with ~)",
+            )
+
+
+CHECKS: list[Check] = [
+    check_checkpoint_storage,
+    check_resume_path,
+    check_shared_model_and_data,
+    check_volumes_for_backends,
+]

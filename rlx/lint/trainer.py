@@ -1,0 +1,273 @@
+"""Checks of the trainer section: batch sizes against the ranks, the rollout engine and its
+tensor parallelism, the layout, the names the trainer resolves (tiny models, synthetic tasks,
+rewards), checkpoint cadence and settings that do nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from rlx.errors import RlxError
+from rlx.lint.core import ERROR, WARNING, Check, Problem
+from rlx.recipe import Recipe
+
+
+def _dp_ranks(recipe: Recipe) -> int:
+    """Training (data-parallel) ranks, as the trainer will place them: one per training GPU,
+    or one per node on CPU-only jobs."""
+    from rlx.trainer.actors.placement import plan_actors  # light: no torch or ray at import
+
+    try:
+        return plan_actors(recipe).train_workers
+    except RlxError:  # an impossible split layout; check_layout reports it
+        return max(recipe.resources.total_gpus, 1)
+
+
+def check_has_work(recipe: Recipe) -> Iterator[Problem]:
+    if recipe.trainer is None and recipe.command is None:
+        yield Problem(
+            ("trainer",),
+            ERROR,
+            "nothing to run: add a 'trainer:' section, or a 'command:' for your own program",
+        )
+
+
+def check_batch_divisibility(recipe: Recipe) -> Iterator[Problem]:
+    trainer = recipe.trainer
+    if trainer is None:
+        return
+    batch, ranks = trainer.batch, _dp_ranks(recipe)
+    step = batch.prompts_per_step * trainer.rollout.n
+    minibatch = batch.minibatch_size or step
+    where = ("trainer", "batch")
+    if step % ranks:
+        yield Problem(
+            (*where, "prompts_per_step"),
+            ERROR,
+            f"prompts_per_step x rollout.n = {step} sequences do not split evenly "
+            f"over {ranks} training workers; make it a multiple of {ranks}",
+        )
+    elif step % minibatch:
+        yield Problem(
+            (*where, "minibatch_size"),
+            ERROR,
+            f"minibatch_size {minibatch} does not divide the {step} sequences of a "
+            "step; pick a divisor",
+        )
+    elif minibatch % ranks:
+        yield Problem(
+            (*where, "minibatch_size"),
+            ERROR,
+            f"minibatch_size {minibatch} does not split over {ranks} training workers; "
+            f"make it a multiple of {ranks}",
+        )
+    elif batch.micro_batch_size > minibatch // ranks:
+        yield Problem(
+            (*where, "micro_batch_size"),
+            WARNING,
+            f"micro_batch_size {batch.micro_batch_size} is larger than the "
+            f"{minibatch // ranks} sequences each training worker gets per minibatch, so "
+            f"micro-batches hold {minibatch // ranks}; lower it to say so",
+        )
+
+
+def check_tensor_parallel(recipe: Recipe) -> Iterator[Problem]:
+    trainer, gpus = recipe.trainer, recipe.resources.gpus_per_node
+    if trainer is None:
+        return
+    tp = trainer.rollout.tensor_parallel_size
+    if tp > 1 and (gpus == 0 or gpus % tp):
+        yield Problem(
+            ("trainer", "rollout", "tensor_parallel_size"),
+            ERROR,
+            f"tensor_parallel_size {tp} does not divide the {gpus} GPUs per node; "
+            "an engine must fit on one node",
+        )
+
+
+def check_rollout_engine(recipe: Recipe) -> Iterator[Problem]:
+    trainer = recipe.trainer
+    if trainer is None:
+        return
+    rollout = trainer.rollout
+    if rollout.min_new_tokens > rollout.max_new_tokens:
+        yield Problem(
+            ("trainer", "rollout", "min_new_tokens"),
+            ERROR,
+            f"min_new_tokens {rollout.min_new_tokens} exceeds max_new_tokens "
+            f"{rollout.max_new_tokens}",
+        )
+
+
+def check_group_size(recipe: Recipe) -> Iterator[Problem]:
+    trainer = recipe.trainer
+    if trainer and trainer.algorithm in ("grpo", "rloo") and trainer.rollout.n < 2:
+        yield Problem(
+            ("trainer", "rollout", "n"),
+            ERROR,
+            f"{trainer.algorithm} compares responses within a group, so rollout.n "
+            "must be at least 2 (8 or 16 is typical)",
+        )
+
+
+def check_layout(recipe: Recipe) -> Iterator[Problem]:
+    trainer = recipe.trainer
+    if trainer is None:
+        return
+    total = recipe.resources.total_gpus
+    tp = trainer.rollout.tensor_parallel_size
+    if trainer.layout == "split" and total > 0:
+        if not 0 < trainer.rollout_gpus < total:
+            yield Problem(
+                ("trainer", "rollout_gpus"),
+                ERROR,
+                f"layout: split needs 0 < rollout_gpus < {total} (the job's GPUs) "
+                "so both training and rollout get GPUs",
+            )
+        elif trainer.rollout_gpus % tp:
+            yield Problem(
+                ("trainer", "rollout_gpus"),
+                ERROR,
+                f"rollout_gpus {trainer.rollout_gpus} is not a multiple of "
+                f"tensor_parallel_size {tp}",
+            )
+    elif trainer.rollout_gpus:
+        yield Problem(
+            ("trainer", "rollout_gpus"), WARNING, "rollout_gpus is ignored with layout: colocated"
+        )
+
+
+def check_colocated_tensor_parallel(recipe: Recipe) -> Iterator[Problem]:
+    trainer = recipe.trainer
+    if trainer is None:
+        return
+    tp = trainer.rollout.tensor_parallel_size
+    if tp == 1 or recipe.resources.gpus_per_node == 0:
+        return
+    where = ("trainer", "rollout", "tensor_parallel_size")
+    if trainer.rollout.engine == "hf":
+        yield Problem(
+            where,
+            ERROR,
+            f"tensor_parallel_size {tp} needs engine: vllm (an hf engine runs on one GPU); "
+            "set engine: vllm, or tensor_parallel_size: 1",
+        )
+    elif trainer.layout == "colocated":
+        yield Problem(
+            where,
+            ERROR,
+            f"tensor_parallel_size {tp} needs layout: split with rollout_gpus a multiple of "
+            f"{tp} (colocated engines run one per training GPU)",
+        )
+
+
+# Synthetic tasks rlx.trainer.resolve can generate (kept equal to it by a test).
+SYNTHETIC_TASKS = ("letters_or_digits", "arithmetic")
+
+
+def check_trainer_specs(recipe: Recipe) -> Iterator[Problem]:
+    """The names the trainer resolves on the head before any worker starts: tiny model
+    specs, synthetic tasks and built-in rewards."""
+    from rlx.plan.shapes import TINY_HEADS, TINY_SPEC
+    from rlx.trainer.learn.tiny import ARCHS
+    from rlx.trainer.tasks.rewards import REWARD_FUNCTIONS
+
+    trainer = recipe.trainer
+    if trainer is None:
+        return
+    models = [("model", trainer.model.path)]
+    if trainer.algorithm == "ppo" and trainer.critic_model is not None:
+        models.append(("critic_model", trainer.critic_model.path))
+    for field, spec in models:
+        if not spec.startswith("tiny:"):
+            continue
+        match = TINY_SPEC.fullmatch(spec)
+        problem = None
+        if match is None:
+            problem = "is not a tiny model spec; write tiny:<arch>-h<hidden>-l<layers>"
+        elif match["arch"] not in ARCHS:
+            problem = f"tiny arch {match['arch']!r} is not one of {', '.join(ARCHS)}"
+        elif int(match["hidden"]) < TINY_HEADS or int(match["hidden"]) % TINY_HEADS:
+            problem = f"tiny models need a hidden size that is a multiple of {TINY_HEADS}"
+        elif int(match["layers"]) < 1:
+            problem = "tiny models need at least one layer"
+        if problem:
+            yield Problem(("trainer", field, "path"), ERROR, f"{spec!r} {problem}")
+    data = trainer.data.train
+    datasets = [(("trainer", "data", "train"), data)]
+    if trainer.validation is not None:
+        datasets.append((("trainer", "validation", "data"), trainer.validation.data))
+    for where, spec in datasets:
+        if spec.startswith("synthetic:") and spec.removeprefix("synthetic:") not in SYNTHETIC_TASKS:
+            yield Problem(
+                where,
+                ERROR,
+                f"unknown synthetic task {spec!r}; valid: "
+                + ", ".join(f"synthetic:{task}" for task in SYNTHETIC_TASKS),
+            )
+    reward = trainer.reward.function
+    target, colon, name = reward.rpartition(":")
+    if not colon and reward not in REWARD_FUNCTIONS:
+        yield Problem(
+            ("trainer", "reward", "function"),
+            ERROR,
+            f"unknown reward {reward!r}; valid: {', '.join(sorted(REWARD_FUNCTIONS))}, or "
+            "'package.module:function' or 'path/to/file.py:function'",
+        )
+    elif colon and (not target or not name.isidentifier()):
+        yield Problem(
+            ("trainer", "reward", "function"),
+            ERROR,
+            f"bad reward spec {reward!r}; write 'package.module:function' or "
+            "'path/to/file.py:function'",
+        )
+    elif reward == "math_exact" and "math" in data.lower():
+        yield Problem(
+            ("trainer", "reward", "function"),
+            WARNING,
+            "math_exact scores 1 only when the WHOLE response equals the answer, so "
+            "'The answer is \\boxed{5}.' scores 0; use math_verify for MATH-style answers",
+        )
+
+
+def check_checkpoint_cadence(recipe: Recipe) -> Iterator[Problem]:
+    trainer = recipe.trainer
+    if trainer and trainer.checkpoint.dir and trainer.checkpoint.every > trainer.steps:
+        yield Problem(
+            ("trainer", "checkpoint", "every"),
+            WARNING,
+            f"every {trainer.checkpoint.every} steps but the run has "
+            f"{trainer.steps}; only the final checkpoint will be written",
+        )
+
+
+def check_unused_settings(recipe: Recipe) -> Iterator[Problem]:
+    trainer = recipe.trainer
+    if trainer is None:
+        return
+    if trainer.algorithm != "ppo" and trainer.critic_model is not None:
+        yield Problem(
+            ("trainer", "critic_model"),
+            WARNING,
+            f"{trainer.algorithm} has no critic; critic_model is ignored",
+        )
+    if recipe.command is not None:
+        yield Problem(
+            ("command",),
+            WARNING,
+            "command replaces rlx's trainer, so the trainer section is only "
+            "passed along (as RLX_RECIPE_JSON)",
+        )
+
+
+CHECKS: list[Check] = [
+    check_has_work,
+    check_batch_divisibility,
+    check_tensor_parallel,
+    check_rollout_engine,
+    check_group_size,
+    check_layout,
+    check_colocated_tensor_parallel,
+    check_trainer_specs,
+    check_checkpoint_cadence,
+    check_unused_settings,
+]
