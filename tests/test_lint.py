@@ -274,7 +274,19 @@ BROKEN = [
         "trainer.rollout.min_new_tokens",
         "exceeds max_new_tokens",
     ),
+    (
+        "resume-auto-without-dir",
+        "name: job\n" + TRAINER + "  checkpoint: {resume: auto}\n",
+        5,
+        "trainer.checkpoint.resume",
+        "needs checkpoint.dir",
+    ),
 ]
+
+
+def test_resume_left_at_its_default_needs_no_checkpoint_dir(write_recipe):
+    # Only a resume the recipe writes is checked: the default (auto) asks for nothing.
+    assert lint_file(write_recipe("name: job\n" + TRAINER)) == []
 
 
 @pytest.mark.parametrize("case,text,line,field,message", BROKEN, ids=[c[0] for c in BROKEN])
