@@ -10,14 +10,16 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from enum import Enum
 from pathlib import Path
 from typing import Any, TypeVar
 
 import typer
 
-from rlx import __version__
+from rlx import __version__, launchers
+from rlx.launchers.spec import LAUNCH_OPTIONS
+from rlx.node import env as node_env
 
 app = typer.Typer(
     name="rlx",
@@ -31,32 +33,32 @@ app = typer.Typer(
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-class Backend(str, Enum):
-    sky = "sky"
-    dstack = "dstack"
-    slurm = "slurm"
-    local = "local"
-    ray = "ray"
+def _choices(name: str, values: list[str]) -> type[Enum]:
+    """An Enum of str values for typer's choices (the backends come from their tables)."""
+    return Enum(name, {value: value for value in values}, type=str)  # type: ignore[return-value]
 
 
-class RenderBackend(str, Enum):
-    sky = "sky"
-    dstack = "dstack"
-    slurm = "slurm"
-    ray = "ray"
-
-
-class NodeBackend(str, Enum):
-    auto = "auto"
-    sky = "sky"
-    dstack = "dstack"
-    slurm = "slurm"
-    local = "local"
+# The backends' own tables name them: rlx.launchers (launch, render) and rlx.node.env (the
+# environments a node reads). Both are light to import.
+Backend = _choices("Backend", list(launchers.BACKENDS))
+RenderBackend = _choices("RenderBackend", launchers.renderable())
+NodeBackend = _choices("NodeBackend", ["auto", *node_env.READERS])
 
 
 class LintFormat(str, Enum):
     text = "text"
     github = "github"
+
+
+def _either(names: Iterable[str]) -> str:
+    """'a', 'a or b', 'a, b or c'."""
+    items = list(names)
+    return " or ".join([", ".join(items[:-1]), items[-1]]) if len(items) > 1 else "".join(items)
+
+
+def _takers(option: str) -> str:
+    """The backends that take a launch option, for its help: 'sky, dstack'."""
+    return ", ".join(b.name for b in launchers.taking(option))
 
 
 def fail(message: str) -> None:
@@ -165,7 +167,6 @@ def render(
     force: bool = typer.Option(False, "--force", help="Render even if lint finds errors."),
 ) -> None:
     """Render a recipe into the backend's native file (SkyPilot YAML, dstack YAML, sbatch)."""
-    from rlx import launchers
     from rlx.lint import lint_loaded
     from rlx.recipe import load_recipe
 
@@ -175,7 +176,7 @@ def render(
         typer.echo(text, nl=False)
     else:
         output.write_text(text, encoding="utf-8")
-        if backend is RenderBackend.slurm:
+        if launchers.spec(backend.value).executable:
             output.chmod(0o755)
         typer.echo(f"wrote {output}", err=True)
 
@@ -254,29 +255,31 @@ def schema() -> None:
 @expected_errors
 def launch(
     recipe: Path = typer.Argument(..., help="Recipe file."),
-    backend: Backend = typer.Option(Backend.local, "--backend", "-b", help="Where to run."),
+    backend: Backend = typer.Option(launchers.DEFAULT, "--backend", "-b", help="Where to run."),
     name: str | None = typer.Option(None, "--name", "-n", help="Job name (default: recipe's)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print what would be submitted."),
     managed: bool = typer.Option(
-        False, "--managed", help="SkyPilot: a managed job (recovers from preemption)."
+        False, "--managed", help=f"{_takers('managed')}: a managed job (recovers from preemption)."
     ),
     address: str | None = typer.Option(
         None,
         "--address",
-        help="ray: the cluster's dashboard, e.g. http://127.0.0.1:8265 (default: $RAY_ADDRESS).",
+        help=f"{_takers('address')}: the cluster's dashboard, e.g. http://127.0.0.1:8265 "
+        "(default: $RAY_ADDRESS).",
     ),
     detach: bool = typer.Option(
-        False, "--detach", help="ray: submit and return instead of following the job to its end."
+        False,
+        "--detach",
+        help=f"{_takers('detach')}: submit and return instead of following the job to its end.",
     ),
     keep: bool = typer.Option(
         False,
         "--keep",
-        help="sky, dstack, slurm: form the cluster and keep it with no trainer, for `-b ray` "
+        help=f"{_takers('keep')}: form the cluster and keep it with no trainer, for `-b ray` "
         "jobs and `rlx attach`; `rlx down NAME` ends it.",
     ),
 ) -> None:
     """Submit a recipe to a backend (default: run it here) and remember the job."""
-    from rlx.launchers import get_backend, get_operations
     from rlx.launchers.base import LaunchRequest, collect_secrets, remember
     from rlx.lint import lint_loaded
     from rlx.recipe import load_recipe
@@ -291,21 +294,23 @@ def launch(
                 "2 to 40 characters"
             )
         job_recipe = job_recipe.model_copy(update={"name": name})
-    if managed and backend is not Backend.sky:
-        fail("--managed is for SkyPilot managed jobs; use it with --backend sky")
-    if (address is not None or detach) and backend is not Backend.ray:
-        fail("--address and --detach are for Ray jobs; use them with --backend ray")
+    chosen = launchers.spec(backend.value)
+    given = {"managed": managed, "address": address is not None, "detach": detach, "keep": keep}
+    for option in [name for name, on in given.items() if on and not chosen.takes(name)]:
+        takers = launchers.taking(option)
+        fail(
+            f"--{option} is for {LAUNCH_OPTIONS[option]} on {_either(b.title for b in takers)}; "
+            f"use it with --backend {_either(b.name for b in takers)}"
+        )
     if keep:
         from rlx.launchers.keep import kept_recipe
 
-        if backend not in (Backend.sky, Backend.dstack, Backend.slurm):
-            fail("--keep forms a cluster on sky, dstack or slurm; use one of those backends")
         job_recipe = kept_recipe(job_recipe)
-    module = get_backend(backend.value)
-    rendered = module.render(job_recipe, str(recipe)) if hasattr(module, "render") else ""
-    if dry_run:
-        typer.echo(rendered or module.describe(job_recipe, str(recipe)), nl=False)
+    text = launchers.render(backend.value, job_recipe, str(recipe))
+    if dry_run:  # the native file, or what would run here
+        typer.echo(text, nl=False)
         return
+    rendered = text if chosen.renders else ""
     request = LaunchRequest(
         recipe=job_recipe,
         source=str(recipe),
@@ -318,16 +323,14 @@ def launch(
         detach=detach,
         keep=keep,
     )
-    job = get_operations(backend.value).launch(request)
+    job = launchers.operations(backend.value).launch(request)
     remember(job, Path.cwd())
     code = int(job.extra.get("exit_code", "0"))
     if keep:
         from rlx.launchers.keep import announce
 
         announce(job, job_recipe, request.secrets, Path.cwd())
-    elif backend is Backend.ray and not detach:
-        pass  # followed to its end: the exit code is the job's own
-    elif backend is not Backend.local:
+    elif "exit_code" not in job.extra:  # not run to its end here: say how to follow it
         typer.echo(
             f"launched {job.name} on {job.backend} ({job.handle}); follow it with: "
             f"rlx logs {job.name} --follow",
@@ -343,7 +346,6 @@ def status(name: str | None = typer.Argument(None, help="Job name (default: all)
     from rich.console import Console
     from rich.table import Table
 
-    from rlx.launchers import get_operations
     from rlx.launchers.base import recall, recall_all
 
     jobs = [recall(name, Path.cwd())] if name else recall_all(Path.cwd())
@@ -352,7 +354,7 @@ def status(name: str | None = typer.Argument(None, help="Job name (default: all)
         return
     table = Table("name", "backend", "id", "state", "detail")
     for job in jobs:
-        state = get_operations(job.backend).status(job)
+        state = launchers.operations(job.backend).status(job)
         table.add_row(job.name, job.backend, job.handle, state.state, state.detail)
     Console(soft_wrap=True).print(table)
 
@@ -365,22 +367,20 @@ def logs(
     node: int | None = typer.Option(None, "--node", help="Only this node (0 is the head)."),
 ) -> None:
     """Print a job's logs (the head's by default where the backend keeps them apart)."""
-    from rlx.launchers import get_operations
     from rlx.launchers.base import recall
 
     job = recall(name, Path.cwd())
-    raise typer.Exit(get_operations(job.backend).logs(job, follow=follow, node=node))
+    raise typer.Exit(launchers.operations(job.backend).logs(job, follow=follow, node=node))
 
 
 @app.command()
 @expected_errors
 def down(name: str = typer.Argument(..., help="Job name.")) -> None:
     """Stop a job and release what it holds."""
-    from rlx.launchers import get_operations
     from rlx.launchers.base import recall
 
     job = recall(name, Path.cwd())
-    get_operations(job.backend).down(job)
+    launchers.operations(job.backend).down(job)
     typer.echo(f"stopped {name}", err=True)
 
 
@@ -393,14 +393,13 @@ def attach(
 ) -> None:
     """A shell on the head (or node K) of a running Slurm job, inside its container, with
     RAY_ADDRESS and the job's token set; `rlx attach NAME -- COMMAND` runs COMMAND there."""
-    from rlx.launchers import get_operations
     from rlx.launchers.base import recall
 
     job = recall(name, Path.cwd())
-    ops = get_operations(job.backend)
-    if not hasattr(ops, "attach"):
-        fail(f"rlx attach is for Slurm jobs; {name} runs on {job.backend} (use its own ssh)")
-    raise typer.Exit(ops.attach(job, node, list(ctx.args)))
+    if not launchers.spec(job.backend).can_attach:
+        able = _either(b.title for b in launchers.specs() if b.can_attach)
+        fail(f"rlx attach is for {able} jobs; {name} runs on {job.backend} (use its own ssh)")
+    raise typer.Exit(launchers.operations(job.backend).attach(job, node, list(ctx.args)))
 
 
 @app.command()
@@ -411,20 +410,19 @@ def tunnel(
 ) -> None:
     """Bring a job's Ray dashboard to 127.0.0.1:PORT here (Slurm: through srun; SkyPilot
     and dstack: prints the ssh -L command)."""
-    from rlx.launchers import get_operations
     from rlx.launchers.base import recall
     from rlx.launchers.keep import tunnel_command
 
     job = recall(name, Path.cwd())
-    ops = get_operations(job.backend)
-    if hasattr(ops, "tunnel"):
-        ops.tunnel(job, port)
+    if launchers.spec(job.backend).forwards:
+        launchers.operations(job.backend).tunnel(job, port)
         return
-    if job.backend not in ("sky", "dstack"):
-        fail(f"{name} runs on {job.backend}: there is no remote dashboard to forward")
     from rlx.recipe import load_recipe
 
-    typer.echo(tunnel_command(job, load_recipe(Path(job.source)).recipe, port))
+    command = tunnel_command(job, load_recipe(Path(job.source)).recipe, port)
+    if command is None:
+        fail(f"{name} runs on {job.backend}: there is no remote dashboard to forward")
+    typer.echo(command)
 
 
 # --------------------------------------------------------------------------- on the nodes
@@ -443,12 +441,11 @@ def node(
     """Run on every node of a job: form the Ray cluster, run the trainer on the head, exit
     with its code. Rendered run blocks call this."""
     from rlx.node import bootstrap
-    from rlx.node.env import node_info
     from rlx.node.version import check_node_version
 
     check_node_version(os.environ)
     loaded = _recipe_from(recipe)
-    info = node_info(backend.value, os.environ, loaded.resources.gpus_per_node)
+    info = node_env.node_info(backend.value, os.environ, loaded.resources.gpus_per_node)
     raise typer.Exit(bootstrap.main(loaded, info, os.environ))
 
 

@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from rlx.cli import app
-from rlx.launchers import get_operations
+from rlx.launchers import operations
 from rlx.launchers.base import Job, recall, remember
 from rlx.launchers.dstack.ops import NodeJob, RunView, verdict
 
@@ -139,7 +139,7 @@ def test_distributed_run_without_a_fleet_is_reported(
     # remembered anyway, and `rlx status` tells the same story
     status = invoke("status", name)
     assert status.exit_code == 0 and "FAILED" in status.output, status.output
-    known = get_operations("dstack").status(recall(name, project))
+    known = operations("dstack").status(recall(name, project))
     assert (known.state, known.detail) == ("FAILED", line.removeprefix("error: "))
     # logs: none, since no node ever started; each node is addressable, others are not
     for node in ("0", "1"):
@@ -184,7 +184,7 @@ def test_down_stops_a_run_that_waits_for_capacity(
 @pytest.mark.timeout(300)
 def test_a_run_the_server_does_not_know(project: Path):
     remember(Job("ghost", "dstack", "ghost", str(GSM8K), "", extra={"project": "main"}), project)
-    status = get_operations("dstack").status(recall("ghost", project))
+    status = operations("dstack").status(recall("ghost", project))
     assert (status.state, status.detail) == (
         "UNKNOWN",
         "no run ghost on the server (see `dstack ps -a`)",

@@ -69,9 +69,15 @@ def test_no_address_no_token_and_wrong_flags_are_one_line(tmp_path: Path, write_
     )
     assert result.exit_code == 1 and "no Ray token" in result.output
     result = runner.invoke(app, ["launch", str(path), "-b", "sky", "--address", "http://x:1"])
-    assert result.exit_code == 1 and "use them with --backend ray" in result.output
+    assert result.exit_code == 1 and "use it with --backend ray" in result.output
     result = runner.invoke(app, ["launch", str(path), "--keep"])
-    assert result.exit_code == 1 and "--keep forms a cluster" in result.output
+    assert result.exit_code == 1
+    assert "--keep is for a cluster kept up with no trainer on SkyPilot, dstack or Slurm" in (
+        result.output
+    )
+    result = runner.invoke(app, ["launch", str(path), "-b", "dstack", "--managed"])
+    assert result.exit_code == 1 and "--managed is for managed jobs" in result.output
+    assert "use it with --backend sky" in result.output
 
 
 def test_unreachable_dashboard_names_the_tunnel(tmp_path: Path, write_recipe) -> None:

@@ -15,14 +15,14 @@ import yaml
 from typer.testing import CliRunner
 
 from rlx.cli import app
-from rlx.launchers import RENDERABLE, get_backend, render
+from rlx.launchers import render, renderable, spec
 from rlx.recipe import load_recipe
 
 from .conftest import RECIPES, REPO, require
 
 GOLDEN = Path(__file__).parent / "golden"
 RECIPE_FILES = sorted(RECIPES.glob("*.yaml"))
-CASES = [(r, b) for r in RECIPE_FILES for b in RENDERABLE]
+CASES = [(r, b) for r in RECIPE_FILES for b in renderable()]
 runner = CliRunner()
 
 
@@ -32,7 +32,7 @@ def rendered(recipe: Path, backend: str) -> str:
 
 
 def golden_path(recipe: Path, backend: str) -> Path:
-    return GOLDEN / f"{recipe.stem}{get_backend(backend).SUFFIX}"
+    return GOLDEN / f"{recipe.stem}{spec(backend).suffix}"
 
 
 @pytest.mark.parametrize("recipe,backend", CASES, ids=lambda v: getattr(v, "stem", v))

@@ -1,52 +1,65 @@
-"""Backends by name. A backend module is imported only when it is chosen, so the CLI stays
-fast and a user needs only the libraries of the backends they use."""
+"""Backends by name: one table, name -> package (rlx.launchers.<name>). Each package declares
+itself in its __init__ (a BackendSpec, see spec.py) and holds render.py (pure: the native file
+or the description of the run), ops.py (launch, status, logs, down) and what it owns. The
+CLI's choices, lint's backend checks and `rlx tunnel`'s hints all come from this table; a
+backend's render and ops modules are imported only when it is chosen.
+"""
 
 from __future__ import annotations
 
 import importlib
 from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from rlx.errors import RlxError
+from rlx.launchers.spec import LAUNCH_OPTIONS, BackendSpec
 
-BACKENDS = {
-    "sky": "rlx.launchers.sky.render",
-    "dstack": "rlx.launchers.dstack.render",
-    "slurm": "rlx.launchers.slurm.render",
-    "local": "rlx.launchers.local.ops",
-    "ray": "rlx.launchers.ray.render",
-}
-RENDERABLE = ("sky", "dstack", "slurm", "ray")
-# Where each backend's launch, status, logs and down live: SkyPilot's and dstack's apart from
-# their renderers, since they import those libraries and rendering must not.
-OPERATIONS = {
-    "sky": "rlx.launchers.sky.ops",
-    "dstack": "rlx.launchers.dstack.ops",
-    "slurm": "rlx.launchers.slurm.render",
-    "local": "rlx.launchers.local.ops",
-    "ray": "rlx.launchers.ray.ops",
-}
+if TYPE_CHECKING:
+    from rlx.recipe import Recipe
+
+BACKENDS = ("sky", "dstack", "slurm", "ray", "local")
+DEFAULT = "local"
 
 
-def _module(table: dict[str, str], name: str) -> ModuleType:
-    if name not in table:
-        raise RlxError(f"unknown backend {name!r}; choose one of {', '.join(table)}")
-    return importlib.import_module(table[name])
+def spec(name: str) -> BackendSpec:
+    """What backend `name` declares about itself."""
+    if name not in BACKENDS:
+        raise RlxError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    return importlib.import_module(f"{__name__}.{name}").BACKEND
 
 
-def get_backend(name: str) -> ModuleType:
-    """The backend's module: render (where it has a file), SUFFIX, and what describes it."""
-    return _module(BACKENDS, name)
+def specs() -> list[BackendSpec]:
+    return [spec(name) for name in BACKENDS]
 
 
-def get_operations(name: str) -> ModuleType:
-    """The module with the backend's launch, status, logs and down."""
-    return _module(OPERATIONS, name)
+def renderable() -> list[str]:
+    """Backends whose run is a native file (`rlx render --backend`)."""
+    return [s.name for s in specs() if s.renders]
 
 
-def render(name: str, recipe, source: str) -> str:
-    """Render `recipe` into the backend's native file text (pure)."""
-    if name not in RENDERABLE:
-        raise RlxError(
-            f"backend {name!r} has no file to render; choose one of {', '.join(RENDERABLE)}"
-        )
-    return get_backend(name).render(recipe, source)
+def taking(option: str) -> list[BackendSpec]:
+    """The backends that take a launch option (of spec.LAUNCH_OPTIONS)."""
+    assert option in LAUNCH_OPTIONS, option
+    return [s for s in specs() if s.takes(option)]
+
+
+def operations(name: str) -> ModuleType:
+    """The module with the backend's launch, status, logs and down (and attach, tunnel)."""
+    spec(name)
+    return importlib.import_module(f"{__name__}.{name}.ops")
+
+
+def render(name: str, recipe: Recipe, source: str) -> str:
+    """The backend's text for `recipe` (pure): its native file, or for a backend that has
+    none, the description of what `rlx launch` would run."""
+    spec(name)
+    return importlib.import_module(f"{__name__}.{name}.render").render(recipe, source)
+
+
+def backend_checks() -> list[Any]:
+    """Every backend's own lint checks (each runs when the recipe has that backend's section)."""
+    checks: list[Any] = []
+    for backend in specs():
+        if backend.checks:
+            checks += importlib.import_module(backend.checks).CHECKS
+    return checks

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from rlx.launchers import spec
 from rlx.launchers.base import Job, state_dir
 from rlx.node.env import RAY_TOKEN_SECRET
 from rlx.recipe import Recipe
@@ -44,16 +45,12 @@ def save_token(workdir: Path, name: str, token: str) -> Path:
     return path
 
 
-def tunnel_command(job: Job, recipe: Recipe, local_port: int = 8265) -> str:
-    """The command that brings the head's dashboard to localhost:local_port."""
-    remote = recipe.ray.dashboard_port
-    if job.backend == "slurm":
-        return f"rlx tunnel {job.name} --port {local_port}"
-    host = job.handle  # SkyPilot's cluster and dstack's run are ssh hosts of that name
-    ssh = f"ssh -N -L {local_port}:127.0.0.1:{remote} {host}"
-    if job.backend == "dstack":
-        return f"dstack attach {host} (keep it open), then: {ssh}"
-    return ssh
+def tunnel_command(job: Job, recipe: Recipe, local_port: int = 8265) -> str | None:
+    """The command that brings the head's dashboard to localhost:local_port (the backend
+    says how); None where the job has no remote dashboard."""
+    return spec(job.backend).tunnel_command(
+        job.name, job.handle, recipe.ray.dashboard_port, local_port
+    )
 
 
 def announce(
@@ -68,7 +65,7 @@ def announce(
         path = save_token(workdir, job.name, token)
         exports += f" RAY_AUTH_TOKEN=$(cat {path})"
     lines.append(f"  then submit: {exports}; rlx launch RECIPE -b ray")
-    if job.backend == "slurm":
+    if spec(job.backend).can_attach:
         lines.append(f"  a shell on a node: rlx attach {job.name} [--node K] [-- COMMAND]")
     lines.append(f"  end it: rlx down {job.name}")
     print("\n".join(lines), file=sys.stderr, flush=True)

@@ -2,8 +2,9 @@
 
 Each check is a small function from a recipe to problems (core.Check), kept in a module by
 the kind of thing it checks: trainer.py (the trainer section), memory.py (the memory plan),
-cluster.py (the Ray cluster), secrets.py, storage.py, backends.py (one backend each). CHECKS
-lists them all; lint_loaded runs them on a loaded file and points every problem at its line.
+cluster.py (the Ray cluster), secrets.py, storage.py; each backend's own checks live in its
+package (rlx/launchers/<name>/checks.py, named in its BackendSpec). all_checks() lists them
+all; lint_loaded runs them on a loaded file and points every problem at its line.
 """
 
 from __future__ import annotations
@@ -12,26 +13,31 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from rlx.errors import Finding, RecipeError, RlxError
-from rlx.lint import backends, cluster, memory, secrets, storage, trainer
+from rlx.launchers import backend_checks
+from rlx.lint import cluster, memory, secrets, storage, trainer
 from rlx.lint.core import ERROR, WARNING, Check, Problem
 from rlx.recipe import LoadedRecipe, load_recipe
 
-__all__ = ["CHECKS", "ERROR", "WARNING", "Check", "Problem", "lint_file", "lint_loaded"]
+__all__ = ["ERROR", "WARNING", "Check", "Problem", "all_checks", "lint_file", "lint_loaded"]
 
-CHECKS: list[Check] = [
-    *trainer.CHECKS,
-    *memory.CHECKS,
-    *cluster.CHECKS,
-    *secrets.CHECKS,
-    *storage.CHECKS,
-    *backends.CHECKS,
-]
+
+def all_checks() -> list[Check]:
+    """Every check, rlx's own and the backends' (gathered when asked: a backend's checks
+    module imports lint.core, so nothing is gathered while this package loads)."""
+    return [
+        *trainer.CHECKS,
+        *memory.CHECKS,
+        *cluster.CHECKS,
+        *secrets.CHECKS,
+        *storage.CHECKS,
+        *backend_checks(),
+    ]
 
 
 def lint_loaded(lr: LoadedRecipe) -> list[Finding]:
     findings = [
         lr.finding(problem.field, problem.severity, problem.message)
-        for check in CHECKS
+        for check in all_checks()
         for problem in check(lr.recipe)
     ]
     return sorted(findings, key=lambda f: (f.line, f.field, f.message))

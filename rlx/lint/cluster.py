@@ -6,22 +6,12 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 
+from rlx.launchers import specs
 from rlx.lint.core import ERROR, WARNING, Check, Problem
 from rlx.recipe import Recipe
 
+
 # Ports SkyPilot's own Ray holds on every node of a SkyPilot cluster.
-SKYPILOT_PORTS = {
-    6380: "SkyPilot's Ray GCS",
-    8266: "SkyPilot's Ray dashboard",
-    8076: "SkyPilot's Ray object manager",
-    10001: "SkyPilot's Ray client server",
-    52365: "SkyPilot's Ray dashboard agent",
-}
-
-
-SKYPILOT_WORKER_PORTS = range(11002, 20000)
-
-
 def _ray_ports(recipe: Recipe) -> dict[str, int]:
     ray = recipe.ray
     return {
@@ -42,20 +32,24 @@ def check_ray_ports(recipe: Recipe) -> Iterator[Problem]:
             ("ray", "max_worker_port"), ERROR, "max_worker_port must be above min_worker_port"
         )
     seen: dict[int, str] = {}
+    held = [b for b in specs() if b.ray_ports or b.ray_worker_ports]
     for field, port in ports.items():
-        if port in SKYPILOT_PORTS:
-            yield Problem(
-                ("ray", field),
-                ERROR,
-                f"port {port} is {SKYPILOT_PORTS[port]} on every SkyPilot node; pick another port",
-            )
-        elif port in SKYPILOT_WORKER_PORTS:
-            yield Problem(
-                ("ray", field),
-                ERROR,
-                f"port {port} is in SkyPilot's Ray worker range 11002-19999; pick "
-                "a port outside it",
-            )
+        for backend in held:
+            workers = backend.ray_worker_ports or range(0)
+            if port in backend.ray_ports:
+                yield Problem(
+                    ("ray", field),
+                    ERROR,
+                    f"port {port} is {backend.ray_ports[port]} on every {backend.title} node; "
+                    "pick another port",
+                )
+            elif port in workers:
+                yield Problem(
+                    ("ray", field),
+                    ERROR,
+                    f"port {port} is in {backend.title}'s Ray worker range "
+                    f"{workers.start}-{workers.stop - 1}; pick a port outside it",
+                )
         if port in seen:
             yield Problem(
                 ("ray", field),
@@ -70,12 +64,15 @@ def check_ray_ports(recipe: Recipe) -> Iterator[Problem]:
                 f"port {port} lies inside the worker port range "
                 f"{worker_range.start}-{worker_range.stop - 1}",
             )
-    if set(worker_range) & set(SKYPILOT_WORKER_PORTS):
-        yield Problem(
-            ("ray", "min_worker_port"),
-            ERROR,
-            "the worker port range overlaps SkyPilot's Ray workers (11002-19999)",
-        )
+    for backend in held:
+        workers = backend.ray_worker_ports or range(0)
+        if set(worker_range) & set(workers):
+            yield Problem(
+                ("ray", "min_worker_port"),
+                ERROR,
+                f"the worker port range overlaps {backend.title}'s Ray workers "
+                f"({workers.start}-{workers.stop - 1})",
+            )
 
 
 def check_public_ports(recipe: Recipe) -> Iterator[Problem]:

@@ -6,11 +6,9 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 
+from rlx.launchers import specs
 from rlx.lint.core import ERROR, Check, Problem
 from rlx.recipe import Recipe
-
-RESERVED_ENV_PREFIXES = ("SKYPILOT_", "DSTACK_", "SLURM_", "RLX_")
-
 
 SECRET_WORDS = {"TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIALS", "APIKEY"}
 
@@ -22,6 +20,11 @@ SECRET_LIKE_VALUE = re.compile(
     r"^(hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|gh[pousr]_[A-Za-z0-9]{20,}"
     r"|AKIA[0-9A-Z]{16}|xox[abp]-[A-Za-z0-9-]{10,})"
 )
+
+
+def _reserved_prefixes() -> tuple[str, ...]:
+    """Prefixes of the variables the backends' software and rlx set on the nodes."""
+    return (*(b.env_prefix for b in specs() if b.env_prefix), "RLX_")
 
 
 def _secret_like_name(name: str) -> bool:
@@ -76,7 +79,7 @@ def check_reserved_env(recipe: Recipe) -> Iterator[Problem]:
     for name in [*recipe.env, *recipe.secrets]:
         section = "env" if name in recipe.env else "secrets"
         where = (section, name) if section == "env" else (section,)
-        if name.startswith(RESERVED_ENV_PREFIXES) or name in (
+        if name.startswith(_reserved_prefixes()) or name in (
             "RAY_ADDRESS",
             "RAY_AUTH_TOKEN",
             "RAY_AUTH_MODE",

@@ -5,18 +5,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
+from rlx.launchers import specs
 from rlx.lint.core import ERROR, WARNING, Check, Problem
 from rlx.recipe import Recipe
 from rlx.recipe.model import is_bucket
 
 
 def _retries_on(recipe: Recipe) -> str | None:
-    """Which setting restarts the job on failure, if any."""
-    if recipe.sky and recipe.sky.recovery:
-        return "sky.recovery"
-    if recipe.dstack and recipe.dstack.retry:
-        return "dstack.retry"
-    return None
+    """Which setting restarts the job on failure, if any (the backends declare theirs)."""
+    return next((found for b in specs() if (found := b.restarts(recipe))), None)
 
 
 def _shared_roots(recipe: Recipe, *, writable: bool) -> list[str]:
@@ -112,7 +109,12 @@ def check_shared_model_and_data(recipe: Recipe) -> Iterator[Problem]:
 
 
 def check_volumes_for_backends(recipe: Recipe) -> Iterator[Problem]:
-    cloud_backends = [b for b in ("sky", "dstack") if getattr(recipe, b) is not None]
+    # Backends that attach volumes by name, when the recipe has their section.
+    cloud_backends = [
+        b.name
+        for b in specs()
+        if b.volumes_by_name and getattr(recipe, b.section or "") is not None
+    ]
     for i, volume in enumerate(recipe.volumes):
         if volume.name is None and cloud_backends:
             yield Problem(

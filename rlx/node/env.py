@@ -227,16 +227,19 @@ def from_local(gpus_per_node: int) -> NodeInfo:
     return NodeInfo("local", 0, (ip,), ("localhost",), gpus_per_node, None)
 
 
+# Whose environment a node reads: backend -> reader(env, the recipe's GPUs per node).
+READERS: dict[str, Callable[[Mapping[str, str], int], NodeInfo]] = {
+    "sky": lambda env, gpus: from_sky(env),
+    "dstack": lambda env, gpus: from_dstack(env),
+    "slurm": lambda env, gpus: from_slurm(env, gpus),
+    "local": lambda env, gpus: from_local(gpus),
+}
+
+
 def node_info(backend: str, env: Mapping[str, str], gpus_per_node: int) -> NodeInfo:
     """`gpus_per_node` (from the recipe) is used where the backend does not say."""
     if backend == "auto":
         backend = detect_backend(env)
-    if backend == "sky":
-        return from_sky(env)
-    if backend == "dstack":
-        return from_dstack(env)
-    if backend == "slurm":
-        return from_slurm(env, gpus_per_node)
-    if backend == "local":
-        return from_local(gpus_per_node)
-    raise RlxError(f"unknown backend {backend!r}; choose auto, sky, dstack, slurm or local")
+    if backend not in READERS:
+        raise RlxError(f"unknown backend {backend!r}; choose auto, {', '.join(READERS)}")
+    return READERS[backend](env, gpus_per_node)

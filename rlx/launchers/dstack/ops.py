@@ -22,8 +22,9 @@ import yaml
 
 from rlx.errors import RlxError
 from rlx.launchers.base import Job, JobStatus, LaunchRequest, remember
+from rlx.launchers.dstack import BACKEND
 from rlx.launchers.dstack.errors import Target, dstack_errors, no_capacity
-from rlx.launchers.dstack.render import NAME, SUFFIX, escape
+from rlx.launchers.dstack.render import escape
 from rlx.launchers.ops_common import absolute_local, one_line, save_rendered
 from rlx.launchers.ship import build_wheel, wheel_dir
 from rlx.node.env import WHEEL_ENV
@@ -139,9 +140,9 @@ def verdict(run: RunView) -> JobStatus:
         said = one_line(no_room[0].message or NO_CAPACITY)
         if run.retries_no_capacity and run.status not in ("terminated", "failed"):
             return JobStatus(
-                run.name, NAME, "PENDING", f"run {run.status}, waiting to retry: {said}"
+                run.name, BACKEND.name, "PENDING", f"run {run.status}, waiting to retry: {said}"
             )
-        return JobStatus(run.name, NAME, "FAILED", no_capacity(run.nodes, run.fleets, said))
+        return JobStatus(run.name, BACKEND.name, "FAILED", no_capacity(run.nodes, run.fleets, said))
     if run.status in ("terminating", "terminated"):
         still = "RUNNING" if run.status == "terminating" else "CANCELLED"
         state = ENDED_BY.get(run.reason) or ("FAILED" if run.reason else still)
@@ -154,7 +155,7 @@ def verdict(run: RunView) -> JobStatus:
         detail += f"; node {culprit.node} {culprit.reason}{said}"
     head = next((j for j in run.jobs if j.node == 0), None)
     code = head.exit_status if head is not None else None
-    return JobStatus(run.name, NAME, state, detail, code)
+    return JobStatus(run.name, BACKEND.name, state, detail, code)
 
 
 def placed(run: RunView) -> bool:
@@ -196,7 +197,7 @@ def _retries_on_no_capacity(conf: Any) -> bool:
 
 def launch(request: LaunchRequest) -> Job:
     conf = configuration(request)
-    rendered_file = save_rendered(request, SUFFIX)
+    rendered_file = save_rendered(request, BACKEND.suffix)
     client, target = _client(None, request.name)
     with dstack_errors(target):
         plan = client.runs.get_run_plan(conf, configuration_path=str(rendered_file))
@@ -209,7 +210,7 @@ def launch(request: LaunchRequest) -> Job:
         run = client.runs.apply_plan(plan, reserve_ports=False)
     job = Job(
         request.name,
-        NAME,
+        BACKEND.name,
         run.name,
         request.source,
         str(rendered_file),
@@ -262,10 +263,10 @@ def status(job: Job) -> JobStatus:
     except RlxError as exc:
         if isinstance(exc.__cause__, ResourceNotExistsError):
             detail = f"no run {job.handle} on the server (see `dstack ps -a`)"
-            return JobStatus(job.name, NAME, "UNKNOWN", detail)
+            return JobStatus(job.name, BACKEND.name, "UNKNOWN", detail)
         raise
     found = verdict(view(run))
-    return JobStatus(job.name, NAME, found.state, found.detail, found.exit_code)
+    return JobStatus(job.name, BACKEND.name, found.state, found.detail, found.exit_code)
 
 
 def logs(job: Job, *, follow: bool, node: int | None) -> int:

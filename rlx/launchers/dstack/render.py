@@ -13,12 +13,10 @@ from rlx.launchers.common import (
     secret_names,
     setup_script,
 )
+from rlx.launchers.dstack import BACKEND
 from rlx.node.env import RECIPE_ENV, recipe_json
 from rlx.recipe import Recipe
 from rlx.recipe.model import is_bucket
-
-NAME = "dstack"
-SUFFIX = ".dstack.yml"
 
 
 def escape(value: str) -> str:
@@ -82,7 +80,7 @@ def run_config(recipe: Recipe) -> dict[str, Any]:
                 drop_empty({"name": v.name, "path": v.path}) for v in recipe.volumes if v.name
             ],
             # Workers block in `rlx node` until the head is done, so dstack keeps them up.
-            "commands": [setup_script(recipe) + node_command(NAME)],
+            "commands": [setup_script(recipe) + node_command(BACKEND.name)],
             "resources": _resources(recipe),
             "spot_policy": "spot" if recipe.resources.spot else None,
             "fleets": list(settings.fleets) if settings else [],

@@ -21,14 +21,13 @@ from typing import TYPE_CHECKING
 
 from rlx.errors import RlxError
 from rlx.launchers.base import Job, JobStatus, LaunchRequest, remember
+from rlx.launchers.local import BACKEND
 from rlx.node.env import RUN_ID_ENV
 from rlx.recipe import Recipe
 
 if TYPE_CHECKING:
     from rlx.trainer.report.record import RunResult
 
-NAME = "local"
-SUFFIX = ""
 STOP_GRACE_SECONDS = 60.0
 POLL_SECONDS = 0.5
 
@@ -36,41 +35,6 @@ POLL_SECONDS = 0.5
 def run_id_for(name: str, env: Mapping[str, str]) -> str:
     explicit = env.get(RUN_ID_ENV, "").strip()
     return explicit or f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def describe(recipe: Recipe, source: str) -> str:
-    """What `rlx launch --dry-run` prints for the local backend."""
-    trainer = recipe.trainer
-    lines = [f"# rlx launch {source}: local backend (this machine, a private Ray)"]
-    if trainer is None or recipe.command is not None:
-        command = " && ".join(recipe.head_command)
-        lines.append(f"would run on this machine, with a Ray head started for it: {command}")
-        return "\n".join(lines) + "\n"
-    run_dir = Path(trainer.logging.dir) / f"{recipe.name}-<date>-<time>"
-    ckpt = trainer.checkpoint
-    rollout, batch = trainer.rollout, trainer.batch
-    rows = [
-        ("algorithm", trainer.algorithm),
-        ("model", f"{trainer.model.path} ({trainer.model.dtype})"),
-        ("data", trainer.data.train),
-        ("reward", trainer.reward.function),
-        (
-            "rollout",
-            f"{rollout.engine}, {rollout.n} per prompt, <= {rollout.max_new_tokens} tokens",
-        ),
-        ("steps", f"{trainer.steps} x {batch.prompts_per_step} prompts (seed {trainer.seed})"),
-        ("run folder", f"{run_dir} (metrics.jsonl, train.log, reward.png)"),
-        (
-            "checkpoints",
-            "off (checkpoint.dir unset)"
-            if ckpt.dir is None
-            else f"{Path(ckpt.dir) / '<run id>'} every {ckpt.every} steps, keep {ckpt.keep}",
-        ),
-    ]
-    width = max(len(key) for key, _ in rows)
-    lines += [f"{key.ljust(width)}  {value}" for key, value in rows]
-    lines.append("set RLX_RUN_ID to an earlier run's id to continue it")
-    return "\n".join(lines) + "\n"
 
 
 @contextlib.contextmanager
@@ -94,7 +58,9 @@ def launch(request: LaunchRequest) -> Job:
     recipe = request.recipe
     run_id = run_id_for(request.name, os.environ)
     values = {**recipe.env, **request.secrets, RUN_ID_ENV: run_id}
-    job = Job(request.name, NAME, str(os.getpid()), request.source, "", extra={"run_id": run_id})
+    job = Job(
+        request.name, BACKEND.name, str(os.getpid()), request.source, "", extra={"run_id": run_id}
+    )
     if recipe.trainer is None or recipe.command is not None:
         job.extra["exit_code"] = str(_run_command(recipe, values, job, request.workdir))
         return job
@@ -129,7 +95,7 @@ def _run_command(recipe: Recipe, values: Mapping[str, str], job: Job, workdir: P
 
     remember(job, workdir)
     env = {**os.environ, **values}
-    return bootstrap.main(recipe, node_info(NAME, env, recipe.resources.gpus_per_node), env)
+    return bootstrap.main(recipe, node_info(BACKEND.name, env, recipe.resources.gpus_per_node), env)
 
 
 def _shown(path: str | None) -> str:
@@ -188,25 +154,28 @@ def status(job: Job) -> JobStatus:
         if "exit_code" in job.extra:
             code = int(job.extra["exit_code"])
             state = "SUCCEEDED" if code == 0 else "FAILED"
-            return JobStatus(job.name, NAME, state, f"exit code {code}", code)
+            return JobStatus(job.name, BACKEND.name, state, f"exit code {code}", code)
         state = "RUNNING" if running else "UNKNOWN"
-        return JobStatus(job.name, NAME, state, "starting" if running else "no record")
+        return JobStatus(job.name, BACKEND.name, state, "starting" if running else "no record")
     if record.state == "RUNNING":
         if not running:
             return JobStatus(
-                job.name, NAME, "FAILED", f"stopped without finishing (pid {job.handle} is gone)"
+                job.name,
+                BACKEND.name,
+                "FAILED",
+                f"stopped without finishing (pid {job.handle} is gone)",
             )
         from rlx.runs import progress_detail
 
         detail = progress_detail(Path(run_dir)) if run_dir else None
-        return JobStatus(job.name, NAME, "RUNNING", detail or "starting")
+        return JobStatus(job.name, BACKEND.name, "RUNNING", detail or "starting")
     if record.state == "SUCCEEDED":
         detail = f"{record.last_step} steps"
         if record.first_reward_window is not None and record.last_reward_window is not None:
             first, last = record.first_reward_window, record.last_reward_window
             detail += f", reward {first:.3f} -> {last:.3f}"
-        return JobStatus(job.name, NAME, "SUCCEEDED", detail, 0)
-    return JobStatus(job.name, NAME, record.state, record.error or "", record.exit_code)
+        return JobStatus(job.name, BACKEND.name, "SUCCEEDED", detail, 0)
+    return JobStatus(job.name, BACKEND.name, record.state, record.error or "", record.exit_code)
 
 
 def _log_path(job: Job) -> Path:

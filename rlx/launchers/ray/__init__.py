@@ -4,3 +4,15 @@ cluster `rlx launch --keep` holds, or any Ray cluster whose dashboard you can re
 `render` builds the submission request (pure); `ops` sends it through Ray's Jobs API and
 follows, stops and reports the job; `errors` turns the client's failures into one line.
 """
+
+from __future__ import annotations
+
+from rlx.launchers.spec import BackendSpec
+
+BACKEND = BackendSpec(
+    name="ray",
+    title="Ray Jobs",
+    suffix=".ray-job.json",
+    renders=True,
+    launch_options=frozenset({"address", "detach"}),
+)

@@ -25,8 +25,9 @@ from typing import Any
 from rlx.errors import RlxError
 from rlx.launchers.base import Job, JobStatus, LaunchRequest
 from rlx.launchers.ops_common import absolute_local, save_rendered
+from rlx.launchers.ray import BACKEND
 from rlx.launchers.ray.errors import Target, translated
-from rlx.launchers.ray.render import NAME, SUFFIX, submission
+from rlx.launchers.ray.render import submission
 from rlx.node.env import RAY_TOKEN_SECRET
 
 TOKEN_ENVS = ("RAY_AUTH_TOKEN", RAY_TOKEN_SECRET)
@@ -115,17 +116,17 @@ def launch(request: LaunchRequest) -> Job:
             "no Ray token: export RAY_AUTH_TOKEN with the cluster's token (for a cluster rlx "
             "keeps: export RAY_AUTH_TOKEN=$(cat .rlx/tokens/NAME)), or set ray.auth: none"
         )
-    save_rendered(request, SUFFIX)
+    save_rendered(request, BACKEND.suffix)
     kwargs = request_kwargs(request)
     jobs = client(address, token)
     with translated(Target(address)):
         submission_id = jobs.submit_job(**kwargs)
     job = Job(
         request.name,
-        NAME,
+        BACKEND.name,
         submission_id,
         request.source,
-        str(Path(request.workdir, ".rlx", "rendered", request.name + SUFFIX)),
+        str(Path(request.workdir, ".rlx", "rendered", request.name + BACKEND.suffix)),
         extra={"address": address},
     )
     print(f"rlx: submitted {submission_id} to {address}", file=sys.stderr, flush=True)
@@ -197,7 +198,7 @@ def status(job: Job) -> JobStatus:
     detail = ", ".join(
         x for x in (info.message or "", f"exit code {code}" if code is not None else "") if x
     )
-    return JobStatus(job.name, NAME, shown, detail, code)
+    return JobStatus(job.name, BACKEND.name, shown, detail, code)
 
 
 def logs(job: Job, *, follow: bool, node: int | None) -> int:

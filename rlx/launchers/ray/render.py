@@ -16,8 +16,6 @@ from rlx.launchers.common import header_lines
 from rlx.node.env import RECIPE_ENV, recipe_json
 from rlx.recipe import Recipe
 
-NAME = "ray"
-SUFFIX = ".ray-job.json"
 SECRET_PLACEHOLDER = "<from your environment at launch>"
 
 

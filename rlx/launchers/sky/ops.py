@@ -22,8 +22,8 @@ from rlx.errors import RlxError
 from rlx.launchers.base import Job, JobStatus, LaunchRequest, remember
 from rlx.launchers.ops_common import absolute_local, one_line, save_rendered
 from rlx.launchers.ship import build_wheel, wheel_dir
+from rlx.launchers.sky import BACKEND
 from rlx.launchers.sky.errors import Target, sky_errors
-from rlx.launchers.sky.render import NAME, SUFFIX
 from rlx.node.env import WHEEL_ENV
 from rlx.recipe.model import is_bucket
 
@@ -63,7 +63,7 @@ def launch_config(request: LaunchRequest) -> dict[str, Any]:
 
 def launch(request: LaunchRequest) -> Job:
     sky = _sky()
-    rendered_file = save_rendered(request, SUFFIX)
+    rendered_file = save_rendered(request, BACKEND.suffix)
     target = Target(request.name, managed=request.managed)
     with sky_errors(target):
         # Values are merged in before the task is built: a secret left without a value
@@ -71,7 +71,7 @@ def launch(request: LaunchRequest) -> Job:
         task = sky.Task.from_yaml_config(
             launch_config(request), secrets_overrides=list(request.secrets.items())
         )
-    job = Job(request.name, NAME, request.name, request.source, str(rendered_file))
+    job = Job(request.name, BACKEND.name, request.name, request.source, str(rendered_file))
     if request.managed:
         with sky_errors(target):
             job_ids, _ = sky.stream_and_get(sky.jobs.launch(task, name=request.name))
@@ -148,31 +148,33 @@ def _managed_status(sky: Any, job: Job) -> JobStatus:
     except sky.exceptions.ClusterNotUpError:
         # No controller means no managed job in progress: an answer, not an error.
         detail = "jobs controller not up (no managed job in progress; see `sky jobs queue`)"
-        return JobStatus(job.name, NAME, "UNKNOWN", detail)
+        return JobStatus(job.name, BACKEND.name, "UNKNOWN", detail)
     records = answer[0] if isinstance(answer, tuple) else answer
     if not records:
         detail = f"no managed job {job.handle} (see `sky jobs queue`)"
-        return JobStatus(job.name, NAME, "UNKNOWN", detail)
+        return JobStatus(job.name, BACKEND.name, "UNKNOWN", detail)
     record = records[0]
     state = state_name(record["status"])
     reason = record.get("failure_reason") or record.get("details") or ""
     detail = f"managed job {state.lower()}" + (f": {one_line(reason)}" if reason else "")
-    return JobStatus(job.name, NAME, rlx_state(state), detail)
+    return JobStatus(job.name, BACKEND.name, rlx_state(state), detail)
 
 
 def _cluster_status(sky: Any, job: Job) -> JobStatus:
     records = sky.get(sky.status([job.handle], all_users=True))
     if not records:
-        return JobStatus(job.name, NAME, "UNKNOWN", f"no cluster {job.handle} (torn down?)")
+        return JobStatus(job.name, BACKEND.name, "UNKNOWN", f"no cluster {job.handle} (torn down?)")
     cluster = state_name(records[0]["status"])
     if cluster == "INIT":
-        return JobStatus(job.name, NAME, "PENDING", "cluster INIT (provisioning or unhealthy)")
+        return JobStatus(
+            job.name, BACKEND.name, "PENDING", "cluster INIT (provisioning or unhealthy)"
+        )
     if cluster != "UP":
-        return JobStatus(job.name, NAME, "UNKNOWN", f"cluster {cluster.lower()}")
+        return JobStatus(job.name, BACKEND.name, "UNKNOWN", f"cluster {cluster.lower()}")
     job_id = int(job.extra[JOB_ID]) if job.extra.get(JOB_ID) else None
     answer = sky.get(sky.job_status(job.handle, [job_id] if job_id is not None else None))
     state = state_name(next(iter(answer.values()), None) if answer else None)
-    return JobStatus(job.name, NAME, rlx_state(state), f"cluster up, job {state.lower()}")
+    return JobStatus(job.name, BACKEND.name, rlx_state(state), f"cluster up, job {state.lower()}")
 
 
 # ------------------------------------------------------------------------- logs

@@ -12,12 +12,10 @@ from rlx.launchers.common import (
     secret_names,
     setup_script,
 )
+from rlx.launchers.sky import BACKEND
 from rlx.node.env import RECIPE_ENV, recipe_json
 from rlx.recipe import Recipe
 from rlx.recipe.model import is_bucket
-
-NAME = "sky"
-SUFFIX = ".sky.yaml"
 
 
 def _resources(recipe: Recipe) -> dict[str, Any]:
@@ -67,7 +65,7 @@ def task_config(recipe: Recipe) -> dict[str, Any]:
             # Names only: values come from `rlx launch` (or `sky launch --secret NAME`).
             "secrets": dict.fromkeys(secret_names(recipe)),
             "setup": setup_script(recipe),
-            "run": node_command(NAME),
+            "run": node_command(BACKEND.name),
         }
     )
 

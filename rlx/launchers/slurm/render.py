@@ -17,6 +17,7 @@ from rlx.launchers.base import Job, JobStatus, LaunchRequest
 from rlx.launchers.common import NODE_RLX_VERSION, NOT_INSTALLED, header_lines, setup_script
 from rlx.launchers.keep import save_token
 from rlx.launchers.ops_common import save_rendered
+from rlx.launchers.slurm import BACKEND
 from rlx.node.env import (
     JOB_DIR_ENV,
     NODE_HOSTS_ENV,
@@ -27,9 +28,6 @@ from rlx.node.env import (
 )
 from rlx.recipe import Recipe
 from rlx.recipe.model import SlurmContainer
-
-NAME = "slurm"
-SUFFIX = ".sbatch"
 
 # Once the head (or every worker) is done, the other step follows within seconds; past this
 # grace period the driver stops it, so a stalled node cannot hold the allocation.
@@ -508,7 +506,7 @@ def _slurm(
 
 
 def launch(request: LaunchRequest) -> Job:
-    script = save_rendered(request, SUFFIX)
+    script = save_rendered(request, BACKEND.suffix)
     script.chmod(0o755)
     logs_root = request.workdir / log_dir(request.recipe)
     logs_root.mkdir(parents=True, exist_ok=True)
@@ -523,7 +521,7 @@ def launch(request: LaunchRequest) -> Job:
         save_token(request.workdir, request.name, token)  # for rlx attach and -b ray
     return Job(
         request.name,
-        NAME,
+        BACKEND.name,
         job_id,
         request.source,
         str(script),
@@ -584,7 +582,7 @@ def status(job: Job) -> JobStatus:
         )
         if x
     )
-    return JobStatus(job.name, NAME, shown, detail, code)
+    return JobStatus(job.name, BACKEND.name, shown, detail, code)
 
 
 def _progress(job: Job) -> str:

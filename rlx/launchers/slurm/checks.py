@@ -1,4 +1,4 @@
-"""Checks that concern one backend, run when the recipe has that backend's section."""
+"""Lint checks that concern Slurm (run when the recipe has a slurm section)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from collections.abc import Iterator
 
 from rlx.lint.core import ERROR, WARNING, Check, Problem
 from rlx.recipe import Recipe
-from rlx.recipe.model import is_bucket
 
 
 def check_slurm(recipe: Recipe) -> Iterator[Problem]:
@@ -50,49 +49,4 @@ def check_slurm(recipe: Recipe) -> Iterator[Problem]:
         )
 
 
-def check_sky(recipe: Recipe) -> Iterator[Problem]:
-    sky = recipe.sky
-    if sky is None:
-        return
-    infra = (sky.infra or "").lower()
-    if recipe.resources.spot and infra.startswith(("k8s", "kubernetes", "ssh")):
-        yield Problem(
-            ("resources", "spot"),
-            ERROR,
-            f"{sky.infra} has no spot instances; set spot: false or pick a cloud",
-        )
-
-
-def check_dstack(recipe: Recipe) -> Iterator[Problem]:
-    dstack = recipe.dstack
-    if dstack is None:
-        return
-    if recipe.resources.nodes > 1 and not dstack.fleets:
-        yield Problem(
-            ("dstack", "fleets"),
-            WARNING,
-            "a distributed task needs a fleet with placement: cluster; name it "
-            "here so the run does not wait for one that never fits",
-        )
-    for name, value in recipe.env.items():
-        if "\n" in value or "\r" in value:
-            yield Problem(
-                ("env", name),
-                ERROR,
-                "dstack cannot pass a value with a line "
-                "break; put it in a file in the workdir instead",
-            )
-    for target, source in recipe.file_mounts.items():
-        if is_bucket(source):
-            yield Problem(
-                ("file_mounts", target),
-                WARNING,
-                "dstack copies local files only; this bucket is not mounted there",
-            )
-
-
-CHECKS: list[Check] = [
-    check_slurm,
-    check_sky,
-    check_dstack,
-]
+CHECKS: list[Check] = [check_slurm]

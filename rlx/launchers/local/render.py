@@ -1,0 +1,43 @@
+"""What `rlx launch --dry-run` prints for the local backend: the run it would start here. Pure:
+the run folder's date and time are shown as placeholders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlx.recipe import Recipe
+
+
+def render(recipe: Recipe, source: str) -> str:
+    """What `rlx launch --dry-run` prints for the local backend."""
+    trainer = recipe.trainer
+    lines = [f"# rlx launch {source}: local backend (this machine, a private Ray)"]
+    if trainer is None or recipe.command is not None:
+        command = " && ".join(recipe.head_command)
+        lines.append(f"would run on this machine, with a Ray head started for it: {command}")
+        return "\n".join(lines) + "\n"
+    run_dir = Path(trainer.logging.dir) / f"{recipe.name}-<date>-<time>"
+    ckpt = trainer.checkpoint
+    rollout, batch = trainer.rollout, trainer.batch
+    rows = [
+        ("algorithm", trainer.algorithm),
+        ("model", f"{trainer.model.path} ({trainer.model.dtype})"),
+        ("data", trainer.data.train),
+        ("reward", trainer.reward.function),
+        (
+            "rollout",
+            f"{rollout.engine}, {rollout.n} per prompt, <= {rollout.max_new_tokens} tokens",
+        ),
+        ("steps", f"{trainer.steps} x {batch.prompts_per_step} prompts (seed {trainer.seed})"),
+        ("run folder", f"{run_dir} (metrics.jsonl, train.log, reward.png)"),
+        (
+            "checkpoints",
+            "off (checkpoint.dir unset)"
+            if ckpt.dir is None
+            else f"{Path(ckpt.dir) / '<run id>'} every {ckpt.every} steps, keep {ckpt.keep}",
+        ),
+    ]
+    width = max(len(key) for key, _ in rows)
+    lines += [f"{key.ljust(width)}  {value}" for key, value in rows]
+    lines.append("set RLX_RUN_ID to an earlier run's id to continue it")
+    return "\n".join(lines) + "\n"
