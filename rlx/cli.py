@@ -417,9 +417,12 @@ def tunnel(
     if launchers.spec(job.backend).forwards:
         launchers.operations(job.backend).tunnel(job, port)
         return
-    from rlx.recipe import load_recipe
+    recipe = job.launched_recipe()
+    if recipe is None:  # a record of an older rlx: the recipe file as it is now
+        from rlx.recipe import load_recipe
 
-    command = tunnel_command(job, load_recipe(Path(job.source)).recipe, port)
+        recipe = load_recipe(Path(job.source)).recipe
+    command = tunnel_command(job, recipe, port)
     if command is None:
         fail(f"{name} runs on {job.backend}: there is no remote dashboard to forward")
     typer.echo(command)

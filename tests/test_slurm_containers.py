@@ -16,7 +16,7 @@ import yaml
 
 from rlx.errors import RecipeError
 from rlx.launchers import render
-from rlx.launchers.slurm import render as slurm
+from rlx.launchers.slurm import containers
 from rlx.recipe import parse_recipe
 
 from .conftest import require
@@ -52,8 +52,8 @@ def node_scripts(recipe) -> dict[str, str]:
     if container.runtime not in ("docker", "podman"):
         return {}
     return {
-        "run": slurm._engine_run_script(recipe, container),
-        "ready": slurm._engine_ready_script(container.runtime),
+        "run": containers.engine_run_script(recipe, container),
+        "ready": containers.engine_ready_script(container.runtime),
     }
 
 

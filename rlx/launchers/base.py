@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rlx.errors import RlxError
-from rlx.node.env import RAY_TOKEN_SECRET
+from rlx.node.env import RAY_TOKEN_SECRET, recipe_json
 from rlx.recipe import Recipe
 
 
@@ -41,6 +41,19 @@ class LaunchRequest:
     detach: bool = False  # ray: submit and return instead of following the job
     keep: bool = False  # sky, dstack, slurm: form the cluster and hold it, no trainer
 
+    def job(self, backend: str, handle: str, rendered_file: str = "", **extra: str) -> Job:
+        """The record of this launch: the backend's handle, the file submitted, and the
+        recipe as launched (what attach and tunnel read back later)."""
+        return Job(
+            self.name,
+            backend,
+            handle,
+            self.source,
+            rendered_file,
+            extra=dict(extra),
+            recipe=recipe_json(self.recipe),
+        )
+
 
 @dataclass
 class Job:
@@ -53,6 +66,19 @@ class Job:
     rendered_file: str
     launched_at: float = field(default_factory=time.time)
     extra: dict[str, str] = field(default_factory=dict)
+    recipe: str = ""  # the recipe as launched, as JSON ("" in records of older rlx versions)
+
+    def launched_recipe(self) -> Recipe | None:
+        """The recipe this job was launched with; None where the record does not hold one
+        this rlx can read."""
+        from pydantic import ValidationError
+
+        if not self.recipe:
+            return None
+        try:
+            return Recipe.model_validate_json(self.recipe)
+        except ValidationError:
+            return None
 
 
 @dataclass(frozen=True)

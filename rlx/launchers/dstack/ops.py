@@ -208,14 +208,7 @@ def launch(request: LaunchRequest) -> Job:
                 f"stop it with `rlx down {request.name}` or launch with another --name"
             )
         run = client.runs.apply_plan(plan, reserve_ports=False)
-    job = Job(
-        request.name,
-        BACKEND.name,
-        run.name,
-        request.source,
-        str(rendered_file),
-        extra={PROJECT: target.project},
-    )
+    job = request.job(BACKEND.name, run.name, str(rendered_file), **{PROJECT: target.project})
     # Remembered before waiting, so that `rlx status/logs/down` find it whatever happens next.
     remember(job, request.workdir)
     if not _retries_on_no_capacity(conf):

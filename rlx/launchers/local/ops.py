@@ -58,9 +58,7 @@ def launch(request: LaunchRequest) -> Job:
     recipe = request.recipe
     run_id = run_id_for(request.name, os.environ)
     values = {**recipe.env, **request.secrets, RUN_ID_ENV: run_id}
-    job = Job(
-        request.name, BACKEND.name, str(os.getpid()), request.source, "", extra={"run_id": run_id}
-    )
+    job = request.job(BACKEND.name, str(os.getpid()), run_id=run_id)
     if recipe.trainer is None or recipe.command is not None:
         job.extra["exit_code"] = str(_run_command(recipe, values, job, request.workdir))
         return job

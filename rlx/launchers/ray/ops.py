@@ -116,19 +116,12 @@ def launch(request: LaunchRequest) -> Job:
             "no Ray token: export RAY_AUTH_TOKEN with the cluster's token (for a cluster rlx "
             "keeps: export RAY_AUTH_TOKEN=$(cat .rlx/tokens/NAME)), or set ray.auth: none"
         )
-    save_rendered(request, BACKEND.suffix)
+    rendered = save_rendered(request, BACKEND.suffix)
     kwargs = request_kwargs(request)
     jobs = client(address, token)
     with translated(Target(address)):
         submission_id = jobs.submit_job(**kwargs)
-    job = Job(
-        request.name,
-        BACKEND.name,
-        submission_id,
-        request.source,
-        str(Path(request.workdir, ".rlx", "rendered", request.name + BACKEND.suffix)),
-        extra={"address": address},
-    )
+    job = request.job(BACKEND.name, submission_id, str(rendered), address=address)
     print(f"rlx: submitted {submission_id} to {address}", file=sys.stderr, flush=True)
     if request.detach:
         return job

@@ -71,7 +71,7 @@ def launch(request: LaunchRequest) -> Job:
         task = sky.Task.from_yaml_config(
             launch_config(request), secrets_overrides=list(request.secrets.items())
         )
-    job = Job(request.name, BACKEND.name, request.name, request.source, str(rendered_file))
+    job = request.job(BACKEND.name, request.name, str(rendered_file))
     if request.managed:
         with sky_errors(target):
             job_ids, _ = sky.stream_and_get(sky.jobs.launch(task, name=request.name))

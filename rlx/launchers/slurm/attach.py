@@ -16,35 +16,21 @@ from pathlib import Path
 from rlx.errors import RlxError
 from rlx.launchers.base import Job
 from rlx.launchers.keep import token_path
+from rlx.launchers.slurm.jobs import attempt_folder, job_hosts, job_state
 from rlx.launchers.tunnel import listen, relay_argv, serve
 from rlx.node.env import RECIPE_ENV
 
 
 def job_nodes(job: Job) -> list[str]:
     """The job's nodes, head first, as its driver log names them."""
-    from rlx.launchers.slurm.render import _job_hosts, _state, attempt_folder
-
-    hosts = _job_hosts(attempt_folder(job))
+    hosts = job_hosts(attempt_folder(job))
     if not hosts:
-        state = _state(job)[0]
+        state = job_state(job)[0]
         raise RlxError(
             f"job {job.name} ({job.handle}) has no nodes yet (state {state}); wait until "
             f"`rlx status {job.name}` says RUNNING"
         )
     return hosts
-
-
-def _rendered_value(job: Job, name: str) -> str | None:
-    """A variable the batch script exports (the recipe JSON), read back from the script."""
-    import shlex
-
-    path = Path(job.rendered_file)
-    if not path.exists():
-        return None
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.startswith(f"export {name}="):
-            return shlex.split(line.removeprefix("export "))[0].split("=", 1)[1]
-    return None
 
 
 def step_env(job: Job, head: str, port: int, base: Mapping[str, str]) -> dict[str, str]:
@@ -58,9 +44,8 @@ def step_env(job: Job, head: str, port: int, base: Mapping[str, str]) -> dict[st
         env["RAY_AUTH_TOKEN"] = token_file.read_text().strip()
     else:
         env["RAY_AUTH_MODE"] = "disabled"
-    recipe = _rendered_value(job, RECIPE_ENV)
-    if recipe:
-        env[RECIPE_ENV] = recipe
+    if job.recipe:
+        env[RECIPE_ENV] = job.recipe
     return env
 
 

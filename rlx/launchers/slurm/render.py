@@ -1,23 +1,21 @@
-"""Slurm: one sbatch script; head and workers start with srun, each with its own log."""
+"""Slurm: one sbatch script; head and workers start with srun, each with its own log. Pure:
+the script's text from the recipe (containers.py adds the container runtimes' parts)."""
 
 from __future__ import annotations
 
 import math
-import os
 import shlex
-import shutil
-import subprocess
-import sys
-import time
-from collections.abc import Mapping
-from pathlib import Path
 
-from rlx.errors import TRY_AGAIN, RlxError
-from rlx.launchers.base import Job, JobStatus, LaunchRequest
+from rlx.errors import TRY_AGAIN
 from rlx.launchers.common import NODE_RLX_VERSION, NOT_INSTALLED, header_lines, setup_script
-from rlx.launchers.keep import save_token
-from rlx.launchers.ops_common import save_rendered
-from rlx.launchers.slurm import BACKEND
+from rlx.launchers.slurm.containers import (
+    container_of,
+    engine_ready_script,
+    engine_rm_script,
+    engine_run_script,
+    in_container,
+    pyxis_flags,
+)
 from rlx.node.env import (
     JOB_DIR_ENV,
     NODE_HOSTS_ENV,
@@ -27,11 +25,25 @@ from rlx.node.env import (
     recipe_json,
 )
 from rlx.recipe import Recipe
-from rlx.recipe.model import SlurmContainer
 
 # Once the head (or every worker) is done, the other step follows within seconds; past this
 # grace period the driver stops it, so a stalled node cannot hold the allocation.
 WORKER_GRACE_SECONDS = 30
+
+
+# The driver log's line naming the job's nodes, head first: the batch script prints it, and
+# `rlx logs --node` and `rlx attach` read it back (nodes_from_driver_log).
+NODES_LINE = "rlx: head {head}, nodes: {nodes}"
+
+
+def nodes_from_driver_log(text: str) -> list[str]:
+    """The nodes the NODES_LINE of a driver log names ([] before it is written)."""
+    prefix, _, rest = NODES_LINE.partition("{head}")
+    separator = rest.partition("{nodes}")[0]
+    for line in text.splitlines():
+        if line.startswith(prefix) and separator in line:
+            return line.split(separator, 1)[1].split()
+    return []
 
 
 def _mem(value: str) -> str:
@@ -76,31 +88,6 @@ def log_dir(recipe: Recipe) -> str:
     return recipe.slurm.log_dir if recipe.slurm else "rlx-logs"
 
 
-# Containers are named after the job, so a requeued or later job never meets this one's.
-CONTAINER_NAME = "rlx-${SLURM_JOB_ID}"
-CONTAINER_READY_SECONDS = 600
-
-
-def _container(recipe: Recipe) -> SlurmContainer | None:
-    return recipe.slurm.container if recipe.slurm else None
-
-
-def _mounts(recipe: Recipe, container: SlurmContainer) -> list[str]:
-    return [
-        *container.mounts,
-        *(f"{v.path}:{v.path}" + (":ro" if v.read_only else "") for v in recipe.volumes),
-    ]
-
-
-def _pyxis_flags(recipe: Recipe, container: SlurmContainer) -> list[str]:
-    q = shlex.quote
-    flags = [f"--container-image={q(container.image)}", f'--container-name="{CONTAINER_NAME}"']
-    mounts = _mounts(recipe, container)
-    if mounts:
-        flags.append(f"--container-mounts={q(','.join(mounts))}")
-    return flags
-
-
 # Every node runs this: when RLX_WHEEL names a wheel (rlx launch ships one in the job's
 # folder) and this node's rlx is another version, the wheel goes into a virtualenv of the
 # node's own in the job's folder, never into the environment the site's users share (nodes
@@ -141,89 +128,6 @@ fi
 exec rlx node --backend slurm
 """
 )
-
-
-def step_env_names(recipe: Recipe) -> list[str]:
-    """What the job's steps need inside a docker/podman container (passed by name: `-e NAME`
-    copies the value from the step's environment, so no value is on a command line)."""
-    names = [*recipe.env, RECIPE_ENV, *recipe.secrets]
-    if recipe.ray.auth == "token":
-        names.append(RAY_TOKEN_SECRET)
-    return [
-        *names,
-        NODE_HOSTS_ENV,
-        "RLX_SETUP",
-        "RLX_NODE",
-        WHEEL_ENV,
-        JOB_DIR_ENV,
-        "SLURM_JOB_ID",
-        "SLURMD_NODENAME",
-    ]
-
-
-def _engine_run_script(recipe: Recipe, container: SlurmContainer) -> str:
-    """One long-lived container per node (a step on every node runs this): an init process
-    reaps Ray's daemons, host network and shm for Ray and NCCL, the GPUs, the mounts and
-    the job's env. It is removed when the step ends: the job finished, failed or was
-    cancelled (Slurm sends the step SIGTERM, the trap removes the container)."""
-    q = shlex.quote
-    engine = container.runtime
-    run = [
-        engine, "run", "--rm", "--name", '"$name"', "--init", "--network", "host",
-        "--shm-size", q(container.shm_size),
-    ]  # fmt: skip
-    if recipe.resources.gpus_per_node:
-        run += ["--gpus", "all"] if engine == "docker" else ["--device", "nvidia.com/gpu=all"]
-    for mount in _mounts(recipe, container):
-        run += ["-v", q(mount)]
-    for name in step_env_names(recipe):
-        run += ["-e", name]
-    run += [q(container.image), "tail", "-f", "/dev/null"]
-    return (
-        "\n".join(
-            [
-                f'name="{CONTAINER_NAME}"',
-                f'{engine} rm -f "$name" >/dev/null 2>&1 || true',
-                f"trap '{engine} rm -f \"$name\" >/dev/null 2>&1 || true' EXIT",
-                "trap 'exit 143' TERM INT",
-                " ".join(run) + " &",
-                "wait $!",
-            ]
-        )
-        + "\n"
-    )
-
-
-def _engine_rm_script(engine: str) -> str:
-    return f'{engine} rm -f "{CONTAINER_NAME}" >/dev/null 2>&1 || true\n'
-
-
-def _engine_ready_script(engine: str) -> str:
-    return (
-        f"for _ in $(seq {CONTAINER_READY_SECONDS}); do\n"
-        f'  if {engine} exec "{CONTAINER_NAME}" true >/dev/null 2>&1; then exit 0; fi\n'
-        "  sleep 1\n"
-        "done\n"
-        f'echo "rlx: the {engine} container did not start on $(hostname) within '
-        f'{CONTAINER_READY_SECONDS} s" >&2\n'
-        "exit 75\n"
-    )
-
-
-def _in_container(recipe: Recipe, argv: str) -> str:
-    """`argv` (a shell fragment) as the job's steps run it: inside the container for docker,
-    podman and apptainer (pyxis enters it through srun's own flags)."""
-    container = _container(recipe)
-    if container is None or container.runtime == "pyxis":
-        return argv
-    if container.runtime == "apptainer":
-        flags = ["--nv"] if recipe.resources.gpus_per_node else []
-        mounts = _mounts(recipe, container)
-        if mounts:
-            flags += ["--bind", shlex.quote(",".join(mounts))]
-        return " ".join(["apptainer", "exec", *flags, shlex.quote(container.image), argv])
-    names = " ".join(f"-e {name}" for name in step_env_names(recipe))
-    return f'{container.runtime} exec {names} "{CONTAINER_NAME}" {argv}'
 
 
 def script(recipe: Recipe) -> list[str]:
@@ -282,17 +186,17 @@ def script(recipe: Recipe) -> list[str]:
         f"{NODE_HOSTS_ENV}=$(printf '%s\\n' \"${{nodes[@]}}\")",
         f"export {NODE_HOSTS_ENV}",
         "head_node=${nodes[0]}",
-        'echo "rlx: head ${head_node}, nodes: ${nodes[*]}"',
+        f'echo "{NODES_LINE.format(head="${head_node}", nodes="${nodes[*]}")}"',
         "",
     ]
-    container = _container(recipe)
-    flags = _pyxis_flags(recipe, container) if container and container.runtime == "pyxis" else []
+    container = container_of(recipe)
+    flags = pyxis_flags(recipe, container) if container and container.runtime == "pyxis" else []
     step = " ".join(["srun", "--ntasks-per-node=1", *flags])
     if container and container.runtime in ("docker", "podman"):
         out += [
             "# One container per node for the whole job; the steps below run inside it.",
             "# shellcheck disable=SC2016  # expanded on each node, not here",
-            f"export RLX_CONTAINER={q(_engine_run_script(recipe, container))}",
+            f"export RLX_CONTAINER={q(engine_run_script(recipe, container))}",
             f"srun --ntasks-per-node=1 --nodes={nodes} --ntasks={nodes} "
             '--output="$job_logs/container-%N.log" bash -c "$RLX_CONTAINER" &',
             "containers_pid=$!",
@@ -301,7 +205,7 @@ def script(recipe: Recipe) -> list[str]:
             "# container, a child of the engine's monitor, would outlive the step), then by",
             "# ending the container step.",
             "# shellcheck disable=SC2016  # expanded on each node, not here",
-            f"export RLX_CONTAINER_RM={q(_engine_rm_script(container.runtime))}",
+            f"export RLX_CONTAINER_RM={q(engine_rm_script(container.runtime))}",
             "# shellcheck disable=SC2317,SC2329  # called by the trap",
             "remove_containers() {",
             f"  srun --overlap --ntasks-per-node=1 --nodes={nodes} --ntasks={nodes} "
@@ -310,7 +214,7 @@ def script(recipe: Recipe) -> list[str]:
             "}",
             "trap remove_containers EXIT",
             "# shellcheck disable=SC2016  # expanded on each node, not here",
-            f"export RLX_CONTAINER_READY={q(_engine_ready_script(container.runtime))}",
+            f"export RLX_CONTAINER_READY={q(engine_ready_script(container.runtime))}",
             f"srun --overlap --ntasks-per-node=1 --nodes={nodes} --ntasks={nodes} "
             'bash -c "$RLX_CONTAINER_READY" || exit 75',
             "",
@@ -321,7 +225,7 @@ def script(recipe: Recipe) -> list[str]:
         out += [
             f"export RLX_SETUP={q(setup)}",
             f'{step} --nodes={nodes} --ntasks={nodes} --output="$job_logs/setup-%N.log" '
-            + _in_container(recipe, 'bash -c "$RLX_SETUP"'),
+            + in_container(recipe, 'bash -c "$RLX_SETUP"'),
             "",
         ]
     out += [
@@ -329,7 +233,7 @@ def script(recipe: Recipe) -> list[str]:
         "# shellcheck disable=SC2016  # expanded on each node, not here",
         f"export RLX_NODE={q(NODE_SCRIPT)}",
     ]
-    node_cmd = _in_container(recipe, 'bash -c "$RLX_NODE"')
+    node_cmd = in_container(recipe, 'bash -c "$RLX_NODE"')
     requeue = recipe.slurm.requeue if recipe.slurm else None
     out += [
         f'{step} --nodes=1 --ntasks=1 --nodelist="$head_node" '
@@ -448,256 +352,3 @@ def render(recipe: Recipe, source: str) -> str:
         *script(recipe),
     ]
     return "\n".join(lines) + "\n"
-
-
-# --------------------------------------------------------------------------- operate
-# sbatch submits; the job id is the handle. State comes from squeue while the job is known
-# to the controller, then from sacct (or scontrol while it still remembers the job).
-
-TERMINAL = {
-    "COMPLETED",
-    "FAILED",
-    "CANCELLED",
-    "TIMEOUT",
-    "NODE_FAIL",
-    "OUT_OF_MEMORY",
-    "PREEMPTED",
-    "BOOT_FAIL",
-    "DEADLINE",
-}
-STATE_NAMES = {
-    "COMPLETED": "SUCCEEDED",
-    "PENDING": "PENDING",
-    "CONFIGURING": "PENDING",
-    "RUNNING": "RUNNING",
-    "COMPLETING": "RUNNING",
-    "CANCELLED": "CANCELLED",
-}
-
-
-def _slurm(
-    argv: list[str],
-    env: Mapping[str, str] | None = None,
-    cwd: Path | None = None,
-    check: bool = True,
-) -> subprocess.CompletedProcess[str]:
-    try:
-        proc = subprocess.run(
-            argv,
-            capture_output=True,
-            text=True,
-            env=None if env is None else dict(env),
-            cwd=cwd,
-            timeout=120,
-            check=False,
-        )
-    except FileNotFoundError:
-        raise RlxError(
-            f"`{argv[0]}` is not installed here; run rlx on a Slurm login node"
-        ) from None
-    except subprocess.TimeoutExpired:
-        raise RlxError(
-            f"`{' '.join(argv[:2])}` did not answer within 120 s; is slurmctld up? (try `sinfo`)"
-        ) from None
-    if check and proc.returncode != 0:
-        message = (proc.stderr or proc.stdout).strip().splitlines()
-        raise RlxError(f"{argv[0]} failed: {message[-1] if message else proc.returncode}")
-    return proc
-
-
-def launch(request: LaunchRequest) -> Job:
-    script = save_rendered(request, BACKEND.suffix)
-    script.chmod(0o755)
-    logs_root = request.workdir / log_dir(request.recipe)
-    logs_root.mkdir(parents=True, exist_ok=True)
-    # Secrets reach the job through sbatch's environment (exported to the job), never a file.
-    env = {**os.environ, **request.secrets, WHEEL_ENV: str(_ship_wheel(logs_root))}
-    proc = _slurm(["sbatch", "--parsable", str(script)], env=env, cwd=request.workdir)
-    job_id = proc.stdout.strip().split(";")[0]
-    if not job_id.isdigit():
-        raise RlxError(f"sbatch answered {proc.stdout.strip()!r}, not a job id")
-    token = request.secrets.get(RAY_TOKEN_SECRET)
-    if token:
-        save_token(request.workdir, request.name, token)  # for rlx attach and -b ray
-    return Job(
-        request.name,
-        BACKEND.name,
-        job_id,
-        request.source,
-        str(script),
-        extra={"logs": str(logs_root / f"{request.name}-{job_id}")},
-    )
-
-
-def _ship_wheel(logs_root: Path) -> Path:
-    """rlx ships itself: a wheel of the running rlx in the jobs' log folder, which every
-    node reads (it is where Slurm writes the job's output). Named by version, so a wheel
-    already there is the same one."""
-    from rlx.launchers.ship import build_wheel, wheel_dir
-
-    wheel = build_wheel(wheel_dir(os.environ))
-    shipped = logs_root.resolve() / ".rlx-wheels" / wheel.name
-    if not shipped.exists():
-        shipped.parent.mkdir(parents=True, exist_ok=True)
-        partial = shipped.with_suffix(f".{os.getpid()}.tmp")
-        shutil.copyfile(wheel, partial)
-        partial.replace(shipped)
-    return shipped
-
-
-def _state(job: Job) -> tuple[str, int | None, str]:
-    """(Slurm state, exit code if known, reason)."""
-    proc = _slurm(["squeue", "-h", "-j", job.handle, "-o", "%T|%r"], check=False)
-    line = proc.stdout.strip()
-    if proc.returncode == 0 and line:
-        state, _, reason = line.partition("|")
-        return state, None, "" if reason in ("None", "") else reason
-    proc = _slurm(
-        ["sacct", "-n", "-X", "-P", "-j", job.handle, "-o", "State,ExitCode"], check=False
-    )
-    line = proc.stdout.strip().splitlines()[0] if proc.stdout.strip() else ""
-    if proc.returncode == 0 and line:
-        state, _, code = line.partition("|")
-        return state.split()[0], int(code.split(":")[0] or 0), ""
-    proc = _slurm(["scontrol", "show", "job", job.handle, "-o"], check=False)
-    fields = dict(kv.split("=", 1) for kv in proc.stdout.split() if "=" in kv)
-    if proc.returncode == 0 and "JobState" in fields:
-        code = fields.get("ExitCode", "0:0").split(":")[0]
-        return fields["JobState"], int(code) if code.isdigit() else None, fields.get("Reason", "")
-    return "UNKNOWN", None, "the controller no longer knows this job (see its logs)"
-
-
-def status(job: Job) -> JobStatus:
-    state, code, reason = _state(job)
-    shown = STATE_NAMES.get(state, "FAILED" if state in TERMINAL else state)
-    if state == "COMPLETED" and code not in (None, 0):
-        shown = "FAILED"
-    detail = ", ".join(
-        x
-        for x in (
-            state.lower(),
-            reason,
-            _progress(job),
-            f"exit code {code}" if code is not None else "",
-        )
-        if x
-    )
-    return JobStatus(job.name, BACKEND.name, shown, detail, code)
-
-
-def _progress(job: Job) -> str:
-    """Training progress when the run folder the head names is on this machine's
-    filesystem (Slurm's logging folder is usually shared)."""
-    from rlx.runs import progress_detail, run_dir_from_log
-
-    head = attempt_folder(job) / "head.log"
-    try:
-        run_dir = run_dir_from_log(head.read_text(errors="replace"))
-    except OSError:
-        return ""
-    return (progress_detail(run_dir) or "") if run_dir else ""
-
-
-def attempt_folder(job: Job) -> Path:
-    """The log folder of the job's newest attempt (a requeued job has one per attempt)."""
-    first = Path(job.extra["logs"])
-    later = [
-        (int(p.name.rsplit("attempt", 1)[1]), p)
-        for p in first.parent.glob(f"{first.name}-attempt*")
-        if p.name.rsplit("attempt", 1)[1].isdigit()
-    ]
-    return max(later)[1] if later else first
-
-
-def _log_files(job: Job, node: int | None) -> list[Path]:
-    folder = attempt_folder(job)
-    if node is None or node == 0:
-        return [folder / "head.log"]
-    hosts = _job_hosts(folder)
-    if not 0 < node < len(hosts):
-        raise RlxError(f"node {node} is not in job {job.name} (nodes 0..{max(len(hosts) - 1, 0)})")
-    return [folder / f"worker-{hosts[node]}.log"]
-
-
-def _job_hosts(folder: Path) -> list[str]:
-    driver = folder / "driver.log"
-    if driver.exists():
-        for line in driver.read_text(errors="replace").splitlines():
-            if line.startswith("rlx: head ") and ", nodes: " in line:
-                return line.split(", nodes: ", 1)[1].split()
-    return []
-
-
-def logs(job: Job, *, follow: bool, node: int | None) -> int:
-    files = _log_files(job, node)
-    offsets = dict.fromkeys(files, 0)
-
-    def drain() -> None:
-        for path in files:
-            if path.exists():
-                with path.open("rb") as f:
-                    f.seek(offsets[path])
-                    chunk = f.read()
-                offsets[path] += len(chunk)
-                sys.stdout.write(chunk.decode(errors="replace"))
-        sys.stdout.flush()
-
-    drain()
-    if follow:
-        while _state(job)[0] not in (*TERMINAL, "UNKNOWN"):
-            time.sleep(1.0)
-            drain()
-        drain()  # what arrived while the job finished
-    if not any(path.exists() for path in files):
-        raise RlxError(
-            f"no log yet at {files[0]} (the job may still be pending: rlx status {job.name})"
-        )
-    return 0
-
-
-def down(job: Job) -> None:
-    _slurm(["scancel", job.handle])
-    for _ in range(120):  # wait until the controller has let go of it
-        if _state(job)[0] not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
-            return
-        time.sleep(0.5)
-
-
-def _job_recipe(job: Job) -> Recipe | None:
-    from rlx.launchers.slurm.attach import _rendered_value
-
-    raw = _rendered_value(job, RECIPE_ENV)
-    return Recipe.model_validate_json(raw) if raw else None
-
-
-def _attach_container(recipe: Recipe | None, job_id: str) -> tuple[list[str], list[str]]:
-    """(srun flags, command prefix) that enter the job's own container on a node."""
-    container = _container(recipe) if recipe else None
-    name = CONTAINER_NAME.replace("${SLURM_JOB_ID}", job_id)
-    if container is None:
-        return [], []
-    if container.runtime == "pyxis":
-        return [f"--container-name={name}"], []
-    if container.runtime == "apptainer":
-        return [], ["apptainer", "exec", container.image]
-    env = ["RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", RECIPE_ENV]
-    return [], [container.runtime, "exec", "-i", *(f"-e{n}" for n in env), name]
-
-
-def attach(job: Job, node: int, command: list[str]) -> int:
-    """A shell (or `command`) on node `node` of the running job, inside its container."""
-    from rlx.launchers.slurm.attach import attach as attach_step
-
-    recipe = _job_recipe(job)
-    port = recipe.ray.port if recipe else 6379
-    flags, prefix = _attach_container(recipe, job.handle)
-    return attach_step(job, node, command, port, flags, prefix)
-
-
-def tunnel(job: Job, local_port: int) -> None:
-    """Forward a local port to the head's dashboard through srun, until Ctrl-C."""
-    from rlx.launchers.slurm.attach import tunnel as tunnel_step
-
-    recipe = _job_recipe(job)
-    remote = recipe.ray.dashboard_port if recipe else 8265
-    tunnel_step(job, local_port, remote, *_attach_container(recipe, job.handle))
