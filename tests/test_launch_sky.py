@@ -294,18 +294,18 @@ def test_operating_a_managed_job_without_controller(workdir: Path):
 
 def test_every_explained_error_is_a_skypilot_exception():
     sky_exceptions = pytest.importorskip("sky.exceptions")
-    from rlx.launchers.sky.errors import EXPLAIN
+    from rlx.launchers.sky.errors import ERRORS
 
-    for key in EXPLAIN:
+    for key in ERRORS.lines:
         module, _, name = key.rpartition(".")
         assert module == "sky.exceptions"
         assert isinstance(getattr(sky_exceptions, name, None), type), f"no {key}"
 
 
 def test_unknown_errors_get_a_generic_line():
-    from rlx.launchers.sky.errors import Target, explain
+    from rlx.launchers.sky.errors import ERRORS, Target
 
-    line = explain(RuntimeError("\x1b[1mboom\x1b[0m\ndetails"), Target("c"))
+    line = ERRORS.explain(RuntimeError("\x1b[1mboom\x1b[0m\ndetails"), Target("c"))
     assert line == "SkyPilot failed: boom; run `sky check` or see `sky api logs`"
 
 

@@ -7,7 +7,7 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 from rlx.errors import RlxError
 from rlx.launchers.base import LaunchRequest, state_dir
@@ -27,31 +27,38 @@ def one_line(error: BaseException | str) -> str:
     return type(error).__name__ if isinstance(error, BaseException) else ""
 
 
-def explain_by_class(
-    exc: BaseException,
-    table: Mapping[str, Callable[[BaseException, Target], str]],
-    target: Target,
-) -> str | None:
-    """The line of the handler in `table` for the error's class or its nearest base class,
-    named `module.Class` (so the table is built without importing the library); None when
-    no class of it is there."""
-    for klass in type(exc).__mro__:
-        handler = table.get(f"{klass.__module__}.{klass.__name__}")
-        if handler is not None:
-            return handler(exc, target)
-    return None
+Explain = Callable[[BaseException, Target], str]  # (the library's error, target) -> one line
 
 
-@contextmanager
-def errors_explained(explain: Callable[[BaseException], str]) -> Iterator[None]:
-    """A backend library's exception out of the block becomes RlxError(explain(exc)), one
-    line for the user; rlx's own errors and Ctrl-C pass as they are."""
-    try:
-        yield
-    except (RlxError, KeyboardInterrupt):
-        raise
-    except Exception as exc:
-        raise RlxError(explain(exc)) from exc
+class ErrorTable(Generic[Target]):
+    """A backend library's exceptions as one line each, what happened and what to do next.
+
+    `lines` is keyed by the exception's module and class name (`sky.exceptions.ClusterNotUpError`),
+    so a table is built without importing the library; an error takes the line of its class or
+    of its nearest base class there, else `fallback`'s. `target` is what the operation was about
+    (a cluster, a run, a job), for the line."""
+
+    def __init__(self, lines: Mapping[str, Explain[Target]], fallback: Explain[Target]):
+        self.lines = dict(lines)
+        self.fallback = fallback
+
+    def explain(self, exc: BaseException, target: Target) -> str:
+        for klass in type(exc).__mro__:
+            handler = self.lines.get(f"{klass.__module__}.{klass.__name__}")
+            if handler is not None:
+                return handler(exc, target)
+        return self.fallback(exc, target)
+
+    @contextmanager
+    def around(self, target: Target) -> Iterator[None]:
+        """The library's exception out of the block becomes RlxError with its one line;
+        rlx's own errors and Ctrl-C pass as they are."""
+        try:
+            yield
+        except (RlxError, KeyboardInterrupt):
+            raise
+        except Exception as exc:
+            raise RlxError(self.explain(exc, target)) from exc
 
 
 def save_rendered(request: LaunchRequest, suffix: str) -> Path:

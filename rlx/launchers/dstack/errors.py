@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
-from rlx.launchers.ops_common import errors_explained, explain_by_class, one_line
+from rlx.launchers.ops_common import ErrorTable, one_line
 
 FLEET_DOCS = "https://dstack.ai/docs/concepts/fleets"
 VOLUME_DOCS = "https://dstack.ai/docs/concepts/volumes"
@@ -25,9 +24,6 @@ class Target:
     run: str
     project: str = ""
     url: str = ""
-
-
-Explain = Callable[[BaseException, Target], str]
 
 
 def _client_error(exc: BaseException, target: Target) -> str:
@@ -90,7 +86,7 @@ def _server_failed(exc: BaseException, target: Target) -> str:
     return f"dstack: the server at {target.url} failed ({one_line(exc)}); see its log"
 
 
-EXPLAIN: dict[str, Explain] = {
+EXPLAIN: dict[str, Callable[[BaseException, Target], str]] = {
     "dstack._internal.core.errors.ResourceNotExistsError": _not_found,
     "dstack._internal.core.errors.ServerClientError": _server_refused,
     "dstack._internal.core.errors.ServerError": _server_failed,
@@ -100,16 +96,11 @@ EXPLAIN: dict[str, Explain] = {
 }
 
 
-def explain(exc: BaseException, target: Target) -> str:
-    line = explain_by_class(exc, EXPLAIN, target)
-    if line is None:
-        line = f"dstack failed: {one_line(exc)}; see `dstack ps -a` and the server's log"
-    return line
+def _unknown(exc: BaseException, target: Target) -> str:
+    return f"dstack failed: {one_line(exc)}; see `dstack ps -a` and the server's log"
 
 
-def dstack_errors(target: Target) -> AbstractContextManager[None]:
-    """Errors of the block become one line for the user (see explain)."""
-    return errors_explained(lambda exc: explain(exc, target))
+ERRORS = ErrorTable(EXPLAIN, _unknown)
 
 
 def no_capacity(nodes: int, fleets: Sequence[str], server_says: str) -> str:

@@ -23,7 +23,7 @@ import yaml
 from rlx.errors import RlxError
 from rlx.launchers.base import Job, JobStatus, LaunchRequest, remember
 from rlx.launchers.dstack import BACKEND
-from rlx.launchers.dstack.errors import Target, dstack_errors, no_capacity
+from rlx.launchers.dstack.errors import ERRORS, Target, no_capacity
 from rlx.launchers.dstack.render import escape
 from rlx.launchers.ops_common import absolute_local, one_line, save_rendered
 from rlx.launchers.ship import build_wheel, wheel_dir
@@ -48,7 +48,7 @@ def _api() -> Any:
 
 def _client(project: str | None, run: str) -> tuple[Any, Target]:
     api = _api()
-    with dstack_errors(Target(run, project or "")):
+    with ERRORS.around(Target(run, project or "")):
         client = api.Client.from_config(project_name=project)
     return client, Target(run, client.project, client.client.base_url)
 
@@ -199,7 +199,7 @@ def launch(request: LaunchRequest) -> Job:
     conf = configuration(request)
     rendered_file = save_rendered(request, BACKEND.suffix)
     client, target = _client(None, request.name)
-    with dstack_errors(target):
+    with ERRORS.around(target):
         plan = client.runs.get_run_plan(conf, configuration_path=str(rendered_file))
         current = plan.current_resource
         if current is not None and not current.status.is_finished():
@@ -226,7 +226,7 @@ def _await_placement(client: Any, target: Target) -> None:
     )
     deadline = time.monotonic() + PLACEMENT_WAIT_S
     while True:
-        with dstack_errors(target):
+        with ERRORS.around(target):
             run = view(client.client.runs.get(target.project, target.run))
         state = verdict(run)
         if state.state in ("FAILED", "CANCELLED"):
@@ -244,7 +244,7 @@ def _await_placement(client: Any, target: Target) -> None:
 def _run(job: Job) -> tuple[Any, Target, Any]:
     """(client, target, run model); a run the server does not know is an error."""
     client, target = _client(job.extra.get(PROJECT), job.handle)
-    with dstack_errors(target):
+    with ERRORS.around(target):
         return client, target, client.client.runs.get(target.project, job.handle)
 
 
@@ -288,7 +288,7 @@ def logs(job: Job, *, follow: bool, node: int | None) -> int:
                 limit=1000,
                 next_token=token,
             )
-            with dstack_errors(target):
+            with ERRORS.around(target):
                 page = client.client.logs.poll(target.project, request)
             for event in page.logs:
                 _write(base64.b64decode(event.message))
@@ -300,7 +300,7 @@ def logs(job: Job, *, follow: bool, node: int | None) -> int:
         if not follow or finished:
             break
         time.sleep(POLL_S)
-        with dstack_errors(target):
+        with ERRORS.around(target):
             run = client.client.runs.get(target.project, job.handle)
     if not shown:
         found = verdict(view(run))
@@ -328,7 +328,7 @@ def down(job: Job) -> None:
     client, target, run = _run(job)
     if run.status.is_finished():
         return
-    with dstack_errors(target):
+    with ERRORS.around(target):
         client.client.runs.stop(target.project, [job.handle], False)
         deadline = time.monotonic() + 60.0
         while time.monotonic() < deadline:

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
-from rlx.launchers.ops_common import errors_explained, explain_by_class, one_line
+from rlx.launchers.ops_common import ErrorTable, one_line
 
 
 @dataclass(frozen=True)
@@ -24,8 +23,6 @@ class Target:
     def what(self) -> str:
         return f"Ray job {self.job} at {self.address}" if self.job else self.address
 
-
-Explain = Callable[[BaseException, Target], str]
 
 TUNNEL = "is the tunnel to its dashboard open (the command `rlx launch --keep` printed)?"
 
@@ -64,7 +61,7 @@ def _value(exc: BaseException, target: Target) -> str:
     return f"Ray: {one_line(exc)}"
 
 
-EXPLAIN: dict[str, Explain] = {
+EXPLAIN: dict[str, Callable[[BaseException, Target], str]] = {
     "builtins.ConnectionError": _unreachable,
     "requests.exceptions.ConnectionError": _unreachable,
     "ray.exceptions.AuthenticationError": _auth,
@@ -73,11 +70,8 @@ EXPLAIN: dict[str, Explain] = {
 }
 
 
-def explain(exc: BaseException, target: Target) -> str:
-    line = explain_by_class(exc, EXPLAIN, target)
-    return line if line is not None else f"Ray: {target.what}: {one_line(exc)}"
+def _unknown(exc: BaseException, target: Target) -> str:
+    return f"Ray: {target.what}: {one_line(exc)}"
 
 
-def translated(target: Target) -> AbstractContextManager[None]:
-    """Errors of the Ray client inside the block become one line about `target`."""
-    return errors_explained(lambda exc: explain(exc, target))
+ERRORS = ErrorTable(EXPLAIN, _unknown)

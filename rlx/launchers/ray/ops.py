@@ -26,7 +26,7 @@ from rlx.errors import RlxError
 from rlx.launchers.base import Job, JobStatus, LaunchRequest
 from rlx.launchers.ops_common import absolute_local, save_rendered
 from rlx.launchers.ray import BACKEND
-from rlx.launchers.ray.errors import Target, translated
+from rlx.launchers.ray.errors import ERRORS, Target
 from rlx.launchers.ray.render import submission
 from rlx.node.env import RAY_TOKEN_SECRET
 
@@ -63,7 +63,7 @@ def client(address: str, token: str) -> Any:
     from ray.job_submission import JobSubmissionClient
 
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    with translated(Target(address)):
+    with ERRORS.around(Target(address)):
         return JobSubmissionClient(address, headers=headers)
 
 
@@ -119,7 +119,7 @@ def launch(request: LaunchRequest) -> Job:
     rendered = save_rendered(request, BACKEND.suffix)
     kwargs = request_kwargs(request)
     jobs = client(address, token)
-    with translated(Target(address)):
+    with ERRORS.around(Target(address)):
         submission_id = jobs.submit_job(**kwargs)
     job = request.job(BACKEND.name, submission_id, str(rendered), address=address)
     print(f"rlx: submitted {submission_id} to {address}", file=sys.stderr, flush=True)
@@ -158,7 +158,7 @@ def follow_job(jobs: Any, job: Job) -> int:
             sys.stdout.write(chunk)
             sys.stdout.flush()
 
-    with translated(target):
+    with ERRORS.around(target):
         # A socket closed early is no outcome: the job's state below says how it ended.
         with contextlib.suppress(RuntimeError):
             asyncio.run(tail())
@@ -181,7 +181,7 @@ def follow_job(jobs: Any, job: Job) -> int:
 
 def status(job: Job) -> JobStatus:
     jobs = _job_client(job)
-    with translated(Target(job.extra["address"], job.handle)):
+    with ERRORS.around(Target(job.extra["address"], job.handle)):
         info = jobs.get_job_info(job.handle)
     state = str(getattr(info.status, "value", info.status))
     code = exit_code(info)
@@ -200,7 +200,7 @@ def logs(job: Job, *, follow: bool, node: int | None) -> int:
     jobs = _job_client(job)
     if follow:
         return follow_job(jobs, job)
-    with translated(Target(job.extra["address"], job.handle)):
+    with ERRORS.around(Target(job.extra["address"], job.handle)):
         sys.stdout.write(jobs.get_job_logs(job.handle))
         sys.stdout.flush()
         return exit_code(jobs.get_job_info(job.handle)) or 0
@@ -208,7 +208,7 @@ def logs(job: Job, *, follow: bool, node: int | None) -> int:
 
 def down(job: Job) -> None:
     jobs = _job_client(job)
-    with translated(Target(job.extra["address"], job.handle)):
+    with ERRORS.around(Target(job.extra["address"], job.handle)):
         jobs.stop_job(job.handle)
         for _ in range(120):
             if exit_code(jobs.get_job_info(job.handle)) is not None:

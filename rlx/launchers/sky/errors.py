@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
-from rlx.launchers.ops_common import errors_explained, explain_by_class, one_line
+from rlx.launchers.ops_common import ErrorTable, one_line
 
 
 @dataclass(frozen=True)
@@ -29,8 +28,6 @@ class Target:
     def see(self) -> str:
         return "`sky jobs queue`" if self.managed else f"`sky status {self.name}`"
 
-
-Explain = Callable[[BaseException, Target], str]  # (SkyPilot's error, target) -> one line
 
 CHECK = "run `sky check` to see which clouds are enabled and why"
 
@@ -153,7 +150,7 @@ def _managed_state(exc: BaseException, target: Target) -> str:
 
 # Keyed by the exception's module and class name, so that this table needs no import of sky;
 # subclasses are looked up along the class hierarchy (most specific first).
-EXPLAIN: dict[str, Explain] = {
+EXPLAIN: dict[str, Callable[[BaseException, Target], str]] = {
     "sky.exceptions.NoCloudAccessError": _no_cloud,
     "sky.exceptions.KubeAPIUnreachableError": _kube_unreachable,
     "sky.exceptions.ResourcesUnavailableError": _unavailable,
@@ -177,14 +174,8 @@ EXPLAIN: dict[str, Explain] = {
 }
 
 
-def explain(exc: BaseException, target: Target) -> str:
-    """One line for a SkyPilot error: what happened and what to run next."""
-    line = explain_by_class(exc, EXPLAIN, target)
-    if line is None:
-        line = f"SkyPilot failed: {one_line(exc)}; run `sky check` or see `sky api logs`"
-    return line
+def _unknown(exc: BaseException, target: Target) -> str:
+    return f"SkyPilot failed: {one_line(exc)}; run `sky check` or see `sky api logs`"
 
 
-def sky_errors(target: Target) -> AbstractContextManager[None]:
-    """Errors of the block become one line for the user (see explain)."""
-    return errors_explained(lambda exc: explain(exc, target))
+ERRORS = ErrorTable(EXPLAIN, _unknown)

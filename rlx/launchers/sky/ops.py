@@ -23,7 +23,7 @@ from rlx.launchers.base import Job, JobStatus, LaunchRequest, remember
 from rlx.launchers.ops_common import absolute_local, one_line, save_rendered
 from rlx.launchers.ship import build_wheel, wheel_dir
 from rlx.launchers.sky import BACKEND
-from rlx.launchers.sky.errors import Target, sky_errors
+from rlx.launchers.sky.errors import ERRORS, Target
 from rlx.node.env import WHEEL_ENV
 from rlx.recipe.model import is_bucket
 
@@ -65,7 +65,7 @@ def launch(request: LaunchRequest) -> Job:
     sky = _sky()
     rendered_file = save_rendered(request, BACKEND.suffix)
     target = Target(request.name, managed=request.managed)
-    with sky_errors(target):
+    with ERRORS.around(target):
         # Values are merged in before the task is built: a secret left without a value
         # becomes a reference to SkyPilot's managed secrets, which a plain server refuses.
         task = sky.Task.from_yaml_config(
@@ -73,7 +73,7 @@ def launch(request: LaunchRequest) -> Job:
         )
     job = request.job(BACKEND.name, request.name, str(rendered_file))
     if request.managed:
-        with sky_errors(target):
+        with ERRORS.around(target):
             job_ids, _ = sky.stream_and_get(sky.jobs.launch(task, name=request.name))
         if not job_ids:
             raise RlxError(f"SkyPilot accepted {request.name} but returned no managed job id")
@@ -81,7 +81,7 @@ def launch(request: LaunchRequest) -> Job:
         job.extra[MANAGED] = "1"
         return job
     try:
-        with sky_errors(target):
+        with ERRORS.around(target):
             job_id, _ = sky.stream_and_get(sky.launch(task, cluster_name=request.name))
     except RlxError:
         # A cluster that got as far as existing must stay reachable by `rlx down`.
@@ -135,7 +135,7 @@ def rlx_state(sky_state: str) -> str:
 def status(job: Job) -> JobStatus:
     sky = _sky()
     target = _target(job)
-    with sky_errors(target):
+    with ERRORS.around(target):
         if target.managed:
             return _managed_status(sky, job)
         return _cluster_status(sky, job)
@@ -218,7 +218,7 @@ def logs(job: Job, *, follow: bool, node: int | None) -> int:
     target = _target(job)
     sink = NodeFilter(node, sys.stdout) if node is not None else None
     job_id = job.extra.get(JOB_ID)
-    with sky_errors(target):
+    with ERRORS.around(target):
         if target.managed:
             code = sky.jobs.tail_logs(job_id=int(job.handle), follow=follow, output_stream=sink)
         else:
@@ -242,7 +242,7 @@ def logs(job: Job, *, follow: bool, node: int | None) -> int:
 def down(job: Job) -> None:
     sky = _sky()
     target = _target(job)
-    with sky_errors(target):
+    with ERRORS.around(target):
         if target.managed:
             sky.get(sky.jobs.cancel(job_ids=[int(job.handle)]))
         else:
