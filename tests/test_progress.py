@@ -6,8 +6,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from rlx.runs import progress_detail, run_dir_from_log
-from rlx.trainer.report.record import RunResult
+from rlx.runs import RunResult, progress_detail, run_dir_from_log
 
 
 def write_run(run_dir: Path, state: str, steps: int, rewards: list[float], started: float) -> None:

@@ -16,9 +16,9 @@ import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from rlx import procfs
 from rlx.errors import RlxError
 from rlx.recipe.model import RaySettings
 
@@ -268,27 +268,6 @@ class Gcs:
 # --------------------------------------------------------------------------- processes
 
 
-def _cmdline(pid: int) -> list[str]:
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return []
-    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
-
-
-def _parents() -> dict[int, int]:
-    out = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            # the command name may hold spaces and parentheses: ppid follows the last ')'
-            out[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-    return out
-
-
 def _is_ours(argv: list[str], address: str, port: int) -> bool:
     if not argv:
         return False
@@ -305,8 +284,8 @@ def _is_ours(argv: list[str], address: str, port: int) -> bool:
 
 def own_ray_pids(address: str, port: int) -> list[int]:
     """Ray processes of the cluster at `address` on this node, with all their descendants."""
-    parents = _parents()
-    roots = {pid for pid in parents if _is_ours(_cmdline(pid), address, port)}
+    parents = procfs.parents()
+    roots = {pid for pid in parents if _is_ours(procfs.cmdline(pid), address, port)}
     found = set(roots)
     changed = True
     while changed:
@@ -338,7 +317,7 @@ def stop_own_ray(address: str, port: int, grace: float = 5.0) -> int:
 
 
 def _program(pid: int) -> str:
-    return os.path.basename((_cmdline(pid) or [""])[0])
+    return os.path.basename((procfs.cmdline(pid) or [""])[0])
 
 
 def _terminate(pids: list[int], grace: float) -> None:
@@ -349,19 +328,11 @@ def _terminate(pids: list[int], grace: float) -> None:
                 os.kill(pid, sig)
         deadline = time.monotonic() + grace
         for delay in backoff(start=0.01, cap=0.1):
-            if not any(_running(pid) for pid in pids) or time.monotonic() >= deadline:
+            if not any(procfs.running(pid) for pid in pids) or time.monotonic() >= deadline:
                 break
             time.sleep(delay)
-        if not any(_running(pid) for pid in pids):
+        if not any(procfs.running(pid) for pid in pids):
             return
-
-
-def _running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def backoff(start: float = 0.05, factor: float = 1.5, cap: float = 1.0) -> Iterator[float]:

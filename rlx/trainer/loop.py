@@ -20,6 +20,15 @@ import torch
 
 from rlx.errors import RlxError
 from rlx.recipe.model import Recipe
+from rlx.runs import (
+    HOST_MEMORY,
+    RESPONSE_LENGTH,
+    REWARD_MEAN,
+    REWARD_STD,
+    STEP_TIME,
+    TOKENS_PER_S,
+    RunPaths,
+)
 from rlx.trainer import algos
 from rlx.trainer.actors.cluster import Cluster
 from rlx.trainer.batch import SequenceBatch, outcome_token_rewards, pack_rollout
@@ -47,17 +56,8 @@ from rlx.trainer.learn.learner import (
 )
 from rlx.trainer.learn.sharding import resolve_strategy
 from rlx.trainer.report.console import StopRequest
-from rlx.trainer.report.metrics import (
-    HOST_MEMORY,
-    RESPONSE_LENGTH,
-    REWARD_MEAN,
-    REWARD_STD,
-    STEP_TIME,
-    TOKENS_PER_S,
-    MetricsLogger,
-)
+from rlx.trainer.report.metrics import MetricsLogger
 from rlx.trainer.report.progress import Progress
-from rlx.trainer.resolve import RunPaths
 from rlx.trainer.rollout.probe import Probe
 from rlx.trainer.tasks import validation
 from rlx.trainer.tasks.data import PromptDataset, PromptSampler

@@ -18,9 +18,10 @@ from typing import Any, TextIO
 
 from rlx.errors import RlxError
 from rlx.recipe.model import Recipe
+from rlx.runs import RunPaths, RunResult, run_line, write_result
 from rlx.trainer.report.console import Stopped, StopRequest, console_to_log, handle_signals
-from rlx.trainer.report.record import RunResult, finish, summary_lines, write_result
-from rlx.trainer.resolve import RunPaths, run_paths, trainer_settings
+from rlx.trainer.report.record import finish, summary_lines
+from rlx.trainer.resolve import run_paths, trainer_settings
 
 # --------------------------------------------------------------------------- Ray
 
@@ -245,7 +246,7 @@ def run_training(
     write_result(paths, result)
     stop = StopRequest()
     with console_to_log(paths.log) as (out, err), handle_signals(stop):
-        print(f"rlx train: run {paths.run_id}, outputs in {paths.run_dir}", file=out, flush=True)
+        print(run_line(paths), file=out, flush=True)
         try:
             with training_session(recipe, env, paths, out, err, stop) as trainer:
                 result.last_step = trainer.run()

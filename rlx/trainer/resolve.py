@@ -11,12 +11,12 @@ import re
 import shutil
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rlx.errors import RlxError
 from rlx.recipe.model import Recipe, TrainerSettings
+from rlx.runs import RunPaths
 from rlx.trainer.checkpoint import resolve_run_id
 from rlx.trainer.tasks.rewards import RewardFn, resolve_reward
 
@@ -26,41 +26,6 @@ SYNTHETIC_PREFIX = "synthetic:"
 SYNTHETIC_ROWS = 1024
 MODEL_CACHE = ".models"  # under checkpoint.dir: a name no run id can take (leading dot)
 DATA_FOLDER = "data"
-
-# Where every run writes its outputs, inside the run folder.
-METRICS_FILE = "metrics.jsonl"
-LOG_FILE = "train.log"
-PLOT_FILE = "reward.png"
-RESULT_FILE = "result.json"
-
-
-@dataclass(frozen=True)
-class RunPaths:
-    """Where one run reads and writes. checkpoints is None when checkpointing is off."""
-
-    run_id: str
-    run_dir: Path  # logging.dir / run id: metrics, log, plot, result
-    checkpoint_root: Path | None  # checkpoint.dir (the manager adds the run id)
-
-    @property
-    def metrics(self) -> Path:
-        return self.run_dir / METRICS_FILE
-
-    @property
-    def log(self) -> Path:
-        return self.run_dir / LOG_FILE
-
-    @property
-    def plot(self) -> Path:
-        return self.run_dir / PLOT_FILE
-
-    @property
-    def result(self) -> Path:
-        return self.run_dir / RESULT_FILE
-
-    @property
-    def checkpoints(self) -> Path | None:
-        return None if self.checkpoint_root is None else self.checkpoint_root / self.run_id
 
 
 def trainer_settings(recipe: Recipe) -> TrainerSettings:

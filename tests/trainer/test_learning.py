@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from rlx.runs import read_metrics
 from rlx.trainer.main import run_training
-from rlx.trainer.report.metrics import read_metrics
 
 from .helpers import make_recipe
 

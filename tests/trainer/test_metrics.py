@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import subprocess
 import sys
 import textwrap
@@ -13,15 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlx.trainer.report import metrics as metrics_module
-from rlx.trainer.report.metrics import (
-    METRICS_FILE,
-    TENSORBOARD_DIR,
-    MetricsLogger,
-    format_console_line,
-    host_memory_bytes,
-    read_metrics,
-)
+from rlx import procfs
+from rlx.runs import METRICS_FILE, TENSORBOARD_DIR, read_metrics
+from rlx.trainer.report.metrics import MetricsLogger, format_console_line, host_memory_bytes
 from rlx.trainer.report.plots import second_panel, summary, write_plot
 from rlx.trainer.report.progress import Progress, track
 
@@ -237,7 +232,7 @@ def test_host_memory_counts_every_descendant(reader: str) -> None:
     def measure() -> int:
         if reader == "psutil":
             return host_memory_bytes()
-        return metrics_module._tree_rss_from_proc(__import__("os").getpid())
+        return procfs.tree_rss_bytes(os.getpid())
 
     before = measure()
     holder = subprocess.Popen(

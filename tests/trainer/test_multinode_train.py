@@ -18,7 +18,7 @@ import yaml
 
 from rlx.launchers import render
 from rlx.recipe import parse_recipe
-from rlx.trainer.report.metrics import read_metrics
+from rlx.runs import read_metrics
 from tests.hosts import Hosts, backend_env
 
 from .helpers import trainer_section

@@ -18,9 +18,9 @@ import pytest
 import torch
 import yaml
 
+from rlx.runs import read_metrics
 from rlx.trainer.checkpoint import MARKER
 from rlx.trainer.checkpoint.export import read_tensors, saved_tensors
-from rlx.trainer.report.metrics import read_metrics
 
 from .helpers import write_recipe
 from .runner import REPO, run_rlx

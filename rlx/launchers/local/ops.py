@@ -19,6 +19,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rlx import procfs
 from rlx.errors import RlxError
 from rlx.launchers.base import Job, JobStatus, LaunchRequest, remember
 from rlx.launchers.local import BACKEND
@@ -26,7 +27,7 @@ from rlx.node.env import RUN_ID_ENV
 from rlx.recipe import Recipe
 
 if TYPE_CHECKING:
-    from rlx.trainer.report.record import RunResult
+    from rlx.runs import RunResult
 
 STOP_GRACE_SECONDS = 60.0
 POLL_SECONDS = 0.5
@@ -72,9 +73,9 @@ def launch(request: LaunchRequest) -> Job:
 
 
 def _train(recipe: Recipe, run_dir: Path) -> int:
+    from rlx.runs import read_result
     from rlx.trainer.main import run_training
     from rlx.trainer.report.console import Stopped
-    from rlx.trainer.report.record import read_result
 
     try:
         result = run_training(recipe, print_summary=False)
@@ -134,16 +135,14 @@ def print_summary(record: RunResult) -> None:
 
 def _pid_running(job: Job) -> bool:
     """The launching process is alive, and is an rlx process (not a reused pid)."""
-    try:
-        raw = Path(f"/proc/{int(job.handle)}/cmdline").read_bytes()
-        state = Path(f"/proc/{int(job.handle)}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, ValueError):
+    if not job.handle.isdigit():
         return False
-    return state != "Z" and b"rlx" in raw
+    pid = int(job.handle)
+    return procfs.running(pid) and "rlx" in "\0".join(procfs.cmdline(pid))
 
 
 def status(job: Job) -> JobStatus:
-    from rlx.trainer.report.record import read_result
+    from rlx.runs import read_result
 
     running = _pid_running(job)
     run_dir = job.extra.get("run_dir")
@@ -177,7 +176,7 @@ def status(job: Job) -> JobStatus:
 
 
 def _log_path(job: Job) -> Path:
-    from rlx.trainer.resolve import LOG_FILE
+    from rlx.runs import LOG_FILE
 
     run_dir = job.extra.get("run_dir")
     if not run_dir:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from rlx import procfs
 from rlx.recipe.model import TrainerSettings
 from rlx.trainer.actors.placement import threads_for
 from rlx.trainer.batch import RolloutBatch, SequenceBatch
@@ -128,36 +129,13 @@ def _node_ip() -> str:
     return ray.util.get_node_ip_address()
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _reset_peak_rss() -> bool:
-    """Start measuring the process's peak resident memory afresh (Linux: clear_refs 5)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as refs:
-            refs.write("5")
-    except OSError:
-        return False
-    return True
-
-
 def memory_peak(reset: bool) -> int:
     """Peak resident bytes of this process since the last reset; reset=True starts the
     measurement afresh and returns the resident bytes now."""
     if reset:
-        _reset_peak_rss()
-        return _rss_bytes()
-    return _peak_rss_bytes()
-
-
-def _peak_rss_bytes() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return _rss_bytes()
+        procfs.reset_peak_rss()
+        return procfs.rss_bytes()
+    return procfs.peak_rss_bytes()
 
 
 def _vllm_options(
@@ -439,7 +417,7 @@ class TrainWorker:
 
     def host_memory(self) -> tuple[str, int, int]:
         """(node IP, pid, resident bytes) of this worker process."""
-        return _node_ip(), os.getpid(), _rss_bytes()
+        return _node_ip(), os.getpid(), procfs.rss_bytes()
 
     def memory_peak(self, reset: bool = False) -> int:
         return memory_peak(reset)
@@ -494,13 +472,13 @@ class TrainWorker:
                 "version, or train anew"
             )
         learner = self._learner()
-        before = _rss_bytes()
-        peak_reset = _reset_peak_rss()
+        before = procfs.rss_bytes()
+        peak_reset = procfs.reset_peak_rss()
         state = learner.sharded_state()
         load_learner_state(state, parts[LEARNER_STATE])
         learner.load_sharded_state(state)
         del state
-        peak = _peak_rss_bytes() if peak_reset else _rss_bytes()
+        peak = procfs.peak_rss_bytes() if peak_reset else procfs.rss_bytes()
         learner.load_parts(parts)
         states = parts.get(WORKER_RNG, {}).get("workers", [])
         restored = len(states) == self.spec.world_size
@@ -603,7 +581,7 @@ class RolloutWorker:
         self._drop_buckets = count
 
     def host_memory(self) -> tuple[str, int, int]:
-        return _node_ip(), os.getpid(), _rss_bytes()
+        return _node_ip(), os.getpid(), procfs.rss_bytes()
 
     def memory_peak(self, reset: bool = False) -> int:
         return memory_peak(reset)

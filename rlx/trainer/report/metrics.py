@@ -8,7 +8,6 @@ already logged. Non-finite values are written as null there (strict JSON), as Na
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -21,25 +20,28 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol, TextIO
 
-METRICS_FILE = "metrics.jsonl"
-TENSORBOARD_DIR = "tensorboard"
+from rlx import procfs
+from rlx.runs import (
+    APPROX_KL,
+    CLIPFRAC,
+    ENTROPY,
+    GRAD_NORM,
+    HOST_MEMORY,
+    KL,
+    METRICS_FILE,
+    RESPONSE_LENGTH,
+    REWARD_MEAN,
+    REWARD_STD,
+    STEP_TIME,
+    TENSORBOARD_DIR,
+    TOKENS_PER_S,
+    VAL_PASS1,
+    VAL_REWARD,
+    metric_lines,
+)
+
 RESERVED_KEYS = frozenset({"step", "time"})
 WANDB_ID_CHARS = re.compile(r"[^A-Za-z0-9_-]+")
-
-# Metric names the console line and the plot read. Any other name is logged all the same.
-REWARD_MEAN = "reward/mean"
-REWARD_STD = "reward/std"
-KL = "kl"
-APPROX_KL = "approx_kl"
-CLIPFRAC = "clipfrac"
-ENTROPY = "entropy"
-GRAD_NORM = "grad_norm"
-RESPONSE_LENGTH = "response_length/mean"
-TOKENS_PER_S = "tokens_per_s"
-STEP_TIME = "step_time"
-HOST_MEMORY = "host_memory_gib"  # host_memory_bytes() / 2**30
-VAL_PASS1 = "val/pass@1"  # greedy answers' mean reward on the held-out prompts
-VAL_REWARD = "val/reward_mean"  # mean reward of validation.n samples per held-out prompt
 
 
 @dataclass(frozen=True)
@@ -86,25 +88,6 @@ def format_console_line(
 # --------------------------------------------------------------------------- reading
 
 
-def read_metrics(jsonl_path: Path) -> list[dict[str, Any]]:
-    """The records of a metrics file in order; a torn last line (a crash mid-write) is skipped."""
-    return [record for _, record in _read_lines(Path(jsonl_path))]
-
-
-def _read_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int):
-            records.append((line, record))
-    return records
-
-
 # --------------------------------------------------------------------------- sinks
 
 
@@ -119,7 +102,7 @@ class JsonlSink:
     first (they are about to be logged again), so the file never holds a step twice."""
 
     def __init__(self, path: Path, start_step: int):
-        kept = [line for line, record in _read_lines(path) if record["step"] < start_step]
+        kept = [line for line, record in metric_lines(path) if record["step"] < start_step]
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_name(f".{path.name}.tmp")
         with open(temporary, "w", encoding="utf-8") as handle:
@@ -341,7 +324,7 @@ def host_memory_bytes(pid: int | None = None) -> int:
     try:
         import psutil
     except ImportError:
-        return _tree_rss_from_proc(root)
+        return procfs.tree_rss_bytes(root)
     return _tree_rss_psutil(psutil, root)
 
 
@@ -353,26 +336,4 @@ def _tree_rss_psutil(psutil: Any, root: int) -> int:
             total += child.memory_info().rss
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue  # gone since listing, or not ours to read
-    return total
-
-
-def _tree_rss_from_proc(root: int) -> int:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        # The command name sits in parentheses and may hold spaces: split after the last ")".
-        parent = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(parent, []).append(int(entry))
-    page = os.sysconf("SC_PAGE_SIZE")
-    total, pending = 0, [root]
-    while pending:
-        pid = pending.pop()
-        with contextlib.suppress(OSError, IndexError, ValueError):  # exited since listing
-            total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * page
-        pending.extend(children.get(pid, []))
     return total

@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from rlx.trainer.report.metrics import (
+from rlx.runs import (
     APPROX_KL,
     KL,
     REWARD_MEAN,

@@ -1,68 +1,14 @@
-"""What a run leaves behind for people and for `rlx status`: result.json (state, exit code,
-where things are, start and end reward) and the end-of-run figures behind the summary."""
+"""The end of a run for people: the plot, the figures of result.json's summary (start and end
+reward, validation), and the summary lines. (result.json itself: rlx/runs.py.)"""
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
-from pathlib import Path
-
-from rlx.trainer.resolve import RESULT_FILE, RunPaths
-
-# Steps averaged for the start and end reward of the summary (one step alone is noisy).
-SUMMARY_WINDOW = 10
-
-
-@dataclass
-class RunResult:
-    """What a finished (or failed) run leaves behind; also written as result.json."""
-
-    state: str  # RUNNING | SUCCEEDED | FAILED | CANCELLED
-    run_id: str
-    run_dir: str
-    steps: int
-    last_step: int | None = None
-    exit_code: int | None = None
-    pid: int | None = None
-    started: float | None = None
-    finished: float | None = None
-    wall_time_s: float | None = None
-    first_reward: float | None = None  # reward/mean of the first step logged
-    last_reward: float | None = None  # ... and of the last
-    first_reward_window: float | None = None  # mean over the first SUMMARY_WINDOW steps
-    last_reward_window: float | None = None  # ... and over the last ones: less noisy
-    reward_window: int | None = None  # how many steps each of those means covers
-    first_val_reward: float | None = None  # validation reward mean at its first step ...
-    last_val_reward: float | None = None  # ... and at its last
-    first_val_pass1: float | None = None  # validation greedy pass@1, first and last
-    last_val_pass1: float | None = None
-    val_steps: list[int] | None = None  # [first, last] step validated
-    metrics: str | None = None
-    plot: str | None = None
-    log: str | None = None
-    checkpoints: str | None = None
-    checkpoint_bytes: int | None = None  # size on disk of the last checkpoint saved
-    model: str | None = None  # the Hugging Face folder exported at the end
-    error: str | None = None
-
-
-def write_result(paths: RunPaths, result: RunResult) -> None:
-    paths.run_dir.mkdir(parents=True, exist_ok=True)
-    temporary = paths.result.with_name(f".{paths.result.name}.tmp")
-    temporary.write_text(json.dumps(asdict(result), indent=1))
-    temporary.replace(paths.result)
-
-
-def read_result(run_dir: Path) -> RunResult | None:
-    try:
-        return RunResult(**json.loads((run_dir / RESULT_FILE).read_text()))
-    except (OSError, ValueError, TypeError):
-        return None
+from rlx.runs import SUMMARY_WINDOW, RunPaths, RunResult
 
 
 def finish(result: RunResult, paths: RunPaths) -> None:
     """The plot and the summary figures, from the metrics file."""
-    from rlx.trainer.report.metrics import REWARD_MEAN, read_metrics
+    from rlx.runs import REWARD_MEAN, read_metrics
     from rlx.trainer.report.plots import summary, write_plot
 
     if paths.metrics.is_file():

@@ -15,7 +15,7 @@ from typing import Any
 
 from rlx.errors import RlxError
 from rlx.recipe.model import TrainerSettings
-from rlx.trainer.report.metrics import VAL_PASS1, VAL_REWARD
+from rlx.runs import VAL_PASS1, VAL_REWARD
 from rlx.trainer.tasks.data import PromptDataset
 
 
