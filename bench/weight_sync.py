@@ -127,6 +127,7 @@ def run_setting(model: Path, data: Path, args: Any, choice: str, folder: Path) -
     forwards done and one push in 1 MiB buckets made, so every page of the policy and the
     engine has been touched and the object store has touched what 1 MiB buckets need
     (about the embedding). What the measured pushes add is then theirs."""
+    from rlx.trainer.job import TrainJob
     from rlx.trainer.main import training_session
     from rlx.trainer.resolve import run_paths
 
@@ -134,7 +135,8 @@ def run_setting(model: Path, data: Path, args: Any, choice: str, folder: Path) -
     recipe = recipe_for(model, data, args.engine, folder, bucket_mb)
     env = {"RLX_RUN_ID": f"bench-{choice}"}
     log = io.StringIO()
-    with training_session(recipe, env, run_paths(recipe, env), log, log) as trainer:
+    job = TrainJob.of(recipe)
+    with training_session(job, env, run_paths(job.name, job.settings, env), log, log) as trainer:
         import ray
 
         cluster = trainer.cluster

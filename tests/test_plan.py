@@ -129,23 +129,29 @@ def test_model_shapes_from_folder_cache_and_table(tmp_path: Path) -> None:
 
 def test_tiny_shape_matches_the_built_tiny_model(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    from rlx.trainer.learn.tiny import build_tiny_model
+    from rlx.trainer.resolve import resolve_model_path
 
-    build_tiny_model(tmp_path, arch="qwen2", hidden_size=32, num_layers=2, num_heads=4, seed=0)
-    built = find_shape(str(tmp_path), {})
-    assert dataclasses.replace(built, source="tiny spec") == find_shape("tiny:qwen2-h32-l2", {})
+    # The very folder the trainer builds for the spec (2 heads of 64, 4x MLP, tied head).
+    folder = resolve_model_path("tiny:qwen2-h128-l2", tmp_path, seed=0)
+    built = find_shape(folder, {})
+    assert dataclasses.replace(built, source="tiny spec") == find_shape("tiny:qwen2-h128-l2", {})
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     assert sum(p.numel() for p in model.parameters()) == built.params
 
 
-def test_logits_chunk_is_the_trainers() -> None:
-    models = pytest.importorskip("rlx.trainer.learn.models")
-    if not hasattr(models, "LOGITS_CHUNK_BYTES"):
-        pytest.skip("this trainer does not chunk its log-probs")
-    assert models.LOGITS_CHUNK_BYTES == mem.LOGITS_CHUNK_BYTES
+def test_logits_chunk_is_the_trainers(tmp_path: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlx.trainer.learn.models import ResponseScorer
+    from rlx.trainer.resolve import resolve_model_path
+
+    folder = resolve_model_path("tiny:qwen2-h64-l1", tmp_path, seed=0)
+    scorer = ResponseScorer(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32))
+    assert scorer.chunk_tokens == mem.logits_chunk_tokens(find_shape("tiny:qwen2-h64-l1", {}))
 
 
 def test_accelerator_table_uses_the_recipe_names() -> None:
@@ -292,3 +298,19 @@ def test_a_split_push_holds_two_buckets_not_the_model(tmp_path: Path) -> None:
         items = {i.name: i.bytes for budget in plan.hosts for i in budget.items}
         assert items["weight push"] == 2 * bucket
         assert items["engines' received bucket"] == 4 * bucket  # 4 engines on their node
+
+
+def test_cpu_kv_cache_is_sized_per_token_as_the_plan_counts(tmp_path: Path) -> None:
+    from rlx.recipe import parse_recipe
+    from rlx.trainer.actors.workers import cpu_kv_cache_bytes
+    from rlx.trainer.resolve import resolve_model_path
+
+    folder = resolve_model_path("tiny:qwen2-h64-l2", tmp_path, seed=0)
+    recipe = parse_recipe(
+        "name: kv\ntrainer:\n  model: {path: 'tiny:qwen2-h64-l2'}\n"
+        "  data: {train: 'synthetic:letters_or_digits', max_prompt_length: 64}\n"
+        "  rollout: {n: 16, max_new_tokens: 64}\n  batch: {prompts_per_step: 64}\n"
+    ).recipe
+    # 2 (K, V) x 2 layers x 1 head x 64 dims x 4 bytes = 1 KiB per token; 64 x 16 sequences
+    # of 128 tokens, twice over.
+    assert cpu_kv_cache_bytes(recipe.trainer, folder) == 2 * 64 * 16 * 128 * 1024

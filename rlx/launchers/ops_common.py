@@ -1,5 +1,6 @@
-"""Small pieces the backends' operations (sky_ops, dstack_ops, slurm) share. No backend
-library is imported here."""
+"""Small pieces the backends' operations (each package's ops.py) share: the error table, the
+one-line error, where rendered files are kept, local paths. No backend library is imported
+here."""
 
 from __future__ import annotations
 

@@ -16,9 +16,35 @@ from rlx.errors import Finding, RecipeError, RlxError
 from rlx.launchers import backend_checks
 from rlx.lint import cluster, memory, secrets, storage, trainer
 from rlx.lint.core import ERROR, WARNING, Check, Problem
-from rlx.recipe import LoadedRecipe, load_recipe
+from rlx.recipe import LoadedRecipe, Recipe, load_recipe
+from rlx.recipe.load import dotted
 
-__all__ = ["ERROR", "WARNING", "Check", "Problem", "all_checks", "lint_file", "lint_loaded"]
+__all__ = [
+    "ERROR",
+    "STARTUP_CHECKS",
+    "WARNING",
+    "Check",
+    "Problem",
+    "all_checks",
+    "lint_file",
+    "lint_loaded",
+    "refuse_at_startup",
+]
+
+# What `rlx train` refuses at start-up, before any actor starts: these very checks, so a recipe
+# that lint passes is never refused there, and one that never went through lint (rlx train
+# on a file) is refused with the same words. What lint cannot see (the nodes Ray finds, files
+# and packages on the head, the data's rows) the trainer checks where it reads them.
+STARTUP_CHECKS: tuple[Check, ...] = (
+    trainer.check_has_work,
+    trainer.check_batch_divisibility,
+    trainer.check_tensor_parallel,
+    trainer.check_rollout_engine,
+    trainer.check_group_size,
+    trainer.check_layout,
+    trainer.check_colocated_tensor_parallel,
+    trainer.check_trainer_specs,
+)
 
 
 def all_checks() -> list[Check]:
@@ -32,6 +58,15 @@ def all_checks() -> list[Check]:
         *storage.CHECKS,
         *backend_checks(),
     ]
+
+
+def refuse_at_startup(recipe: Recipe) -> None:
+    """Raise RlxError with the first error of STARTUP_CHECKS (field: what to change)."""
+    errors = [p for check in STARTUP_CHECKS for p in check(recipe) if p.severity == ERROR]
+    if errors:
+        first = errors[0]
+        more = f" (and {len(errors) - 1} more; `rlx lint` lists them)" if len(errors) > 1 else ""
+        raise RlxError(f"{dotted(first.field)}: {first.message}{more}")
 
 
 def lint_loaded(lr: LoadedRecipe) -> list[Finding]:

@@ -9,12 +9,18 @@ from collections.abc import Iterator
 from rlx.errors import RlxError
 from rlx.lint.core import ERROR, WARNING, Check, Problem
 from rlx.recipe import Recipe
+from rlx.recipe.specs import (
+    SYNTHETIC_PREFIX,
+    TINY_PREFIX,
+    synthetic_task_problem,
+    tiny_spec_problem,
+)
 
 
 def _dp_ranks(recipe: Recipe) -> int:
     """Training (data-parallel) ranks, as the trainer will place them: one per training GPU,
     or one per node on CPU-only jobs."""
-    from rlx.trainer.actors.placement import plan_actors  # light: no torch or ray at import
+    from rlx.plan.actors import plan_actors
 
     try:
         return plan_actors(recipe).train_workers
@@ -160,16 +166,10 @@ def check_colocated_tensor_parallel(recipe: Recipe) -> Iterator[Problem]:
         )
 
 
-# Synthetic tasks rlx.trainer.resolve can generate (kept equal to it by a test).
-SYNTHETIC_TASKS = ("letters_or_digits", "arithmetic")
-
-
 def check_trainer_specs(recipe: Recipe) -> Iterator[Problem]:
     """The names the trainer resolves on the head before any worker starts: tiny model
     specs, synthetic tasks and built-in rewards."""
-    from rlx.plan.shapes import TINY_HEADS, TINY_SPEC
-    from rlx.trainer.learn.tiny import ARCHS
-    from rlx.trainer.tasks.rewards import REWARD_FUNCTIONS
+    from rlx.trainer.tasks.rewards import reward_spec_problem
 
     trainer = recipe.trainer
     if trainer is None:
@@ -178,18 +178,7 @@ def check_trainer_specs(recipe: Recipe) -> Iterator[Problem]:
     if trainer.algorithm == "ppo" and trainer.critic_model is not None:
         models.append(("critic_model", trainer.critic_model.path))
     for field, spec in models:
-        if not spec.startswith("tiny:"):
-            continue
-        match = TINY_SPEC.fullmatch(spec)
-        problem = None
-        if match is None:
-            problem = "is not a tiny model spec; write tiny:<arch>-h<hidden>-l<layers>"
-        elif match["arch"] not in ARCHS:
-            problem = f"tiny arch {match['arch']!r} is not one of {', '.join(ARCHS)}"
-        elif int(match["hidden"]) < TINY_HEADS or int(match["hidden"]) % TINY_HEADS:
-            problem = f"tiny models need a hidden size that is a multiple of {TINY_HEADS}"
-        elif int(match["layers"]) < 1:
-            problem = "tiny models need at least one layer"
+        problem = tiny_spec_problem(spec) if spec.startswith(TINY_PREFIX) else None
         if problem:
             yield Problem(("trainer", field, "path"), ERROR, f"{spec!r} {problem}")
     data = trainer.data.train
@@ -197,29 +186,13 @@ def check_trainer_specs(recipe: Recipe) -> Iterator[Problem]:
     if trainer.validation is not None:
         datasets.append((("trainer", "validation", "data"), trainer.validation.data))
     for where, spec in datasets:
-        if spec.startswith("synthetic:") and spec.removeprefix("synthetic:") not in SYNTHETIC_TASKS:
-            yield Problem(
-                where,
-                ERROR,
-                f"unknown synthetic task {spec!r}; valid: "
-                + ", ".join(f"synthetic:{task}" for task in SYNTHETIC_TASKS),
-            )
+        problem = synthetic_task_problem(spec) if spec.startswith(SYNTHETIC_PREFIX) else None
+        if problem:
+            yield Problem(where, ERROR, problem)
     reward = trainer.reward.function
-    target, colon, name = reward.rpartition(":")
-    if not colon and reward not in REWARD_FUNCTIONS:
-        yield Problem(
-            ("trainer", "reward", "function"),
-            ERROR,
-            f"unknown reward {reward!r}; valid: {', '.join(sorted(REWARD_FUNCTIONS))}, or "
-            "'package.module:function' or 'path/to/file.py:function'",
-        )
-    elif colon and (not target or not name.isidentifier()):
-        yield Problem(
-            ("trainer", "reward", "function"),
-            ERROR,
-            f"bad reward spec {reward!r}; write 'package.module:function' or "
-            "'path/to/file.py:function'",
-        )
+    problem = reward_spec_problem(reward)
+    if problem:
+        yield Problem(("trainer", "reward", "function"), ERROR, problem)
     elif reward == "math_exact" and "math" in data.lower():
         yield Problem(
             ("trainer", "reward", "function"),

@@ -16,7 +16,7 @@ ADAM_MOMENTS = 2  # AdamW keeps exp_avg and exp_avg_sq, each in the parameter's 
 # Gathered decoder layers alive at once under FSDP2: the running one and the prefetched one.
 FSDP_LAYERS_IN_FLIGHT = 2
 # The trainer's log-probs run the LM head over this many bytes of fp32 logits at a time
-# (rlx.trainer.learn.models.LOGITS_CHUNK_BYTES; a test keeps the two equal).
+# (the trainer's ResponseScorer chunks by chunk_tokens_for_vocab).
 LOGITS_CHUNK_BYTES = 1 << 28
 
 # Accelerator memory in GiB, by the names resources.accelerators uses (SkyPilot's).
@@ -129,9 +129,14 @@ def activation_bytes(
     return residual + tokens * per_layer
 
 
+def chunk_tokens_for_vocab(vocab: int) -> int:
+    """Tokens per chunk of the chunked log-probs: LOGITS_CHUNK_BYTES of fp32 logits. The
+    trainer's ResponseScorer chunks by this very function."""
+    return max(1, LOGITS_CHUNK_BYTES // (4 * vocab))
+
+
 def logits_chunk_tokens(shape: ModelShape) -> int:
-    """Tokens per chunk of the chunked log-probs: LOGITS_CHUNK_BYTES / (4*V)."""
-    return max(1, LOGITS_CHUNK_BYTES // (4 * shape.vocab))
+    return chunk_tokens_for_vocab(shape.vocab)
 
 
 def logits_peak_bytes(

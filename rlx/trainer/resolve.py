@@ -6,8 +6,8 @@ spec fails in a second with one line instead of inside a Ray actor.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -15,32 +15,30 @@ from pathlib import Path
 from typing import Any
 
 from rlx.errors import RlxError
-from rlx.recipe.model import Recipe, TrainerSettings
+from rlx.recipe.model import TrainerSettings
+from rlx.recipe.specs import (
+    SYNTHETIC_PREFIX,
+    SYNTHETIC_TASKS,
+    TINY_PREFIX,
+    TinyModel,
+    is_local_path,
+    synthetic_task_problem,
+    tiny_model,
+    tiny_spec_problem,
+)
 from rlx.runs import RunPaths
 from rlx.trainer.checkpoint import resolve_run_id
 from rlx.trainer.tasks.rewards import RewardFn, resolve_reward
 
-# tiny:<arch>-h<hidden>-l<layers>, e.g. tiny:qwen2-h64-l2: a random model built locally.
-TINY_SPEC = re.compile(r"tiny:(?P<arch>[a-z0-9]+)-h(?P<hidden>[0-9]+)-l(?P<layers>[0-9]+)")
-SYNTHETIC_PREFIX = "synthetic:"
 SYNTHETIC_ROWS = 1024
 MODEL_CACHE = ".models"  # under checkpoint.dir: a name no run id can take (leading dot)
 DATA_FOLDER = "data"
 
 
-def trainer_settings(recipe: Recipe) -> TrainerSettings:
-    if recipe.trainer is None:
-        raise RlxError(
-            f"recipe {recipe.name!r} has no 'trainer:' section, so there is nothing for "
-            "`rlx train` to run; add one (see recipes/quickstart.yaml)"
-        )
-    return recipe.trainer
-
-
-def run_paths(recipe: Recipe, env: Mapping[str, str]) -> RunPaths:
-    """The run id (stable across relaunches, see resolve_run_id) and the run's folders."""
-    settings = trainer_settings(recipe)
-    run_id = resolve_run_id(recipe.name, env)
+def run_paths(name: str, settings: TrainerSettings, env: Mapping[str, str]) -> RunPaths:
+    """The run id of recipe `name` (stable across relaunches, see resolve_run_id) and the
+    run's folders."""
+    run_id = resolve_run_id(name, env)
     run_dir = Path(settings.logging.dir).expanduser().absolute() / run_id
     ckpt = settings.checkpoint.dir
     root = None if ckpt is None else Path(ckpt).expanduser().absolute()
@@ -48,10 +46,6 @@ def run_paths(recipe: Recipe, env: Mapping[str, str]) -> RunPaths:
 
 
 # --------------------------------------------------------------------------- models
-
-
-def _looks_local(path: str) -> bool:
-    return path.startswith(("/", "./", "../", "~")) or path in (".", "..")
 
 
 def model_cache_dir(paths: RunPaths) -> Path:
@@ -65,19 +59,13 @@ def model_cache_dir(paths: RunPaths) -> Path:
 def resolve_model_path(spec: str, cache_dir: Path, seed: int, field: str = "model") -> str:
     """A folder or hub id from_pretrained can load. `tiny:...` builds the random model once
     (the same spec and seed give the same bytes) into cache_dir and returns that folder."""
-    match = TINY_SPEC.fullmatch(spec)
-    if spec.startswith("tiny:") and match is None:
-        raise RlxError(
-            f"trainer.{field}.path: {spec!r} is not a tiny model spec; write "
-            "tiny:<arch>-h<hidden>-l<layers>, e.g. tiny:qwen2-h64-l2"
-        )
-    if match is not None:
-        return str(
-            build_tiny_cached(
-                match["arch"], int(match["hidden"]), int(match["layers"]), cache_dir, seed, field
-            )
-        )
-    if _looks_local(spec):
+    if spec.startswith(TINY_PREFIX):
+        problem = tiny_spec_problem(spec)
+        model = tiny_model(spec)
+        if problem is not None or model is None:
+            raise RlxError(f"trainer.{field}.path: {spec!r} {problem}")
+        return str(build_tiny_cached(model, cache_dir, seed))
+    if is_local_path(spec):
         folder = Path(spec).expanduser()
         if not folder.is_dir():
             raise RlxError(
@@ -93,21 +81,11 @@ def resolve_model_path(spec: str, cache_dir: Path, seed: int, field: str = "mode
     return spec  # a hub id: from_pretrained downloads it (and reports what is wrong)
 
 
-def build_tiny_cached(
-    arch: str, hidden: int, layers: int, cache_dir: Path, seed: int, field: str = "model"
-) -> Path:
-    from rlx.trainer.learn.tiny import ARCHS, HEAD_DIM, build_tiny_model
+def build_tiny_cached(model: TinyModel, cache_dir: Path, seed: int) -> Path:
+    """The folder of a tiny model (built once per spec and seed, then reused)."""
+    from rlx.trainer.learn.tiny import build_tiny_model
 
-    if arch not in ARCHS:
-        raise RlxError(f"trainer.{field}.path: tiny arch {arch!r} is not one of {', '.join(ARCHS)}")
-    if hidden < HEAD_DIM or hidden % HEAD_DIM or layers < 1:
-        # Heads of HEAD_DIM: the size vLLM's CPU attention supports, so any tiny model runs
-        # on either engine.
-        raise RlxError(
-            f"trainer.{field}.path: tiny models need a hidden size that is a multiple of "
-            f"{HEAD_DIM} (their heads have {HEAD_DIM} dimensions) and at least one layer"
-        )
-    target = cache_dir / f"tiny-{arch}-h{hidden}-l{layers}-seed{seed}"
+    target = cache_dir / f"tiny-{model.arch}-h{model.hidden}-l{model.layers}-seed{seed}"
     if (target / "config.json").is_file():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -117,10 +95,10 @@ def build_tiny_cached(
     try:
         build_tiny_model(
             scratch,
-            arch=arch,
-            hidden_size=hidden,
-            num_layers=layers,
-            num_heads=hidden // HEAD_DIM,
+            arch=model.arch,
+            hidden_size=model.hidden,
+            num_layers=model.layers,
+            num_heads=model.heads,
             seed=seed,
         )
         with contextlib.suppress(OSError):  # another process won the race: use theirs
@@ -145,30 +123,23 @@ def load_tokenizer(path: str, trust_remote_code: bool) -> Any:
 # --------------------------------------------------------------------------- data and reward
 
 
-def synthetic_writers() -> dict[str, Any]:
-    from rlx.trainer.tasks.synthetic import write_arithmetic_dataset, write_synthetic_dataset
-
-    return {"letters_or_digits": write_synthetic_dataset, "arithmetic": write_arithmetic_dataset}
-
-
 def resolve_data_path(
     spec: str, run_dir: Path, seed: int, field: str = "data.train", held_out: bool = False
 ) -> Path:
     """The prompt file: as given, or `synthetic:NAME` generated into the run folder (the
     same name and seed give the same rows; held_out: the task's held-out rows)."""
     if spec.startswith(SYNTHETIC_PREFIX):
+        problem = synthetic_task_problem(spec)
+        if problem is not None:
+            raise RlxError(f"trainer.{field}: {problem}")
         name = spec.removeprefix(SYNTHETIC_PREFIX)
-        writers = synthetic_writers()
-        if name not in writers:
-            raise RlxError(
-                f"trainer.{field}: unknown synthetic task {name!r}; valid: "
-                + ", ".join(f"synthetic:{task}" for task in writers)
-            )
         suffix = "-held-out" if held_out else ""
         target = run_dir / DATA_FOLDER / f"{name}-seed{seed}{suffix}.jsonl"
         if not target.is_file():
             scratch = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-            writers[name](scratch, SYNTHETIC_ROWS, seed=seed, held_out=held_out)
+            module, _, function = SYNTHETIC_TASKS[name].partition(":")
+            write = getattr(importlib.import_module(module), function)
+            write(scratch, SYNTHETIC_ROWS, seed=seed, held_out=held_out)
             os.replace(scratch, target)
         return target
     path = Path(spec).expanduser()

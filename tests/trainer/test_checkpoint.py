@@ -468,7 +468,7 @@ def _save_at(rank: int, world: int, port: int, tmp: str, model: str, strategy: s
     rest; rank 0 keeps the whole state and the policy's logits as the reference."""
     import torch.distributed as dist
 
-    from rlx.trainer.checkpoint.training import CONTROLLER_RNG, TRAINER_STATE
+    from rlx.trainer.checkpoint.training import CONTROLLER_RNG, TRAINER_STATE, SaveRequest
 
     torch.set_num_threads(1)
     folder = Path(tmp)
@@ -485,7 +485,7 @@ def _save_at(rank: int, world: int, port: int, tmp: str, model: str, strategy: s
         CONTROLLER_RNG: capture_rng_state(),
     }
     saved = worker.save_checkpoint(
-        temporary[0], str(manager.root), "run", 2, 1, controller, rng_states, None
+        SaveRequest(temporary[0], str(manager.root), "run", 2, 1, controller, rng_states)
     )
     full = _full_state(worker)
     with torch.no_grad():
@@ -503,7 +503,7 @@ def _resume_at(rank: int, world: int, port: int, tmp: str, model: str, strategy:
     torch.set_num_threads(1)
     folder = Path(tmp)
     worker = _start_worker(rank, world, port, folder, model, strategy)
-    path = torch.load(folder / "reference.pt", weights_only=False)["saved"]["path"]
+    path = torch.load(folder / "reference.pt", weights_only=False)["saved"].path
     report = worker.load_checkpoint(path)
     full = _full_state(worker)
     reports: list[Any] = [None] * world
@@ -553,8 +553,8 @@ def test_a_save_at_two_ranks_resumes_at_three_and_exports(
     model = str(tiny_model_dir)
     mp.spawn(_save_at, args=(2, _free_port(), str(tmp_path), model, strategy), nprocs=2)
     reference = torch.load(tmp_path / "reference.pt", weights_only=False)
-    saved = Path(reference["saved"]["path"])
-    assert read_marker(saved) is not None and reference["saved"]["bytes"] > 0
+    saved = Path(reference["saved"].path)
+    assert read_marker(saved) is not None and reference["saved"].bytes > 0
     shards = sorted(p.name for p in (saved / "learner").glob("*.distcp"))
     assert shards == ["__0_0.distcp", "__1_0.distcp"]  # each rank wrote its own file
 
@@ -570,10 +570,10 @@ def test_a_save_at_two_ranks_resumes_at_three_and_exports(
         for name, state in want[part].items():
             for key, value in state.items():
                 assert torch.equal(torch.as_tensor(got[part][name][key]), torch.as_tensor(value))
-    assert [r["rng"] for r in resumed["reports"]] == [False] * 3  # 2 states for 3 ranks
+    assert [r.rng_restored for r in resumed["reports"]] == [False] * 3  # 2 states for 3 ranks
     learner_bytes = sum(p.stat().st_size for p in (saved / "learner").iterdir())
     for report in resumed["reports"]:
-        assert 0 <= report["host_bytes"] < 256 * 2**20 + 4 * learner_bytes
+        assert 0 <= report.host_bytes < 256 * 2**20 + 4 * learner_bytes
     assert math.isfinite(resumed["stats"].same["grad_norm"]) and resumed["stats"].updates > 0
 
     out = tmp_path / "exported"

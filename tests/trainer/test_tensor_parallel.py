@@ -14,12 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from rlx.trainer.actors.placement import (
-    alive_nodes,
-    reserve,
-    rollout_actor_options,
-    tensor_parallel_bundles,
-)
+from rlx.plan.actors import tensor_parallel_bundles
+from rlx.trainer.actors.placement import alive_nodes, reserve, rollout_actor_options
 from rlx.trainer.actors.workers import _vllm_options, cpu_binding
 
 from .helpers import make_recipe

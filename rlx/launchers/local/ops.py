@@ -63,7 +63,7 @@ def launch(request: LaunchRequest) -> Job:
     if recipe.trainer is None or recipe.command is not None:
         job.extra["exit_code"] = str(_run_command(recipe, values, job, request.workdir))
         return job
-    paths = run_paths(recipe, {**os.environ, **values})
+    paths = run_paths(recipe.name, recipe.trainer, {**os.environ, **values})
     job.extra["run_dir"] = str(paths.run_dir)
     remember(job, request.workdir)  # visible to status/logs/down while it runs
     with _environment(values):

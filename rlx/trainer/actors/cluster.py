@@ -18,16 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlx.errors import RlxError
-from rlx.recipe.model import Recipe
-from rlx.trainer.actors.placement import (
-    ActorPlan,
-    NodeView,
-    plan_actors,
-    reserve,
-    rollout_actor_options,
-    tensor_parallel_bundles,
-    thread_override,
-)
+from rlx.plan.actors import tensor_parallel_bundles
+from rlx.trainer.actors.placement import NodeView, reserve, rollout_actor_options, thread_override
 from rlx.trainer.actors.workers import (
     RolloutWorker,
     SamplingArgs,
@@ -36,6 +28,7 @@ from rlx.trainer.actors.workers import (
     WorkerSpec,
 )
 from rlx.trainer.batch import RolloutBatch, SequenceBatch, concat_rollouts, split_evenly
+from rlx.trainer.job import TrainJob
 from rlx.trainer.learn.learner import merge_update_stats
 from rlx.trainer.report.progress import Progress
 from rlx.trainer.rollout.probe import EngineReport, Probe, check_engines
@@ -96,17 +89,15 @@ class Cluster:
 
     def __init__(
         self,
-        recipe: Recipe,
-        plan: ActorPlan,
+        job: TrainJob,
         train: WorkerSet,
         rollout: WorkerSet,
         groups: list[Any],
         engine_dtype: str,
     ):
-        assert recipe.trainer is not None
-        self.recipe = recipe
-        self.settings = recipe.trainer
-        self.plan = plan
+        self.job = job
+        self.settings = job.settings
+        self.plan = job.actors
         self.train = train
         self.rollout = rollout
         self._groups = groups
@@ -120,19 +111,17 @@ class Cluster:
     @classmethod
     def start(
         cls,
-        recipe: Recipe,
+        job: TrainJob,
         nodes: Sequence[NodeView],
         policy_path: str,
         critic_path: str | None,
-        engine_kind: str,
         engine_dtype: str,
     ) -> Cluster:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        settings = recipe.trainer
-        assert settings is not None
-        plan = plan_actors(recipe)
+        settings = job.settings
+        plan = job.actors
         groups: list[Any] = []
         try:
             # Where each rollout worker goes: (group, bundle index). Tensor-parallel engines
@@ -180,7 +169,7 @@ class Cluster:
                 world_size=plan.train_workers,
                 node_share=1,
                 num_threads=thread_override(),
-                engine_kind=engine_kind,
+                engine_kind=job.engine,
                 colocated=settings.layout == "colocated",
                 use_gpu=plan.train_gpus > 0,
             )
@@ -212,7 +201,7 @@ class Cluster:
                 rollout_handles.append(actor.remote(spec, index, tensor_parallel))
             train = WorkerSet(train_handles, [train_ips[b] for b in order])
             rollout = WorkerSet(rollout_handles, rollout_ips)
-            cluster = cls(recipe, plan, train, rollout, groups, engine_dtype)
+            cluster = cls(job, train, rollout, groups, engine_dtype)
             cluster._setup_training()
             return cluster
         except BaseException:

@@ -1,11 +1,6 @@
-"""Where the trainer's actors go: check the recipe's resources against what Ray sees, decide
-how many training and rollout workers there are, and reserve their slots with placement
-groups so they land across all nodes and GPUs.
-
-Training workers: one per GPU (minus the split layout's rollout GPUs), or one per node on
-CPU-only jobs (strictly spread, so every node trains). Rollout workers (layout: split): one
-per tensor-parallel group of rollout GPUs; on CPU-only jobs rollout_gpus counts engines
-(at least one), a way to exercise the split layout without GPUs.
+"""Where the trainer's actors go: check the recipe's resources against what Ray sees, and
+reserve the actors' slots (rlx.plan.actors counts them) with placement groups so they land
+across all nodes and GPUs.
 """
 
 from __future__ import annotations
@@ -16,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlx.errors import RlxError
+from rlx.plan.actors import bundle_resources
 from rlx.recipe.model import Recipe
 
 PLACEMENT_TIMEOUT_S = 300.0
@@ -27,21 +23,6 @@ class NodeView:
     ip: str
     cpus: float
     gpus: float
-
-
-@dataclass(frozen=True)
-class ActorPlan:
-    """How many actors of each kind, and the resources of each."""
-
-    train_workers: int
-    train_gpus: int  # per training worker: 1 on GPU jobs, 0 on CPU
-    rollout_workers: int  # layout: split only
-    rollout_gpus: int  # per rollout worker: its tensor-parallel size, 0 on CPU
-    spread_training: bool  # one training worker per node (CPU-only jobs)
-
-    @property
-    def bundles(self) -> int:
-        return self.train_workers + self.rollout_workers
 
 
 def alive_nodes() -> list[NodeView]:
@@ -89,55 +70,6 @@ def check_resources(recipe: Recipe, nodes: Sequence[NodeView], where: str) -> No
     )
 
 
-def plan_actors(recipe: Recipe) -> ActorPlan:
-    trainer = recipe.trainer
-    assert trainer is not None
-    resources = recipe.resources
-    total_gpus = resources.total_gpus
-    split = trainer.layout == "split"
-    tp = trainer.rollout.tensor_parallel_size
-    if total_gpus == 0:
-        engines = max(trainer.rollout_gpus, 1) if split else 0
-        return ActorPlan(resources.nodes, 0, engines, 0, spread_training=True)
-    if not split:
-        return ActorPlan(total_gpus, 1, 0, 0, spread_training=False)
-    if not 0 < trainer.rollout_gpus < total_gpus or trainer.rollout_gpus % tp:
-        raise RlxError(
-            f"trainer.rollout_gpus {trainer.rollout_gpus}: layout: split needs between 1 and "
-            f"{total_gpus - 1} rollout GPUs, a multiple of tensor_parallel_size {tp}"
-        )
-    return ActorPlan(total_gpus - trainer.rollout_gpus, 1, trainer.rollout_gpus // tp, tp, False)
-
-
-def check_batch_split(recipe: Recipe, plan: ActorPlan) -> None:
-    """The step's samples and each minibatch must split evenly over the training workers
-    (every DDP rank runs the same number of micro-batches). Lint checks the same from the
-    same plan; this guards recipes that reach the trainer without going through lint."""
-    trainer = recipe.trainer
-    assert trainer is not None
-    ranks = plan.train_workers
-    samples = trainer.batch.prompts_per_step * trainer.rollout.n
-    minibatch = trainer.batch.minibatch_size or samples
-    problem = None
-    if samples % minibatch:
-        problem = f"minibatch_size {minibatch} does not divide the {samples} samples of a step"
-    elif minibatch % ranks:
-        problem = f"minibatch_size {minibatch} does not split over {ranks} training workers"
-    if problem:
-        raise RlxError(f"trainer.batch: {problem}; pick sizes that divide evenly")
-
-
-def _bundle(cpus: float, gpus: int) -> dict[str, float]:
-    return {"CPU": cpus, "GPU": float(gpus)} if gpus else {"CPU": cpus}
-
-
-def tensor_parallel_bundles(tp: int) -> list[dict[str, float]]:
-    """The bundles of one tensor-parallel vLLM engine on GPUs: one GPU each (vLLM's Ray
-    executor refuses a bundle of more), the engine's own actor in the first with a CPU.
-    Reserved STRICT_PACK: a tensor-parallel group stays on one node."""
-    return [_bundle(1.0, 1)] + [{"GPU": 1.0} for _ in range(tp - 1)]
-
-
 def rollout_actor_options(rollout_gpus: int, group: Any, bundle: int) -> dict[str, Any]:
     """Ray options of a rollout worker in bundle `bundle` of `group`. One GPU (or none):
     the actor holds it and vLLM runs inside. Tensor-parallel on GPUs: the actor holds no
@@ -170,7 +102,7 @@ def reserve(
     import ray
     from ray.util.placement_group import placement_group, placement_group_table
 
-    bundles = bundles or [_bundle(1.0, gpus) for _ in range(count)]
+    bundles = bundles or [bundle_resources(1.0, gpus) for _ in range(count)]
     group = placement_group(bundles, strategy=strategy)
     try:
         ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)

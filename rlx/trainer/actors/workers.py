@@ -32,6 +32,9 @@ from rlx.trainer.checkpoint.training import (
     LEARNER_PARTS,
     LEARNER_STATE,
     WORKER_RNG,
+    LoadReport,
+    SavedCheckpoint,
+    SaveRequest,
     copy_model_files,
     kill_hook_for_save,
     load_learner_state,
@@ -201,17 +204,17 @@ def cpu_binding(tensor_parallel: int, cores: list[int] | None = None) -> str:
 
 def cpu_kv_cache_bytes(settings: TrainerSettings, model_path: str) -> int:
     """KV-cache bytes for every sequence of a step at full length, twice over (at least
-    64 MiB): keys and values of every layer, in the compute dtype (float32 on CPU)."""
+    64 MiB): keys and values of every layer in float32, per token as `rlx plan` counts them."""
     from transformers import AutoConfig
+
+    from rlx.plan.memory import kv_bytes_per_token
+    from rlx.plan.shapes import ModelShape
 
     config = AutoConfig.from_pretrained(
         model_path, trust_remote_code=settings.model.trust_remote_code
     )
-    config = getattr(config, "text_config", config)
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * 4
+    shape = ModelShape.from_config(config.to_dict(), source=model_path)
+    per_token = kv_bytes_per_token(shape, dtype="float32")
     rollout = settings.rollout
     tokens = (
         settings.batch.prompts_per_step
@@ -422,33 +425,23 @@ class TrainWorker:
     def memory_peak(self, reset: bool = False) -> int:
         return memory_peak(reset)
 
-    def save_checkpoint(
-        self,
-        folder: str,
-        root: str,
-        run_id: str,
-        keep: int,
-        step: int,
-        controller_parts: dict[str, Any],
-        rng_states: list[dict[str, Any]],
-        kill_spec: str | None,
-    ) -> dict[str, Any] | None:
+    def save_checkpoint(self, request: SaveRequest) -> SavedCheckpoint | None:
         """Write this rank's shard into the save's temporary folder (every rank, together);
         rank 0 then adds the small parts and commits the folder. Rank 0 returns the complete
-        checkpoint's path and size on disk, the other ranks None."""
+        checkpoint, the other ranks None."""
         learner = self._learner()
-        temporary = Path(folder)
+        temporary = Path(request.folder)
         save_learner_state(learner.sharded_state(), temporary / LEARNER_STATE)
         if self.spec.rank != 0:
             return None
-        hook = kill_hook_for_save(kill_spec, step)
+        hook = kill_hook_for_save(request.kill_spec, request.step)
         if hook is not None:
             hook(f"part:{LEARNER_STATE}")
-        manager = CheckpointManager(Path(root), run_id, keep)
+        manager = CheckpointManager(Path(request.root), request.run_id, request.keep)
         parts = {
             **learner.state_parts(),
-            **controller_parts,
-            WORKER_RNG: {"workers": rng_states},
+            **request.controller_parts,
+            WORKER_RNG: {"workers": request.rng_states},
             EXPORT_INFO: {"dtype": dtype_name(learner.dtype)},
         }
         entries = manager.write_parts(temporary, parts, hook)
@@ -457,14 +450,12 @@ class TrainWorker:
         copy_model_files(self.model_files, temporary / HF_FILES)
         entries[LEARNER_STATE] = {"file": LEARNER_STATE, "format": "dcp"}
         entries[HF_FILES] = {"file": HF_FILES, "format": "folder"}
-        final = manager.commit(temporary, step, entries, _after_phase=hook)
+        final = manager.commit(temporary, request.step, entries, _after_phase=hook)
         marker = read_marker(final)
-        return {"path": str(final), "bytes": None if marker is None else marker["bytes"]}
+        return SavedCheckpoint(str(final), None if marker is None else marker["bytes"])
 
-    def load_checkpoint(self, path: str) -> dict[str, Any]:
-        """Load this rank's share of the checkpoint. Returns {"rng": whether its RNG state
-        was restored too (the checkpoint came from a run with as many ranks), "host_bytes":
-        the host memory the load took at its peak, above what the process held before}."""
+    def load_checkpoint(self, path: str) -> LoadReport:
+        """Load this rank's share of the checkpoint."""
         parts = load_parts(Path(path), (LEARNER_STATE, *LEARNER_PARTS, WORKER_RNG))
         if LEARNER_STATE not in parts:
             raise ValueError(
@@ -484,7 +475,7 @@ class TrainWorker:
         restored = len(states) == self.spec.world_size
         if restored:
             restore_rng_state(states[self.spec.rank])
-        return {"rng": restored, "host_bytes": max(peak - before, 0)}
+        return LoadReport(rng_restored=restored, host_bytes=max(peak - before, 0))
 
     def close(self) -> None:
         if self.engine is not None and not self.engine.shares_policy:

@@ -29,6 +29,7 @@ import shutil
 import signal
 import warnings
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,38 @@ WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json"
 # writing step N's checkpoint right after PHASE (a CheckpointManager.save phase such as
 # "part:optimizer", "written", "renamed"). Used by the resume and crash tests.
 KILL_HOOK_ENV = "RLX_TEST_KILL_AT"
+
+
+@dataclass(frozen=True)
+class SaveRequest:
+    """One checkpoint save, as every training rank receives it from the controller (one
+    object across Ray): each rank writes its shard into `folder`; rank 0 adds the small
+    parts and commits the folder as step `step` of run `run_id` under `root`."""
+
+    folder: str  # the save's temporary folder, beside the step's final one
+    root: str  # checkpoint.dir
+    run_id: str
+    keep: int  # complete checkpoints kept (older ones rotate out after the commit)
+    step: int
+    controller_parts: dict[str, Any]  # the controller's own parts (trainer state, RNG)
+    rng_states: list[dict[str, Any]]  # every rank's RNG state, in rank order
+    kill_spec: str | None = None  # KILL_HOOK_ENV as the controller read it (tests)
+
+
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    """What rank 0 answers to a SaveRequest: the complete checkpoint and its size on disk."""
+
+    path: str
+    bytes: int | None
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What each rank answers when it loads its share of a checkpoint."""
+
+    rng_restored: bool  # its RNG came back too (the checkpoint had as many ranks)
+    host_bytes: int  # the host memory the load took at its peak, above what it held before
 
 
 def load_parts(path: Path, names: Iterable[str]) -> dict[str, Any]:

@@ -1,16 +1,16 @@
 """One data-parallel rank of the trainer: its models, the per-sample forwards that precede an
 update, and the update itself. Plain torch (and torch.distributed when there are several
-ranks); the Ray actor in workers.py only moves batches in and numbers out.
+ranks); the Ray actor (actors/workers.py) only moves batches in and numbers out.
 
 The update, per step: ppo_epochs passes over this rank's share of the samples, each cut into
 minibatches (one optimiser step each) and those into micro-batches (one forward/backward
 each). Every micro-batch loss is divided by the token and sequence counts of the WHOLE
 minibatch across all ranks (algos.loss_denominators, summed over ranks), so the gradient the
 optimiser needs is the SUM over ranks and micro-batches. DDP averages, so under DDP the loss
-is multiplied by the world size; FSDP2 is set to sum (parallel.shard). The gradient is then
+is multiplied by the world size; FSDP2 is set to sum (sharding.shard). The gradient is then
 the same however the minibatch is split over ranks and micro-batches (test_parallel.py).
 
-How the models are shared between ranks (one module, DDP, FSDP2) is parallel.py's business;
+How the models are shared between ranks (one module, DDP, FSDP2) is sharding.py's business;
 under FSDP every rank runs the same number of forwards (see _passes).
 """
 
@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from rlx.recipe.model import TrainerSettings
 from rlx.trainer import algos
 from rlx.trainer.batch import SequenceBatch, micro_batch_rows
-from rlx.trainer.learn import sharding as parallel
+from rlx.trainer.learn import sharding
 from rlx.trainer.learn.models import (
     ResponseScorer,
     TokenScores,
@@ -131,13 +131,13 @@ class Learner:
         self.dtype = compute_dtype(settings.model.dtype, device)
         self.temperature = settings.rollout.temperature
         algo = settings.algo
-        self.strategy = parallel.resolve_strategy(settings.parallel, world_size)
+        self.strategy = sharding.resolve_strategy(settings.parallel, world_size)
         trained_shard = frozen_shard = None
         agree = None
         if self.strategy == "fsdp":
-            mesh = parallel.make_mesh(device)
+            mesh = sharding.make_mesh(device)
             mixed = self.dtype if self.dtype != torch.float32 else None
-            trained_shard = parallel.ShardSpec(
+            trained_shard = sharding.ShardSpec(
                 mesh,
                 device,
                 param_dtype=mixed,
@@ -145,7 +145,7 @@ class Learner:
                 reshard_after_forward=settings.parallel.reshard_after_forward,
             )
             # The frozen reference is stored in the compute dtype already.
-            frozen_shard = parallel.ShardSpec(
+            frozen_shard = sharding.ShardSpec(
                 mesh,
                 device,
                 offload=settings.parallel.offload_reference,
@@ -183,7 +183,7 @@ class Learner:
         self.policy.eval()  # generation (colocated) and probes see eval mode; update() flips
 
     def _all_ranks(self, flag: bool) -> bool:
-        return parallel.all_ranks(flag, self.device)
+        return sharding.all_ranks(flag, self.device)
 
     @property
     def collective(self) -> Callable[[bool], bool] | None:
@@ -229,7 +229,7 @@ class Learner:
         )
         passes = [(piece, True) for piece in rows]
         if self.world_size > 1 and self.strategy != "single":
-            needed = parallel.most_over_ranks(len(passes), self.device)
+            needed = sharding.most_over_ranks(len(passes), self.device)
             passes += [(rows[0], False)] * (needed - len(passes))
         return passes
 
@@ -282,7 +282,7 @@ class Learner:
         finally:
             for module in (self.policy, self.reference, self.critic):
                 if module is not None:
-                    parallel.reshard(module)
+                    sharding.reshard(module)
 
     def prepare(self, batch: SequenceBatch, *, old_logprobs: bool) -> dict[str, Tensor]:
         with self.no_grad():
@@ -369,12 +369,12 @@ class Learner:
                 with self._maybe_no_sync(self.critic_ddp, sync):
                     self._critic_backward(mb, tokens, seqs, stats, counts)
         clip = self.settings.optim.grad_clip
-        norm = parallel.clip_grad_norm(list(self.policy.parameters()), clip)
+        norm = sharding.clip_grad_norm(list(self.policy.parameters()), clip)
         stats.add("grad_norm", norm, "same")
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.critic is not None and self.critic_optimizer is not None:
-            norm = parallel.clip_grad_norm(list(self.critic.parameters()), clip)
+            norm = sharding.clip_grad_norm(list(self.critic.parameters()), clip)
             stats.add("critic/grad_norm", norm, "same")
             self.critic_optimizer.step()
             self.critic_optimizer.zero_grad(set_to_none=True)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from rlx.plan.memory import chunk_tokens_for_vocab
 from rlx.recipe.model import ModelSettings, OptimSettings
 
 if TYPE_CHECKING:
@@ -202,11 +203,6 @@ def shared_prompt_cache(
     return cache, head[inverse]
 
 
-# Tokens whose logits one chunk of the LM head computes: about this many bytes of fp32 logits
-# live at once, whatever the micro-batch holds.
-LOGITS_CHUNK_BYTES = 1 << 28
-
-
 @dataclass(frozen=True)
 class TokenScores:
     """Per response token, (B, R) each, zero on padding: log-prob of the token at the
@@ -229,7 +225,7 @@ class ResponseScorer(nn.Module):
     prompts go through the body first, each row gets its prompt's keys and values, and only
     the responses run on top. Gradients flow back through the shared keys and values, so the
     result is a full forward's up to float rounding. Everything runs as one forward of the LM
-    (parallel.run_as_forward): one DDP forward when DDP wraps this module, one FSDP2 forward
+    (sharding.run_as_forward): one DDP forward when DDP wraps this module, one FSDP2 forward
     of the sharded root. `agree` (all ranks' AND) makes every rank take the same path, which
     FSDP's collective forwards need.
     """
@@ -250,7 +246,8 @@ class ResponseScorer(nn.Module):
             )
         self.lm = lm
         vocab = config.vocab_size
-        self.chunk_tokens = chunk_tokens or max(1, LOGITS_CHUNK_BYTES // (4 * vocab))
+        # About LOGITS_CHUNK_BYTES of fp32 logits at once, whatever the micro-batch holds.
+        self.chunk_tokens = chunk_tokens or chunk_tokens_for_vocab(vocab)
         self.agree = agree
 
     def forward(

@@ -11,15 +11,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rlx.recipe.specs import TINY_ARCHS, TINY_HEAD_DIM, TINY_SPECIAL_TOKENS, TINY_VOCAB
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
 # Byte b has token id b; the special tokens come right after the 256 byte tokens.
-SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
+SPECIAL_TOKENS = TINY_SPECIAL_TOKENS
 BOS_TOKEN = "<|endoftext|>"
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|pad|>"
-VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
+VOCAB_SIZE = TINY_VOCAB
 
 # ChatML, the layout Qwen2 instruct models use; generation stops at <|im_end|>.
 CHAT_TEMPLATE = (
@@ -29,10 +31,10 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-ARCHS: tuple[str, ...] = ("qwen2", "llama")
+ARCHS = TINY_ARCHS
 # Attention head size by default: vLLM's CPU attention kernels take 64 (not 16 or 32), so
 # every default tiny model also runs on vLLM's CPU build.
-HEAD_DIM = 64
+HEAD_DIM = TINY_HEAD_DIM
 
 
 def token_id(token: str) -> int:

@@ -173,21 +173,33 @@ def _load_module_from_file(path: Path, spec: str):
     return module
 
 
-def resolve_reward(spec: str) -> RewardFn:
-    """The reward function `spec` names; user modules are imported only now.
-
-    Raises RewardSpecError (a ValueError) naming the spec and what would be valid.
-    """
+def reward_spec_problem(spec: str) -> str | None:
+    """What is wrong with a reward spec's form, before anything is imported (None when it
+    names a built-in or looks like a user function). Lint asks this too."""
     if spec in REWARD_FUNCTIONS:
-        return REWARD_FUNCTIONS[spec]
+        return None
     if ":" not in spec:
-        raise RewardSpecError(
+        return (
             f"unknown reward {spec!r}; valid: {_valid_names()}, "
             "or a user function as 'package.module:function' or 'path/to/file.py:function'"
         )
     target, _, func_name = spec.rpartition(":")
     if not target or not func_name.isidentifier():
-        raise RewardSpecError(f"bad reward spec {spec!r}; expected {_SPEC_HELP}")
+        return f"bad reward spec {spec!r}; expected {_SPEC_HELP}"
+    return None
+
+
+def resolve_reward(spec: str) -> RewardFn:
+    """The reward function `spec` names; user modules are imported only now.
+
+    Raises RewardSpecError (a ValueError) naming the spec and what would be valid.
+    """
+    problem = reward_spec_problem(spec)
+    if problem is not None:
+        raise RewardSpecError(problem)
+    if spec in REWARD_FUNCTIONS:
+        return REWARD_FUNCTIONS[spec]
+    target, _, func_name = spec.rpartition(":")
     if target.endswith(".py"):
         module = _load_module_from_file(Path(target), spec)
     else:

@@ -1,0 +1,61 @@
+"""How many actors of each kind a recipe's job runs, and the resources of each: the arithmetic
+the trainer places by (rlx.trainer.actors.placement) and the planner and lint count with.
+
+Training workers: one per GPU (minus the split layout's rollout GPUs), or one per node on
+CPU-only jobs (strictly spread, so every node trains). Rollout workers (layout: split): one
+per tensor-parallel group of rollout GPUs; on CPU-only jobs rollout_gpus counts engines
+(at least one), a way to exercise the split layout without GPUs. Pure: no Ray, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlx.errors import RlxError
+from rlx.recipe.model import Recipe
+
+
+@dataclass(frozen=True)
+class ActorPlan:
+    """How many actors of each kind, and the resources of each."""
+
+    train_workers: int
+    train_gpus: int  # per training worker: 1 on GPU jobs, 0 on CPU
+    rollout_workers: int  # layout: split only
+    rollout_gpus: int  # per rollout worker: its tensor-parallel size, 0 on CPU
+    spread_training: bool  # one training worker per node (CPU-only jobs)
+
+    @property
+    def bundles(self) -> int:
+        return self.train_workers + self.rollout_workers
+
+
+def plan_actors(recipe: Recipe) -> ActorPlan:
+    trainer = recipe.trainer
+    assert trainer is not None
+    resources = recipe.resources
+    total_gpus = resources.total_gpus
+    split = trainer.layout == "split"
+    tp = trainer.rollout.tensor_parallel_size
+    if total_gpus == 0:
+        engines = max(trainer.rollout_gpus, 1) if split else 0
+        return ActorPlan(resources.nodes, 0, engines, 0, spread_training=True)
+    if not split:
+        return ActorPlan(total_gpus, 1, 0, 0, spread_training=False)
+    if not 0 < trainer.rollout_gpus < total_gpus or trainer.rollout_gpus % tp:
+        raise RlxError(
+            f"trainer.rollout_gpus {trainer.rollout_gpus}: layout: split needs between 1 and "
+            f"{total_gpus - 1} rollout GPUs, a multiple of tensor_parallel_size {tp}"
+        )
+    return ActorPlan(total_gpus - trainer.rollout_gpus, 1, trainer.rollout_gpus // tp, tp, False)
+
+
+def bundle_resources(cpus: float, gpus: int) -> dict[str, float]:
+    return {"CPU": cpus, "GPU": float(gpus)} if gpus else {"CPU": cpus}
+
+
+def tensor_parallel_bundles(tp: int) -> list[dict[str, float]]:
+    """The bundles of one tensor-parallel vLLM engine on GPUs: one GPU each (vLLM's Ray
+    executor refuses a bundle of more), the engine's own actor in the first with a CPU.
+    Reserved STRICT_PACK: a tensor-parallel group stays on one node."""
+    return [bundle_resources(1.0, 1)] + [{"GPU": 1.0} for _ in range(tp - 1)]

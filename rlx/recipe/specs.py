@@ -1,0 +1,87 @@
+"""The names a recipe may give things rlx makes itself, and what a local path looks like.
+
+- `tiny:<arch>-h<hidden>-l<layers>`: a small random model built locally (nothing is
+  downloaded), e.g. tiny:qwen2-h64-l2. Its heads have TINY_HEAD_DIM dimensions, the size
+  vLLM's CPU attention supports, so a tiny model runs on either engine.
+- `synthetic:<task>`: a prompt file generated locally, e.g. synthetic:letters_or_digits.
+
+One grammar for lint, the planner and the trainer: each asks the functions here, and each
+problem is worded once. Light: no torch, no transformers.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+TINY_PREFIX = "tiny:"
+TINY_SPEC = re.compile(r"tiny:(?P<arch>[a-z0-9]+)-h(?P<hidden>[0-9]+)-l(?P<layers>[0-9]+)")
+TINY_ARCHS = ("qwen2", "llama")
+TINY_HEAD_DIM = 64
+# The byte-level tokenizer: token ids 0..255 are the bytes, the special tokens follow.
+TINY_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
+TINY_VOCAB = 256 + len(TINY_SPECIAL_TOKENS)
+
+SYNTHETIC_PREFIX = "synthetic:"
+# Synthetic task -> the function that writes its rows ("module:function", imported when used).
+SYNTHETIC_TASKS = {
+    "letters_or_digits": "rlx.trainer.tasks.synthetic:write_synthetic_dataset",
+    "arithmetic": "rlx.trainer.tasks.synthetic:write_arithmetic_dataset",
+}
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    """What a tiny spec builds."""
+
+    arch: str
+    hidden: int
+    layers: int
+
+    @property
+    def heads(self) -> int:
+        return self.hidden // TINY_HEAD_DIM
+
+
+def tiny_spec_problem(spec: str) -> str | None:
+    """What is wrong with a `tiny:` spec, worded to follow it (None when it is fine)."""
+    match = TINY_SPEC.fullmatch(spec)
+    if match is None:
+        return (
+            "is not a tiny model spec; write tiny:<arch>-h<hidden>-l<layers>, e.g. "
+            "tiny:qwen2-h64-l2"
+        )
+    hidden = int(match["hidden"])
+    if match["arch"] not in TINY_ARCHS:
+        return f"names tiny arch {match['arch']!r}, which is not one of {', '.join(TINY_ARCHS)}"
+    if hidden < TINY_HEAD_DIM or hidden % TINY_HEAD_DIM:
+        return (
+            f"has hidden size {hidden}; tiny models need a multiple of {TINY_HEAD_DIM} (their "
+            f"heads have {TINY_HEAD_DIM} dimensions)"
+        )
+    if int(match["layers"]) < 1:
+        return "has no layers; tiny models need at least one"
+    return None
+
+
+def tiny_model(spec: str) -> TinyModel | None:
+    """The model a valid `tiny:` spec builds; None for any other model path (a folder, a hub
+    id) and for an invalid spec (tiny_spec_problem says what is wrong)."""
+    match = TINY_SPEC.fullmatch(spec)
+    if match is None or tiny_spec_problem(spec) is not None:
+        return None
+    return TinyModel(match["arch"], int(match["hidden"]), int(match["layers"]))
+
+
+def synthetic_task_problem(spec: str) -> str | None:
+    """What is wrong with a `synthetic:` data spec (None when it names a task)."""
+    if spec.removeprefix(SYNTHETIC_PREFIX) in SYNTHETIC_TASKS:
+        return None
+    valid = ", ".join(f"{SYNTHETIC_PREFIX}{task}" for task in SYNTHETIC_TASKS)
+    return f"unknown synthetic task {spec!r}; valid: {valid}"
+
+
+def is_local_path(path: str) -> bool:
+    """A path the recipe means as a file or folder on the machine (absolute, relative with
+    ./ or ../, or under ~), not a hub id or another scheme's name."""
+    return path.startswith(("/", "./", "../", "~")) or path in (".", "..")

@@ -1,0 +1,42 @@
+"""The recipe as the trainer takes it, narrowed once at `rlx train`'s entry.
+
+TrainJob.of runs the start-up checks lint runs (rlx.lint.STARTUP_CHECKS) and then holds what
+every part of the trainer asks of the recipe: its trainer section (present), the actors it
+places (rlx.plan.actors) and the rollout engine it runs (rlx.trainer.rollout.choose_engine),
+each decided here once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlx.lint import refuse_at_startup
+from rlx.plan.actors import ActorPlan, plan_actors
+from rlx.recipe.model import Recipe, Resources, TrainerSettings
+from rlx.trainer.rollout import choose_engine
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    recipe: Recipe
+    settings: TrainerSettings  # the recipe's trainer section
+    actors: ActorPlan
+    engine: str  # "hf" | "vllm"
+
+    @classmethod
+    def of(cls, recipe: Recipe) -> TrainJob:
+        """The job of a recipe the start-up checks pass; RlxError (field: what to change)
+        for one they refuse."""
+        refuse_at_startup(recipe)
+        settings = recipe.trainer
+        assert settings is not None  # check_has_work refuses a recipe without one
+        engine = choose_engine(settings.rollout.engine, recipe.resources.gpus_per_node)
+        return cls(recipe, settings, plan_actors(recipe), engine)
+
+    @property
+    def name(self) -> str:
+        return self.recipe.name
+
+    @property
+    def resources(self) -> Resources:
+        return self.recipe.resources
