@@ -57,7 +57,6 @@ GPUS = _set("resources.accelerators", "H100:8")
 
 # Per start-up check: recipes it refuses (a change to BASE) and the field it names.
 BROKEN: dict[str, list[tuple[Callable[[dict[str, Any]], None], str]]] = {
-    "check_has_work": [(lambda recipe: recipe.pop("trainer"), "trainer")],
     "check_batch_divisibility": [
         (_set("trainer.batch.minibatch_size", 24), "trainer.batch.minibatch_size"),
         (_all(_set("resources.nodes", 3)), "trainer.batch.prompts_per_step"),
@@ -177,3 +176,11 @@ def test_vllm_missing_on_this_machine_is_one_line(write_recipe, tmp_path, monkey
     )
     with pytest.raises(RlxError, match=r"^trainer.rollout.engine: vllm runs vLLM here, and vLLM"):
         run_training(recipe, {"RLX_RUN_ID": "no-vllm"})
+
+
+def test_a_recipe_without_a_trainer_has_nothing_to_train(write_recipe):
+    # Lint passes a recipe whose head runs its own command; rlx train has nothing to run.
+    loaded = load_recipe(write_recipe("name: only-command\ncommand: [echo hi]\n"))
+    assert not [f for f in lint_loaded(loaded) if f.severity == "error"]
+    with pytest.raises(RlxError, match=r"^recipe 'only-command' has no 'trainer:' section"):
+        TrainJob.of(loaded.recipe)

@@ -36,7 +36,6 @@ __all__ = [
 # on a file) is refused with the same words. What lint cannot see (the nodes Ray finds, files
 # and packages on the head, the data's rows) the trainer checks where it reads them.
 STARTUP_CHECKS: tuple[Check, ...] = (
-    trainer.check_has_work,
     trainer.check_batch_divisibility,
     trainer.check_tensor_parallel,
     trainer.check_rollout_engine,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rlx.errors import RlxError
 from rlx.lint import refuse_at_startup
 from rlx.plan.actors import ActorPlan, plan_actors
 from rlx.recipe.model import Recipe, Resources, TrainerSettings
@@ -27,9 +28,13 @@ class TrainJob:
     def of(cls, recipe: Recipe) -> TrainJob:
         """The job of a recipe the start-up checks pass; RlxError (field: what to change)
         for one they refuse."""
-        refuse_at_startup(recipe)
         settings = recipe.trainer
-        assert settings is not None  # check_has_work refuses a recipe without one
+        if settings is None:  # fine for lint when a command runs instead; not for rlx train
+            raise RlxError(
+                f"recipe {recipe.name!r} has no 'trainer:' section, so there is nothing for "
+                "`rlx train` to run; add one (see recipes/quickstart.yaml)"
+            )
+        refuse_at_startup(recipe)
         engine = choose_engine(settings.rollout.engine, recipe.resources.gpus_per_node)
         return cls(recipe, settings, plan_actors(recipe), engine)
 

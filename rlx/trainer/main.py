@@ -208,9 +208,11 @@ def run_training(
     the record of the run. Raises RlxError (or Stopped) on failure, after writing
     result.json with the state."""
     env = dict(os.environ if env is None else env)
-    job = TrainJob.of(recipe)  # the recipe narrowed once, by the checks lint runs too
-    settings = job.settings
-    paths = run_paths(job.name, settings, env)
+    settings = recipe.trainer
+    if settings is None:
+        TrainJob.of(recipe)  # refuses it: nothing to train, so no run folder
+    assert settings is not None
+    paths = run_paths(recipe.name, settings, env)
     paths.run_dir.mkdir(parents=True, exist_ok=True)
     result = RunResult(
         state="RUNNING",
@@ -229,6 +231,8 @@ def run_training(
     with console_to_log(paths.log) as (out, err), handle_signals(stop):
         print(run_line(paths), file=out, flush=True)
         try:
+            # The recipe narrowed once, by the checks lint runs too; a refusal is recorded.
+            job = TrainJob.of(recipe)
             with training_session(job, env, paths, out, err, stop) as trainer:
                 result.last_step = trainer.run()
                 result.checkpoint_bytes = trainer.checkpoint_bytes

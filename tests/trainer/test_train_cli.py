@@ -38,7 +38,7 @@ def assert_one_line_error(result, *fragments: str) -> None:
             {"data": {"train": "missing/prompts.jsonl"}},
             ("trainer.data.train: missing/prompts.jsonl does not exist",),
         ),
-        ({"data": {"train": "synthetic:poems"}}, ("unknown synthetic task 'poems'",)),
+        ({"data": {"train": "synthetic:poems"}}, ("unknown synthetic task 'synthetic:poems'",)),
         ({"reward": {"function": "nosuch"}}, ("unknown reward 'nosuch'", "letters_or_digits")),
         ({"reward": {"function": "nowhere.py:score"}}, ("file 'nowhere.py' does not exist",)),
     ],

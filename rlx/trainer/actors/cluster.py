@@ -20,17 +20,12 @@ from typing import Any
 from rlx.errors import RlxError
 from rlx.plan.actors import tensor_parallel_bundles
 from rlx.trainer.actors.placement import NodeView, reserve, rollout_actor_options, thread_override
-from rlx.trainer.actors.workers import (
-    RolloutWorker,
-    SamplingArgs,
-    TrainWorker,
-    UpdateOutcome,
-    WorkerSpec,
-)
+from rlx.trainer.actors.workers import RolloutWorker, TrainWorker, UpdateOutcome, WorkerSpec
 from rlx.trainer.batch import RolloutBatch, SequenceBatch, concat_rollouts, split_evenly
 from rlx.trainer.job import TrainJob
 from rlx.trainer.learn.learner import merge_update_stats
 from rlx.trainer.report.progress import Progress
+from rlx.trainer.rollout.base import SamplingArgs
 from rlx.trainer.rollout.probe import EngineReport, Probe, check_engines
 from rlx.trainer.seeding import derive_seed
 

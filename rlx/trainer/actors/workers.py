@@ -45,7 +45,7 @@ from rlx.trainer.checkpoint.training import (
 from rlx.trainer.learn.learner import Learner, UpdateStats, needs_old_logprobs
 from rlx.trainer.learn.models import autocast, compute_dtype
 from rlx.trainer.rollout import make_engine
-from rlx.trainer.rollout.base import RolloutEngine
+from rlx.trainer.rollout.base import RolloutEngine, SamplingArgs
 from rlx.trainer.rollout.colocated import ColocatedEngine, make_colocated_engine
 from rlx.trainer.rollout.hf import HFEngine
 from rlx.trainer.rollout.probe import EngineReport, Probe
@@ -53,26 +53,6 @@ from rlx.trainer.seeding import derive_seed
 from rlx.trainer.weights import PackedBucket
 
 DIST_TIMEOUT = timedelta(minutes=30)
-
-
-@dataclass(frozen=True)
-class SamplingArgs:
-    n: int
-    max_new_tokens: int
-    min_new_tokens: int
-    temperature: float
-    top_p: float
-
-    @classmethod
-    def from_settings(cls, settings: TrainerSettings) -> SamplingArgs:
-        rollout = settings.rollout
-        return cls(
-            rollout.n,
-            rollout.max_new_tokens,
-            rollout.min_new_tokens,
-            rollout.temperature,
-            rollout.top_p,
-        )
 
 
 @dataclass(frozen=True)

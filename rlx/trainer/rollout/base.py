@@ -10,11 +10,33 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
+from rlx.recipe.model import TrainerSettings
 from rlx.trainer.batch import RolloutBatch
 from rlx.trainer.weights import DEFAULT_BUCKET_BYTES, NamedTensors, buckets
+
+
+@dataclass(frozen=True)
+class SamplingArgs:
+    n: int
+    max_new_tokens: int
+    min_new_tokens: int
+    temperature: float
+    top_p: float
+
+    @classmethod
+    def from_settings(cls, settings: TrainerSettings) -> SamplingArgs:
+        rollout = settings.rollout
+        return cls(
+            rollout.n,
+            rollout.max_new_tokens,
+            rollout.min_new_tokens,
+            rollout.temperature,
+            rollout.top_p,
+        )
 
 
 class RolloutEngine(abc.ABC):

@@ -71,7 +71,7 @@ def validate(
     step: int,
 ) -> Mapping[str, float]:
     """val/pass@1 and val/reward_mean of the policy the engines hold now."""
-    from rlx.trainer.actors.workers import SamplingArgs
+    from rlx.trainer.rollout.base import SamplingArgs
     from rlx.trainer.tasks.rewards import score
 
     validation = settings.validation
