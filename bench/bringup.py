@@ -14,7 +14,7 @@ with 3/3 nodes joined", median of --runs runs (interleaved a/b/c, fresh hosts ea
 
 Every run block runs under SkyPilot's own task script (tests/hosts/rendered.py), with the
 trainer command `date +%s.%N > FILE`. Failure detection: the scenarios of
-tests/test_multinode.py, timed once per backend.
+tests/hosts/test_multinode.py, timed once per backend.
 
 Needs root (network, mount and PID namespaces); without it, it says so and exits 0.
 It is a benchmark, not a test: nothing here asserts a time.
@@ -206,7 +206,7 @@ def print_bringup(results: dict[str, list[float]]) -> None:
 
 
 def detection_times(backend: str, cluster=None) -> dict[str, float]:
-    """Seconds to detect each failure of tests/test_multinode.py, for one backend."""
+    """Seconds to detect each failure of tests/hosts/test_multinode.py, for one backend."""
     from tests.hosts.probejob import Job, kill_leftovers, poll, ray_processes
 
     out: dict[str, float] = {}

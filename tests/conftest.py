@@ -7,7 +7,11 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["tests.hosts.fixtures", "tests.dstack_server"]
+pytest_plugins = [
+    "tests.support.hosts.fixtures",
+    "tests.support.dstack_server",
+    "tests.support.fixtures",
+]
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = REPO / "recipes"

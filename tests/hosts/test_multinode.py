@@ -1,0 +1,263 @@
+"""The rendered jobs form real Ray clusters across three emulated hosts, and fail fast.
+
+Every scenario runs the RENDERED output of a recipe whose head command is a probe
+(tests/support/hosts/probe.py): SkyPilot's run block and dstack's commands on each host with that
+backend's environment, and the Slurm batch script through `sbatch` on a real Slurm. Ray
+token authentication is on, with a fresh token per job, delivered as each backend would
+(the process environment for SkyPilot and dstack; the Slurm script makes its own).
+
+Measured failure-detection times are printed (`-s` shows them). The timing assertions are
+the bounds the bootstrap promises (join timeout + 10 s, a lost node under 30 s) and
+generous ones against hangs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rlx.node.bootstrap import CLUSTER_FAILURE
+from tests.support.hosts import Hosts, SlurmCluster
+from tests.support.hosts.probejob import (
+    RUN_TIMEOUT,
+    Job,
+    alive_ips,
+    assert_nothing_left,
+    kill_leftovers,
+    poll,
+    ray_processes,
+    ray_start_running,
+)
+from tests.support.hosts.rendered import REPO, node_base_env
+
+pytest.importorskip("ray")
+pytestmark = [pytest.mark.hosts, pytest.mark.timeout(600)]
+
+BACKENDS = ["sky", "dstack", "slurm"]
+# A node never shows up: long enough for the others to join on a loaded 2-core machine.
+MISSING_JOIN_TIMEOUT = 30
+HEADLESS_JOIN_TIMEOUT = 15  # the head never comes up: the workers start no Ray meanwhile
+RAY_PORT = 6379  # the recipe default
+
+
+def report(label: str, seconds: float) -> None:
+    print(f"\n[multinode] {label}: {seconds:.1f} s")
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    if request.param == "sky":
+        pytest.importorskip("sky")
+    if request.param == "dstack":
+        pytest.importorskip("dstack")
+    return request.param
+
+
+@pytest.fixture
+def make_job(backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> Iterator:
+    """Make a probe Job: on three fresh hosts (sky, dstack) or on the session's Slurm."""
+    cluster: SlurmCluster | None = None
+    if backend == "slurm":
+        cluster = request.getfixturevalue("slurm_cluster")
+        hosts = cluster.hosts
+    else:
+        hosts = request.getfixturevalue("emulated_hosts")
+
+    def make(join_timeout: int | None = None) -> Job:
+        kwargs = {} if join_timeout is None else {"join_timeout": join_timeout}
+        return Job(backend, hosts, tmp_path, cluster, **kwargs)
+
+    yield make
+    if cluster is not None:
+        # The Slurm hosts outlive this test: leave nothing of it on them.
+        (tmp_path / "probe" / "release").touch()
+        cluster.cancel_all()
+        kill_leftovers(hosts)
+
+
+def test_hosts_run_this_checkouts_rlx(emulated_hosts: Hosts, tmp_path: Path) -> None:
+    done = emulated_hosts[1].run(
+        "command -v rlx && rlx node --help >/dev/null && "
+        "python -c 'import rlx.node.bootstrap as b; print(b.__file__)'",
+        env=node_base_env(tmp_path),
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [
+        str(tmp_path / "bin" / "rlx"),
+        str(REPO / "rlx" / "launchers" / "bootstrap.py"),
+    ]
+
+
+def test_all_nodes_join_then_the_trainer_runs(make_job) -> None:
+    job = make_job()
+    job.control(exit=0)
+    run = job.start()
+    codes = job.wait_all(run)
+    logs = job.all_logs(run)
+    assert codes == {0: 0, 1: 0, 2: 0}, logs
+    if job.backend == "slurm":
+        assert run.job_exit_code == 0, logs
+    probe = job.probe(1)
+    # The trainer started once all three nodes were ALIVE, each from its own address.
+    assert alive_ips(probe) == sorted(h.ip for h in job.hosts), probe
+    assert len(probe["nodes"]) == 3, probe
+    assert probe["hostname"] == "node1"
+    assert probe["env"]["RAY_ADDRESS"] == f"{job.hosts[0].ip}:{RAY_PORT}"
+    assert probe["env"]["RLX_NUM_NODES"] == "3"
+    assert probe["env"]["RAY_AUTH_MODE"] == "token" and probe["token_set"], probe
+    assert "all 3 nodes joined" in job.log(run, 0), logs
+    for rank in (1, 2):
+        assert "the head finished with exit code 0; leaving" in job.log(run, rank), logs
+    assert_nothing_left(job.hosts)
+
+
+def test_the_trainers_exit_code_is_the_jobs(make_job) -> None:
+    job = make_job()
+    job.control(exit=3)
+    run = job.start()
+    codes = job.wait_all(run)
+    logs = job.all_logs(run)
+    assert codes == {0: 3, 1: 3, 2: 3}, logs
+    if job.backend == "slurm":
+        assert run.job_exit_code == 3, logs
+    for rank in (1, 2):
+        assert "the head finished with exit code 3; leaving" in job.log(run, rank), logs
+    assert_nothing_left(job.hosts)
+
+
+def test_a_node_that_never_starts_is_named(make_job) -> None:
+    job = make_job(join_timeout=MISSING_JOIN_TIMEOUT)
+    job.control(exit=0)
+    run = job.start(stalled=(2,))
+    started = job.head_started(run)
+    code, ended = job.wait_head(run)
+    logs = job.all_logs(run)
+    report(f"{job.backend}: missing node reported after", ended - started)
+    assert code == CLUSTER_FAILURE, logs
+    assert ended - started < MISSING_JOIN_TIMEOUT + 10, logs
+    missing = job.hosts[2]
+    head_log = job.log(run, 0)
+    assert f"did not form within {MISSING_JOIN_TIMEOUT} s" in head_log, logs
+    assert "missing node 2 (" in head_log and missing.ip in head_log, logs
+    assert "node 1 (" not in head_log.split("missing", 1)[1], logs  # only the missing one
+    assert not list(job.out.glob("started-*")), "the trainer started without every node"
+    codes = job.wait_all(run)
+    logs = job.all_logs(run)
+    assert "the head finished with exit code 75; leaving" in job.log(run, 1), logs
+    if job.backend == "slurm":
+        # One step holds both workers: the stalled one is stopped after the grace period.
+        assert run.job_exit_code == CLUSTER_FAILURE, logs
+        assert "node2: task 0: Exited with exit code 75" in job.driver_log(run), logs
+    else:
+        assert codes[1] == CLUSTER_FAILURE, logs
+    assert_nothing_left(job.hosts)
+
+
+def test_workers_give_up_when_the_head_never_comes_up(make_job) -> None:
+    job = make_job(join_timeout=HEADLESS_JOIN_TIMEOUT)
+    job.control(exit=0)
+    run = job.start(stalled=(0,))
+    if job.backend == "slurm":  # time the workers from when their step starts
+        worker_logs = [job.job_dir(run) / f"worker-{h.name}.log" for h in job.hosts[1:]]
+        poll(lambda: all(p.exists() for p in worker_logs), 60, "the worker steps")
+    started = time.monotonic()
+
+    def gave_up() -> bool:
+        return all("did not come up" in job.log(run, rank) for rank in (1, 2))
+
+    poll(gave_up, HEADLESS_JOIN_TIMEOUT + 60, "the workers to give up", interval=0.05)
+    elapsed = time.monotonic() - started
+    report(f"{job.backend}: workers gave up on the head after", elapsed)
+    codes = job.wait_all(run)
+    logs = job.all_logs(run)
+    assert elapsed < HEADLESS_JOIN_TIMEOUT + 10, logs
+    assert codes[1] == codes[2] == CLUSTER_FAILURE, logs
+    for rank in (1, 2):
+        text = job.log(run, rank)
+        assert "the head (node 0 (" in text and job.hosts[0].ip in text, logs
+        assert f"did not come up on port {RAY_PORT} within {HEADLESS_JOIN_TIMEOUT} s" in text, logs
+        assert "Traceback" not in text, logs
+    if job.backend == "slurm":
+        # The driver does not wait forever on a head that never came up.
+        assert run.job_exit_code == CLUSTER_FAILURE, logs
+    assert not list(job.out.glob("started-*"))
+    assert_nothing_left(job.hosts)
+
+
+def test_a_lost_worker_fails_the_job_fast(make_job) -> None:
+    job = make_job()
+    job.control(hold=True)
+    run = job.start()
+    poll(lambda: (job.out / "holding-1").exists(), RUN_TIMEOUT, "the trainer to start")
+    victim = job.hosts[2]
+    raylets = ray_processes(victim, "raylet")
+    assert len(raylets) == 1, victim.processes()
+    os.kill(raylets[0], signal.SIGKILL)
+    killed = time.monotonic()
+    code, ended = job.wait_head(run)
+    logs = job.all_logs(run)
+    report(f"{job.backend}: lost worker detected after", ended - killed)
+    assert code == CLUSTER_FAILURE, logs
+    assert ended - killed < 30, logs
+    head_log = job.log(run, 0)
+    assert "lost node 2 (" in head_log and victim.ip in head_log, logs
+    codes = job.wait_all(run)
+    logs = job.all_logs(run)
+    assert codes[1] == codes[2] == CLUSTER_FAILURE, logs
+    assert "Ray stopped on this node" in job.log(run, 2), logs
+    assert_nothing_left(job.hosts)
+
+
+@pytest.mark.parametrize("first", ["failed", "killed"])
+def test_a_retried_job_starts_clean(make_job, first: str) -> None:
+    """The run block runs twice on the same hosts: after a failed attempt, and after one
+    killed outright (its Ray daemons left running). The retry forms one fresh cluster."""
+    job = make_job()
+    if first == "failed":
+        job.control(exit=3)
+        first_run = job.start()
+        assert job.wait_all(first_run)[0] == 3, job.all_logs(first_run)
+    else:
+        job.control(hold=True)
+        first_run = job.start()
+        poll(lambda: (job.out / "holding-1").exists(), RUN_TIMEOUT, "the first trainer")
+        # A worker's node is ALIVE a moment before its `ray start` exits; killed before
+        # then, the daemons would go down with it, which is not the case under test.
+        poll(
+            lambda: not any(ray_start_running(h) for h in job.hosts),
+            RUN_TIMEOUT,
+            "every `ray start` to finish",
+        )
+        job.kill_attempt(first_run)
+        if job.backend == "slurm":
+            # Slurm signals each task's process group, which the daemons `ray start` leaves
+            # behind belong to: they go down with the job.
+            assert_nothing_left(job.hosts)
+        else:
+            # Killed outright, every host keeps the Ray daemons of the first attempt.
+            for host in job.hosts:
+                assert len(ray_processes(host, "raylet")) == 1, host.processes()
+    job.control(hold=True)
+    second = job.start()
+    poll(lambda: (job.out / "holding-2").exists(), RUN_TIMEOUT, "the retried trainer")
+    logs = job.all_logs(second)
+    for host in job.hosts:  # one Ray per host, not two
+        assert len(ray_processes(host, "raylet")) == 1, (host.processes(), logs)
+    assert len(ray_processes(job.hosts[0], "gcs_server")) == 1, logs
+    probe = job.probe(2)
+    # Only this attempt's nodes, all alive: nothing of the first attempt is counted.
+    assert alive_ips(probe) == sorted(h.ip for h in job.hosts), probe
+    assert len(probe["nodes"]) == 3, probe
+    if first == "killed" and job.backend != "slurm":
+        for rank in range(3):
+            assert "left by an earlier attempt" in job.log(second, rank), logs
+    (job.out / "release").touch()
+    codes = job.wait_all(second)
+    assert codes == {0: 0, 1: 0, 2: 0}, job.all_logs(second)
+    assert_nothing_left(job.hosts)

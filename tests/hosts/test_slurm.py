@@ -1,0 +1,336 @@
+"""`rlx launch --backend slurm` on a real Slurm across emulated hosts: the quickstart trains
+to completion on 2 nodes, `rlx status` and `rlx logs` follow it, and `rlx down` stops a
+second job leaving nothing behind on any host."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import RECIPES
+from tests.support.hosts.rendered import node_base_env
+
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(1200)]
+
+
+def quickstart(workdir: Path, name: str, steps: int) -> Path:
+    """The shipped quickstart on 2 nodes, outputs on the cluster's shared filesystem."""
+    recipe = yaml.safe_load((RECIPES / "quickstart.yaml").read_text())
+    shared = str(workdir)
+    recipe["name"] = name
+    recipe["resources"]["nodes"] = 2
+    recipe["volumes"] = [{"path": shared}]  # Slurm: already shared, no volume to attach
+    recipe["ray"] = {"join_timeout": 120}
+    trainer = recipe["trainer"]
+    trainer["steps"] = steps
+    trainer["batch"]["prompts_per_step"] = 2  # 2 x 16 samples split over 2 nodes
+    trainer["checkpoint"] = {"dir": f"{shared}/checkpoints", "every": 3, "keep": 2}
+    trainer["logging"] = {"dir": f"{shared}/runs", "tensorboard": False}
+    path = workdir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+def rlx(workdir: Path, env: dict[str, str], *args: str, timeout: float = 120):
+    return subprocess.run(
+        [sys.executable, "-m", "rlx", *args],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def state_of(workdir: Path, env: dict[str, str], name: str) -> str:
+    out = rlx(workdir, env, "status", name)
+    assert out.returncode == 0, out.stderr
+    row = next(line for line in out.stdout.splitlines() if name in line)
+    return re.split(r"\s*│\s*|\s{2,}", row.strip(" │"))[3]
+
+
+def wait_state(workdir, env, name, states, timeout) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = state_of(workdir, env, name)
+        if state in states:
+            return state
+        time.sleep(2)
+    raise AssertionError(f"{name} did not reach {states} within {timeout} s (last: {state})")
+
+
+def job_processes(cluster) -> list[str]:
+    """What is left on the hosts besides the Slurm daemons themselves."""
+    left = []
+    for host in cluster.hosts:
+        for proc in host.processes():
+            if "slurmd" not in proc.cmdline and proc.state != "Z":
+                left.append(f"{host.name}: {proc.cmdline}")
+    return left
+
+
+@pytest.fixture
+def launch_env(slurm_cluster, tmp_path) -> dict[str, str]:
+    env = {**os.environ, **slurm_cluster.env, **node_base_env(tmp_path)}
+    return {k: v for k, v in env.items() if v != "" or k == "PATH"}
+
+
+def test_quickstart_on_two_nodes_then_down(slurm_cluster, launch_env, tmp_path):
+    recipe = quickstart(tmp_path, "quick-slurm", steps=6)
+    out = rlx(tmp_path, launch_env, "launch", str(recipe), "--backend", "slurm")
+    assert out.returncode == 0, out.stderr
+    assert "launched quick-slurm on slurm" in out.stderr
+
+    assert (
+        wait_state(tmp_path, launch_env, "quick-slurm", {"SUCCEEDED", "FAILED"}, 900) == "SUCCEEDED"
+    ), rlx(tmp_path, launch_env, "logs", "quick-slurm").stdout
+
+    # Progress from the run folder on the shared filesystem.
+    status = rlx(tmp_path, launch_env, "status", "quick-slurm").stdout
+    assert "step 6 of 6" in status and "elapsed" in status, status
+    logs = rlx(tmp_path, launch_env, "logs", "quick-slurm")
+    assert logs.returncode == 0
+    head_log = logs.stdout
+    assert "all 2 nodes joined" in head_log
+    assert "cluster formed: 2/2 nodes online" in head_log
+    ips = [host.ip for host in slurm_cluster.hosts]
+    workers = re.search(r"training workers: (.*)", head_log)
+    assert workers, head_log
+    assert sum(ip in workers.group(1) for ip in ips) == 2  # a training worker on each node
+    worker_log = rlx(tmp_path, launch_env, "logs", "quick-slurm", "--node", "1").stdout
+    assert "the head finished with exit code 0" in worker_log
+    runs = list((tmp_path / "runs").glob("*/metrics.jsonl"))
+    records = [json.loads(line) for line in runs[0].read_text().splitlines()] if runs else []
+    # step 0: the quickstart's validation before training; then one record per step
+    assert [r["step"] for r in records] == list(range(7)), records
+    assert list((tmp_path / "checkpoints").glob("*/step-000006/COMPLETE"))
+    assert job_processes(slurm_cluster) == []
+
+    # A second, long job: stopped with rlx down, it leaves nothing running.
+    recipe = quickstart(tmp_path, "long-slurm", steps=10_000)
+    out = rlx(tmp_path, launch_env, "launch", str(recipe), "--backend", "slurm")
+    assert out.returncode == 0, out.stderr
+    deadline = time.monotonic() + 600
+    while "training workers:" not in rlx(tmp_path, launch_env, "logs", "long-slurm").stdout:
+        assert time.monotonic() < deadline, "the long job never started training"
+        time.sleep(2)
+    down = rlx(tmp_path, launch_env, "down", "long-slurm")
+    assert down.returncode == 0, down.stderr
+    assert (
+        wait_state(tmp_path, launch_env, "long-slurm", {"CANCELLED", "FAILED"}, 120) == "CANCELLED"
+    )
+    deadline = time.monotonic() + 60
+    while job_processes(slurm_cluster):
+        assert time.monotonic() < deadline, job_processes(slurm_cluster)
+        time.sleep(1)
+
+
+def test_kept_cluster_attach_tunnel_and_down(slurm_cluster, launch_env, tmp_path):
+    """--keep forms the cluster and holds it; attach runs on the head and on worker 1 with
+    the job's Ray; a -b ray job goes through `rlx tunnel` (srun); down frees the nodes."""
+    path = tmp_path / "kept.yaml"
+    path.write_text(
+        yaml.safe_dump({"name": "kept", "resources": {"nodes": 3}, "ray": {"join_timeout": 120}})
+    )
+    started = time.monotonic()
+    out = rlx(tmp_path, launch_env, "launch", str(path), "-b", "slurm", "--keep")
+    assert out.returncode == 0, out.stderr
+    assert "rlx tunnel kept --port 8265" in out.stderr and "rlx attach kept" in out.stderr
+    token_file = tmp_path / ".rlx" / "tokens" / "kept"
+    assert token_file.stat().st_mode & 0o077 == 0
+    deadline = time.monotonic() + 300
+    while "rlx: cluster kept" not in rlx(tmp_path, launch_env, "logs", "kept").stdout:
+        assert time.monotonic() < deadline, rlx(tmp_path, launch_env, "logs", "kept").stdout
+        time.sleep(1)
+    print(f"\n[slurm-keep] cluster formed and kept after {time.monotonic() - started:.1f} s")
+
+    # `ray status` shows the autoscaler's report, refreshed every few seconds: right after
+    # the head saw every node join (its own check reads the node table) it may still list
+    # only the head, so ask again until the report catches up.
+    t0 = time.monotonic()
+    deadline = t0 + 90
+    while True:
+        status = rlx(tmp_path, launch_env, "attach", "kept", "--", "ray", "status")
+        assert status.returncode == 0, status.stderr + status.stdout
+        active = status.stdout.split("Active:", 1)[1].split("Pending:", 1)[0]
+        if active.count("node_") == 3:
+            break
+        assert time.monotonic() < deadline, status.stdout
+        time.sleep(2)
+    print(f"[slurm-keep] rlx attach kept -- ray status: {time.monotonic() - t0:.1f} s")
+    host = rlx(tmp_path, launch_env, "attach", "kept", "--node", "1", "--", "hostname")
+    assert host.returncode == 0 and host.stdout.strip() == "node2", host
+    env = rlx(tmp_path, launch_env, "attach", "kept", "--node", "2", "--", "sh", "-c", "exit 4")
+    assert env.returncode == 4
+    bad = rlx(tmp_path, launch_env, "attach", "kept", "--node", "3", "--", "true")
+    assert bad.returncode == 1 and "has nodes 0..2" in bad.stderr
+
+    # A Ray job from this machine, through the srun port forward to the head's dashboard.
+    port = 18265 + os.getpid() % 1000
+    forward = subprocess.Popen(
+        [sys.executable, "-m", "rlx", "tunnel", "kept", "--port", str(port)],
+        cwd=tmp_path,
+        env=launch_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert "rlx: 127.0.0.1:" in forward.stdout.readline()
+        job = tmp_path / "hello.yaml"
+        job.write_text(yaml.safe_dump({"name": "hello", "command": ["hostname; exit 5"]}))
+        token = token_file.read_text().strip()
+        submit_env = {**launch_env, "RAY_AUTH_TOKEN": token}
+        done = rlx(
+            tmp_path,
+            submit_env,
+            "launch",
+            str(job),
+            "-b",
+            "ray",
+            "--address",
+            f"http://127.0.0.1:{port}",
+            timeout=180,
+        )
+        assert done.returncode == 5, done.stderr + done.stdout
+        assert "node1" in done.stdout
+    finally:
+        forward.terminate()
+        forward.wait(30)
+
+    down = rlx(tmp_path, launch_env, "down", "kept")
+    assert down.returncode == 0, down.stderr
+    assert wait_state(tmp_path, launch_env, "kept", {"CANCELLED", "FAILED"}, 120) == "CANCELLED"
+    deadline = time.monotonic() + 60
+    while job_processes(slurm_cluster):
+        assert time.monotonic() < deadline, job_processes(slurm_cluster)
+        time.sleep(1)
+
+
+def test_requeue_resumes_after_a_lost_worker_and_the_warning(slurm_cluster, launch_env, tmp_path):
+    """slurm.requeue: a worker killed mid-run fails the cluster (75) and the job requeues;
+    the next attempt resumes from the newest checkpoint; Slurm's warning (USR1) makes the
+    trainer save and the job requeue again; the last attempt finishes. One log folder per
+    attempt."""
+    # Enough steps that each attempt is still training when it is interrupted (a step of
+    # the quickstart takes well under a second on these hosts).
+    steps = 120
+    path = quickstart(tmp_path, "requeue", steps=steps)
+    recipe = yaml.safe_load(path.read_text())
+    recipe["slurm"] = {"requeue": {"retries": 2, "signal_lead": 60}}
+    recipe["trainer"]["checkpoint"]["every"] = 2
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    started = time.monotonic()
+    out = rlx(tmp_path, launch_env, "launch", str(path), "--backend", "slurm")
+    assert out.returncode == 0, out.stderr
+    job_id = out.stderr.split("(", 1)[1].split(")", 1)[0]
+    logs = tmp_path / "rlx-logs"
+    ckpts = tmp_path / "checkpoints" / job_id
+
+    def wait_for(predicate, what: str, timeout: float = 400) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}: " + "\n".join(
+                f"--- {p}\n{p.read_text(errors='replace')[-3000:]}" for p in logs.rglob("*.log")
+            )
+            time.sleep(1)
+
+    # Attempt 1: once step 2 is saved, worker 1's raylet dies: exit 75, requeue.
+    wait_for(lambda: (ckpts / "step-000002" / "COMPLETE").exists(), "the step-2 checkpoint")
+    worker = slurm_cluster.hosts[1]
+    for proc in worker.processes():
+        if proc.cmdline.split(" ", 1)[0].endswith("raylet"):
+            os.kill(proc.pid, 9)
+    second = logs / f"requeue-{job_id}-attempt1"
+    start_requeued_now(job_id, launch_env, lambda: (logs / f"requeue-{job_id}").exists())
+
+    # The trainer may take a step or two more before the lost node is noticed: attempt 2
+    # resumes from whichever checkpoint was newest, then trains.
+    def training_again() -> bool:
+        return "\nstep " in _read(second / "head.log").partition("resumed from")[2]
+
+    wait_for(training_again, "attempt 2 training")
+    print(
+        f"\n[slurm-requeue] lost worker -> requeued -> training: {time.monotonic() - started:.0f} s"
+    )
+    driver = _read(logs / f"requeue-{job_id}" / "driver.log")
+    assert "ended with exit code 75; requeueing (retry 1 of 2)" in driver, driver
+    head2 = _read(second / "head.log")
+    first_resume = re.search(r"resumed from \S+ \(step (\d+)\)", head2)
+    assert first_resume and int(first_resume.group(1)) % 2 == 0, head2  # a cadence save
+    assert int(first_resume.group(1)) >= 2, head2
+
+    # Attempt 2: the warning signal, as Slurm sends it signal_lead seconds before the end.
+    subprocess.run(
+        ["scancel", "--batch", "--signal=USR1", job_id], env=launch_env, check=True, timeout=30
+    )
+    third = logs / f"requeue-{job_id}-attempt2"
+    start_requeued_now(job_id, launch_env, lambda: True)
+    finished = f"done: {steps} of {steps} steps"
+    wait_for(lambda: finished in _read(third / "head.log"), "attempt 3 to finish")
+    head2 = _read(second / "head.log")
+    saved = sorted(p.name for p in ckpts.glob("step-*") if (p / "COMPLETE").exists())
+    head3 = _read(third / "head.log")
+    resumed = head3.split("resumed from", 1)[1].split("\n", 1)[0]
+    assert "received SIGUSR1" in head2, head2
+    # It resumed from the newest checkpoint the second attempt left (saved on the signal when
+    # that step was not on the cadence).
+    found = re.search(r"\(step (\d+)\)", resumed)
+    assert found, resumed
+    step = int(found.group(1))
+    assert step > int(first_resume.group(1)), (resumed, saved, head2[-3000:])
+    # ... the one the second attempt wrote last (retention has rotated it out since).
+    written = re.findall(r"^checkpoint \S+/step-(\d+) ", head2, re.M)
+    assert written and int(written[-1]) == step, (written, resumed)
+    assert saved[-1] == f"step-{steps:06d}"
+    assert wait_state(tmp_path, launch_env, "requeue", {"SUCCEEDED", "FAILED"}, 120) == "SUCCEEDED"
+    print(f"[slurm-requeue] three attempts, finished after {time.monotonic() - started:.0f} s")
+    attempts = [p.name for p in logs.iterdir() if p.is_dir() and p.name != ".rlx-wheels"]
+    assert sorted(attempts) == [
+        f"requeue-{job_id}",
+        f"requeue-{job_id}-attempt1",
+        f"requeue-{job_id}-attempt2",
+    ]
+
+
+def start_requeued_now(job_id: str, env: dict[str, str], ready) -> None:
+    """Slurm holds a requeued job back for two minutes (its BeginTime); once the job is
+    pending again and its nodes are idle, let it start now so the test does not wait. The
+    update is repeated until the job leaves PENDING: one issued while the requeue is still
+    settling can be refused."""
+    deadline = time.monotonic() + 300
+    updated = False
+    while time.monotonic() < deadline:
+        state = subprocess.run(
+            ["squeue", "-h", "-j", job_id, "-o", "%T"], env=env, capture_output=True, text=True
+        ).stdout.strip()
+        if updated and state not in ("PENDING", "REQUEUED", "REQUEUE_HOLD", "COMPLETING"):
+            return
+        nodes = subprocess.run(
+            ["sinfo", "-h", "-N", "-o", "%T"], env=env, capture_output=True, text=True
+        ).stdout.split()
+        if state == "PENDING" and ready() and all(n == "idle" for n in nodes):
+            # slurmd refuses a job whose credential it revoked in the same second (the
+            # previous attempt's): "Job credential revoked". Start it a second later.
+            time.sleep(1.5)
+            subprocess.run(
+                ["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env, check=False
+            )
+            updated = True
+            time.sleep(2)
+            continue
+        time.sleep(0.5)
+    raise AssertionError(f"job {job_id} was not requeued and started within 300 s")
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""

@@ -1,0 +1,130 @@
+"""`rlx node` on one machine with the real Ray: start, run, exit with the command's code,
+and leave nothing running. (Several hosts: tests/hosts/test_multinode.py.)"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlx.node import raynode
+from rlx.node.env import primary_ip
+
+pytest.importorskip("ray")
+pytestmark = pytest.mark.timeout(300)
+
+PORT = 6479  # away from a developer's own Ray on 6379
+
+
+def recipe_file(tmp_path: Path, command: list[str], **ray: object) -> Path:
+    settings = {
+        "port": PORT,
+        "dashboard_port": 8365,
+        "client_server_port": 10201,
+        "join_timeout": 60,
+        **ray,
+    }
+    path = tmp_path / "probe.yaml"
+    path.write_text(yaml.safe_dump({"name": "probe", "command": command, "ray": settings}))
+    return path
+
+
+def rlx_node(
+    recipe: Path, env: dict[str, str], backend: str = "local", timeout: float = 240
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "rlx", "node", "--backend", backend, "--recipe", str(recipe)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def assert_nothing_left(ip: str) -> None:
+    assert raynode.own_ray_pids(f"{ip}:{PORT}", PORT) == []
+
+
+def test_runs_command_and_exits_with_its_code(tmp_path, rlx_env):
+    probe = tmp_path / "probe.out"
+    command = [
+        f'echo "$RAY_ADDRESS $RLX_NUM_NODES $RLX_BACKEND" > {probe}',
+        "python -c 'import ray; ray.init(); print(int(ray.cluster_resources()[\"CPU\"]))'"
+        f" >> {probe}",
+        "exit 3",
+    ]
+    result = rlx_node(recipe_file(tmp_path, command, auth="none"), rlx_env)
+    assert result.returncode == 3, result.stderr
+    ip = primary_ip()
+    address, nodes, backend, *rest = probe.read_text().split()
+    assert (address, nodes, backend) == (f"{ip}:{PORT}", "1", "local")
+    assert int(rest[-1]) >= 1  # the command reached the cluster it was given
+    assert "all 1 nodes joined" in result.stderr
+    assert_nothing_left(ip)
+
+
+def test_token_auth_and_success(tmp_path, rlx_env):
+    command = ["python -c 'import ray; ray.init(); print(ray.is_initialized())'"]
+    env = {**rlx_env, "RLX_RAY_TOKEN": "0123456789abcdef" * 4}
+    result = rlx_node(recipe_file(tmp_path, command), env)
+    assert result.returncode == 0, result.stderr
+    assert "True" in result.stdout
+    assert_nothing_left(primary_ip())
+
+
+def test_auth_none_ignores_a_stale_token_file(tmp_path, rlx_env):
+    # Any earlier local `ray.init()` leaves ~/.ray/auth_token; with the auth mode unset,
+    # `ray start` would then turn token auth on by itself and lock our own clients out.
+    home = tmp_path / "home"
+    (home / ".ray").mkdir(parents=True)
+    (home / ".ray" / "auth_token").write_text("f" * 64)
+    command = ["python -c 'import ray; ray.init(); print(ray.is_initialized())'"]
+    env = {**rlx_env, "HOME": str(home)}
+    result = rlx_node(recipe_file(tmp_path, command, auth="none"), env)
+    assert result.returncode == 0, result.stderr
+    assert "True" in result.stdout
+    assert_nothing_left(primary_ip())
+
+
+def test_a_taken_head_port_is_one_clear_error(tmp_path, rlx_env):
+    ip = primary_ip()
+    with socket.create_server((ip, PORT)):  # something else holds the GCS port
+        result = rlx_node(recipe_file(tmp_path, ["true"], auth="none"), rlx_env, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert f"ray.port ({PORT}) already in use on this node" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert_nothing_left(ip)
+
+
+def test_missing_token_is_one_clear_line(tmp_path, rlx_env):
+    env = {k: v for k, v in rlx_env.items() if k != "RLX_RAY_TOKEN"}
+    result = rlx_node(recipe_file(tmp_path, ["true"]), env, timeout=60)
+    assert result.returncode == 1
+    assert "RLX_RAY_TOKEN is not set" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_missing_node_is_named_and_command_never_runs(tmp_path, rlx_env):
+    ip = primary_ip()
+    marker = tmp_path / "started"
+    env = {
+        **rlx_env,
+        "SKYPILOT_NODE_RANK": "0",
+        "SKYPILOT_NODE_IPS": f"{ip}\n10.255.255.7",
+        "SKYPILOT_NUM_NODES": "2",
+        "SKYPILOT_NUM_GPUS_PER_NODE": "0",
+    }
+    result = rlx_node(
+        # 30 s: the head's own Ray can take over 10 s to start on a busy 2-core machine
+        recipe_file(tmp_path, [f"touch {marker}"], auth="none", join_timeout=30),
+        env,
+        backend="sky",
+    )
+    assert result.returncode == 75, result.stderr
+    assert "missing node 1 (10.255.255.7)" in result.stderr
+    assert not marker.exists()
+    assert_nothing_left(ip)

@@ -1,0 +1,228 @@
+"""Resume with sharded checkpoints, at 2 training ranks: 6 steps straight equal 3 steps, a
+kill, and 3 resumed steps; a kill in the middle of a save falls back to the previous
+checkpoint; a run saved at 2 ranks resumes at 3 and trains on. Each run is a real `rlx
+train` process joining a Ray cluster of several nodes on this machine (ray.cluster_utils:
+one raylet per node), one training worker per node as on CPU clusters, gloo between them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from rlx.runs import read_metrics
+from rlx.trainer.checkpoint import MARKER
+from rlx.trainer.checkpoint.export import read_tensors, saved_tensors
+from tests.support.recipes import write_recipe
+from tests.support.runner import REPO, run_rlx
+
+pytest.importorskip("ray")
+pytestmark = pytest.mark.timeout(1800)
+
+STRATEGY = "fsdp"
+# Values that depend only on the seed and the data, not on the clock or the machine's load.
+SAMPLED = ("reward/mean", "reward/std", "response_length/mean")  # equal exactly
+COMPUTED = (
+    "kl",
+    "approx_kl",
+    "clipfrac",
+    "entropy",
+    "grad_norm",
+    "critic/grad_norm",
+    "loss/policy",
+    "loss/value",
+    "value/explained_variance",
+    "value/mean",
+    "lr",
+)  # equal within RELATIVE: reductions over ranks may round in another order
+RELATIVE = 1e-6
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("resume")
+
+
+@pytest.fixture(scope="module")
+def ray_nodes(workdir: Path) -> Iterator[Any]:
+    """A Ray cluster of two nodes here; its workers import this checkout."""
+    from ray.cluster_utils import Cluster
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        # A loopback test cluster without a token, whatever Ray auth settings this process
+        # carries (Ray reads them from the environment, for the cluster and its clients).
+        patch.setenv("RAY_AUTH_MODE", "disabled")
+        for name in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+            patch.delenv(name, raising=False)
+        cluster = Cluster(
+            initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
+        )
+        cluster.add_node(num_cpus=1)
+        try:
+            yield cluster
+        finally:
+            cluster.shutdown()
+
+
+def ppo_recipe(workdir: Path, name: str, nodes: int, **overrides: Any) -> Path:
+    """PPO with a critic and a KL penalty in the reward, two epochs of two minibatches: every
+    kind of state (policy, critic, two optimisers, schedules, sampler, shuffling) must come
+    back. 12 samples a step: they split over 2 and 3 ranks."""
+    settings: dict[str, Any] = {
+        "algorithm": "ppo",
+        "algo": {"kl": {"coef": 0.05, "mode": "reward"}},
+        "optim": {"critic_lr": 2.0e-3, "schedule": "cosine", "warmup_steps": 2},
+        "rollout": {"n": 4, "max_new_tokens": 16},
+        "batch": {
+            "prompts_per_step": 3,
+            "minibatch_size": 6,
+            "micro_batch_size": 3,
+            "ppo_epochs": 2,
+        },
+        "parallel": {"strategy": STRATEGY},
+        "steps": 6,
+        "checkpoint": {"dir": str(workdir / "ckpt"), "every": 3, "keep": 3},
+    }
+    path = write_recipe(workdir, name, **{**settings, **overrides})
+    data = yaml.safe_load(path.read_text())
+    data["resources"] = {"nodes": nodes}
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.fixture(scope="module")
+def recipe(workdir: Path) -> Path:
+    return ppo_recipe(workdir, "resume-test", 2)
+
+
+def train(recipe: Path, run_id: str, cluster: Any, **env: str):
+    return run_rlx(
+        ["train", str(recipe)],
+        recipe.parent,
+        RLX_RUN_ID=run_id,
+        RAY_ADDRESS=cluster.address,
+        RLX_NUM_THREADS="1",
+        **env,
+    )
+
+
+@pytest.fixture(scope="module")
+def straight(recipe: Path, workdir: Path, ray_nodes: Any) -> Path:
+    result = train(recipe, "straight", ray_nodes)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return workdir / "ckpt" / "straight"
+
+
+def close(got: float | None, want: float | None) -> bool:
+    if got is None or want is None:
+        return got is want
+    return math.isclose(got, want, rel_tol=RELATIVE, abs_tol=1e-12)
+
+
+def assert_close_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        scale = max(float(tensor.abs().max()), 1e-12)
+        assert float((got[name] - tensor).abs().max()) <= RELATIVE * scale, name
+
+
+def learner_tensors(checkpoint: Path, prefix: str) -> dict[str, torch.Tensor]:
+    folder = checkpoint / "learner"
+    return read_tensors(folder, prefix, saved_tensors(folder, prefix))
+
+
+def assert_same_run(workdir: Path, run_id: str, straight: Path) -> None:
+    want = read_metrics(workdir / "runs" / "straight" / "metrics.jsonl")
+    got = read_metrics(workdir / "runs" / run_id / "metrics.jsonl")
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]
+    for expected, actual in zip(want, got, strict=True):
+        for key in SAMPLED:
+            assert actual.get(key) == expected.get(key), (actual["step"], key)
+        for key in COMPUTED:
+            assert close(actual.get(key), expected.get(key)), (actual["step"], key)
+    assert "kl" in got[-1] and "value/explained_variance" in got[-1]  # PPO + KL really ran
+    final = workdir / "ckpt" / run_id / "step-000006"
+    for prefix in ("policy", "critic", "optimizer.state", "critic_optimizer.state"):
+        assert_close_tensors(
+            learner_tensors(final, prefix), learner_tensors(straight / "step-000006", prefix)
+        )
+
+
+def test_two_ranks_write_their_own_shards_and_export(straight: Path, workdir: Path) -> None:
+    final = straight / "step-000006"
+    assert sorted(p.name for p in (final / "learner").glob("*.distcp")) == [
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
+    marker = json.loads((final / MARKER).read_text())
+    assert marker["bytes"] == sum(f["bytes"] for f in marker["files"]) > 0
+    result = json.loads((workdir / "runs" / "straight" / "result.json").read_text())
+    assert result["model"] == str(workdir / "runs" / "straight" / "model")
+    assert result["checkpoint_bytes"] == marker["bytes"]
+    exported = Path(result["model"])
+    assert {"config.json", "generation_config.json", "model.safetensors"} <= {
+        p.name for p in exported.iterdir()
+    }
+
+
+def test_kill_after_a_checkpoint_then_resume_continues(recipe, workdir, straight, ray_nodes):
+    killed = train(recipe, "killed", ray_nodes, RLX_TEST_KILL_AT="step:3")
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    metrics = read_metrics(workdir / "runs" / "killed" / "metrics.jsonl")
+    assert [r["step"] for r in metrics] == [1, 2, 3]
+    resumed = train(recipe, "killed", ray_nodes)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "step-000003 (step 3)" in resumed.stdout
+    assert "of host memory per training worker" in resumed.stdout
+    assert_same_run(workdir, "killed", straight)
+    state = json.loads((workdir / "runs" / "killed" / "result.json").read_text())
+    assert state["state"] == "SUCCEEDED" and state["last_step"] == 6
+
+
+def test_a_kill_during_a_save_resumes_from_the_previous_checkpoint(
+    recipe, workdir, straight, ray_nodes
+):
+    crashed = train(recipe, "crashed", ray_nodes, RLX_TEST_KILL_AT="save:6:renamed")
+    assert crashed.returncode == 1, crashed.stderr[-3000:]
+    assert "a training worker died" in crashed.stderr
+    assert "Traceback" not in crashed.stderr
+    folder = workdir / "ckpt" / "crashed"
+    assert (folder / "step-000006").is_dir() and not (folder / "step-000006" / MARKER).exists()
+    resumed = train(recipe, "crashed", ray_nodes)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "step-000003 (step 3)" in resumed.stdout
+    assert_same_run(workdir, "crashed", straight)
+    assert sorted(p.name for p in folder.iterdir()) == ["step-000003", "step-000006"]
+
+
+def test_a_run_saved_at_two_ranks_resumes_at_three(workdir, straight, ray_nodes) -> None:
+    ray_nodes.add_node(num_cpus=1)
+    recipe = ppo_recipe(
+        workdir,
+        "three-ranks",
+        3,
+        steps=4,
+        checkpoint={
+            "dir": str(workdir / "ckpt3"),
+            "every": 1,
+            "resume": str(straight / "step-000003"),
+        },
+    )
+    result = train(recipe, "three", ray_nodes)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "step-000003 (step 3)" in result.stdout
+    assert "the checkpoint has 2 training workers' random states" in result.stdout
+    metrics = read_metrics(workdir / "runs" / "three" / "metrics.jsonl")
+    assert [r["step"] for r in metrics] == [4]
+    assert math.isfinite(metrics[0]["loss/policy"]) and metrics[0]["grad_norm"] > 0
+    saved = workdir / "ckpt3" / "three" / "step-000004" / "learner"
+    assert len(list(saved.glob("*.distcp"))) == 3

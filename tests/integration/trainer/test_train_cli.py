@@ -1,0 +1,75 @@
+"""`rlx train` turns every input mistake into one line on stderr and exit code 1."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.support.recipes import recipe_dict, write_recipe
+from tests.support.runner import run_rlx
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def assert_one_line_error(result, *fragments: str) -> None:
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragments"),
+    [
+        (
+            {"model": {"path": "/nonexistent/model"}},
+            ("trainer.model.path: /nonexistent/model is not a folder",),
+        ),
+        (
+            {"model": {"path": "tiny:qwen2-64"}},
+            ("is not a tiny model spec", "tiny:qwen2-h64-l2"),
+        ),
+        (
+            {"data": {"train": "missing/prompts.jsonl"}},
+            ("trainer.data.train: missing/prompts.jsonl does not exist",),
+        ),
+        ({"data": {"train": "synthetic:poems"}}, ("unknown synthetic task 'synthetic:poems'",)),
+        ({"reward": {"function": "nosuch"}}, ("unknown reward 'nosuch'", "letters_or_digits")),
+        ({"reward": {"function": "nowhere.py:score"}}, ("file 'nowhere.py' does not exist",)),
+    ],
+)
+def test_bad_inputs_are_one_line(tmp_path: Path, overrides, fragments) -> None:
+    result = run_rlx(["train", str(write_recipe(tmp_path, **overrides))], tmp_path)
+    assert_one_line_error(result, *fragments)
+    record = json.loads((tmp_path / "runs" / "trainer-test" / "result.json").read_text())
+    assert record["state"] == "FAILED" and fragments[0] in record["error"]
+
+
+def test_more_nodes_than_ray_has_is_one_line(tmp_path: Path) -> None:
+    recipe = write_recipe(tmp_path)
+    data = yaml.safe_load(recipe.read_text())
+    data["resources"] = {"nodes": 2}
+    recipe.write_text(yaml.safe_dump(data))
+    result = run_rlx(["train", str(recipe)], tmp_path)
+    assert_one_line_error(
+        result, "the recipe asks for 2 node(s) but the Ray cluster on this machine has 1 node(s)"
+    )
+
+
+def test_recipe_from_the_environment_and_an_explicit_ray_address(tmp_path: Path) -> None:
+    raw = json.dumps(recipe_dict(tmp_path))
+    result = run_rlx(["train"], tmp_path, RLX_RECIPE_JSON=raw, RAY_ADDRESS="auto")
+    assert_one_line_error(result, "RAY_ADDRESS='auto': give the head's explicit address")
+    result = run_rlx(["train"], tmp_path)
+    assert_one_line_error(result, "no recipe")
+
+
+def test_a_recipe_without_a_trainer(tmp_path: Path) -> None:
+    path = tmp_path / "cmd.yaml"
+    path.write_text("name: only-command\ncommand: [echo hi]\n")
+    assert_one_line_error(run_rlx(["train", str(path)], tmp_path), "has no 'trainer:' section")

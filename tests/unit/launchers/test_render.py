@@ -1,0 +1,145 @@
+"""Rendered files: byte-for-byte golden files, and accepted by the real backend tools.
+
+Regenerate the golden files only on purpose, then review the diff:
+    RLX_UPDATE_GOLDEN=1 python -m pytest tests/unit/launchers/test_render.py
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from rlx.cli import app
+from rlx.launchers import render, renderable, spec
+from rlx.recipe import load_recipe
+from tests.conftest import RECIPES, REPO, require
+
+GOLDEN = REPO / "tests" / "golden"
+RECIPE_FILES = sorted(RECIPES.glob("*.yaml"))
+CASES = [(r, b) for r in RECIPE_FILES for b in renderable()]
+runner = CliRunner()
+
+
+def rendered(recipe: Path, backend: str) -> str:
+    source = str(recipe.relative_to(REPO))
+    return render(backend, load_recipe(recipe).recipe, source)
+
+
+def golden_path(recipe: Path, backend: str) -> Path:
+    return GOLDEN / f"{recipe.stem}{spec(backend).suffix}"
+
+
+@pytest.mark.parametrize("recipe,backend", CASES, ids=lambda v: getattr(v, "stem", v))
+def test_matches_golden(recipe: Path, backend: str):
+    text = rendered(recipe, backend)
+    path = golden_path(recipe, backend)
+    if os.environ.get("RLX_UPDATE_GOLDEN") == "1":
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    assert path.exists(), f"no golden file {path}; create it with RLX_UPDATE_GOLDEN=1"
+    assert text == path.read_text(encoding="utf-8"), (
+        f"{path.name} differs from the rendering; if the change is intended, regenerate with "
+        "RLX_UPDATE_GOLDEN=1 and review the diff"
+    )
+
+
+def test_render_is_deterministic():
+    for recipe, backend in CASES:
+        assert rendered(recipe, backend) == rendered(recipe, backend)
+
+
+@pytest.mark.parametrize("recipe", RECIPE_FILES, ids=lambda p: p.stem)
+def test_skypilot_accepts(recipe: Path):
+    sky = pytest.importorskip("sky")
+    config = yaml.safe_load(rendered(recipe, "sky"))
+    task = sky.Task.from_yaml_config(config)
+    loaded = load_recipe(recipe).recipe
+    assert task.num_nodes == loaded.resources.nodes
+    assert task.run and "rlx node --backend sky" in task.run
+    assert "RLX_RECIPE_JSON" in task.envs
+    # the dashboard and every Ray port stay closed to the internet
+    for res in task.resources:
+        assert not set(map(int, res.ports or [])) & {6379, 8265, 52366}
+
+
+@pytest.mark.parametrize("recipe", RECIPE_FILES, ids=lambda p: p.stem)
+def test_dstack_accepts(recipe: Path):
+    pytest.importorskip("dstack")
+    from dstack._internal.core.models.configurations import parse_run_configuration
+
+    config = parse_run_configuration(yaml.safe_load(rendered(recipe, "dstack")))
+    loaded = load_recipe(recipe).recipe
+    assert config.nodes == loaded.resources.nodes
+    assert str(config.stop_criteria.value) == "master-done"
+    assert "rlx node --backend dstack" in config.commands[-1]
+
+
+@pytest.mark.parametrize("recipe", RECIPE_FILES, ids=lambda p: p.stem)
+def test_slurm_script_passes_bash_and_shellcheck(recipe: Path, tmp_path: Path):
+    script = tmp_path / "job.sbatch"
+    script.write_text(rendered(recipe, "slurm"))
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    shellcheck = require("shellcheck")
+    result = subprocess.run(
+        [shellcheck, "--severity=style", str(script)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout
+
+
+def test_slurm_container_and_gpus():
+    text = rendered(RECIPES / "ppo-7b.yaml", "slurm")
+    assert "#SBATCH --gpus-per-node=8" in text
+    assert "--container-image='nvcr.io#nvidia/pytorch:24.05-py3'" in text
+    assert '--container-name="rlx-${SLURM_JOB_ID}"' in text
+    assert "--container-mounts=/shared:/shared" in text
+    assert '--output="$job_logs/head.log"' in text
+    assert '--output="$job_logs/worker-%N.log"' in text
+
+
+def test_header_names_version_and_recipe():
+    from rlx import __version__
+
+    for recipe, backend in CASES:
+        head = "\n".join(rendered(recipe, backend).splitlines()[:3])
+        assert f"rlx {__version__}" in head
+        assert recipe.name in head
+
+
+def test_ray_token_is_a_secret_by_name():
+    for recipe in RECIPE_FILES:
+        sky = yaml.safe_load(rendered(recipe, "sky"))
+        assert sky["secrets"]["RLX_RAY_TOKEN"] is None
+        dstack = yaml.safe_load(rendered(recipe, "dstack"))
+        assert "RLX_RAY_TOKEN" in dstack["env"]
+
+
+def test_cli_render_to_file(tmp_path: Path):
+    out = tmp_path / "job.sbatch"
+    result = runner.invoke(
+        app, ["render", str(RECIPES / "quickstart.yaml"), "-b", "slurm", "-o", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    assert out.read_text().startswith("#!/bin/bash")
+    assert os.access(out, os.X_OK)
+
+
+def test_cli_render_refuses_lint_errors(write_recipe):
+    path = write_recipe("name: job\nray:\n  port: 6380\ncommand: [echo hi]\n")
+    result = runner.invoke(app, ["render", str(path), "-b", "sky"])
+    assert result.exit_code == 1
+    assert f"{path}:3: error: ray.port:" in result.output
+    assert "--force" in result.output
+    forced = runner.invoke(app, ["render", str(path), "-b", "sky", "--force"])
+    assert forced.exit_code == 0
+
+
+def test_cli_render_unknown_backend(write_recipe):
+    path = write_recipe("name: job\ncommand: [echo hi]\n")
+    result = runner.invoke(app, ["render", str(path), "-b", "kubernetes"])
+    assert result.exit_code != 0
+    assert "Traceback" not in result.output
