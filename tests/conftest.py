@@ -15,6 +15,27 @@ pytest_plugins = [
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = REPO / "recipes"
+TESTS = REPO / "tests"
+
+# The tiers, by folder: each test gets its folder's marker (`-m unit`, `-m "not hosts"`).
+TIERS = {
+    "unit": "no process, Ray, server or emulated host (tests/unit; `make test-fast`)",
+    "integration": "real libraries and processes on this machine (tests/integration)",
+    "hosts": "emulated hosts and a real Slurm across them (tests/hosts; root, see docs/testing.md)",
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for tier, what in TIERS.items():
+        config.addinivalue_line("markers", f"{tier}: {what}")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = Path(str(item.path)).relative_to(TESTS).parts[0]
+        if tier not in TIERS:
+            raise pytest.UsageError(f"{item.nodeid}: tests live in tests/{{{','.join(TIERS)}}}/")
+        item.add_marker(getattr(pytest.mark, tier))
 
 
 @pytest.fixture
@@ -36,7 +57,7 @@ def venv_bin() -> Path:
 
 
 @pytest.fixture
-def rlx_env(venv_bin: Path) -> dict[str, str]:
+def path_env(venv_bin: Path) -> dict[str, str]:
     """An environment in which `rlx` and `ray` resolve to this checkout's installation."""
     env = dict(os.environ)
     env["PATH"] = f"{venv_bin}{os.pathsep}{env.get('PATH', '')}"

@@ -19,9 +19,9 @@ import yaml
 from rlx.launchers import render
 from rlx.recipe import parse_recipe
 from rlx.runs import read_metrics
+from tests.conftest import REPO
 from tests.support.hosts import Hosts, backend_env
 from tests.support.recipes import trainer_section
-from tests.support.runner import REPO
 
 pytest.importorskip("ray")
 pytestmark = [pytest.mark.hosts, pytest.mark.timeout(900)]

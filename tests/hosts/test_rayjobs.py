@@ -22,6 +22,7 @@ import yaml
 
 from rlx.launchers import tunnel
 from rlx.launchers.keep import kept_recipe
+from tests.support.cli import run_rlx
 from tests.support.hosts.probejob import assert_nothing_left, poll, probe_recipe
 from tests.support.hosts.rendered import REPO, RenderedJob
 
@@ -66,22 +67,8 @@ class Kept:
     def rlx(
         self, *args: str, token: str | None = "", timeout: float = 180
     ) -> subprocess.CompletedProcess:
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(REPO),
-            "RAY_AUTH_TOKEN": self.token if token == "" else (token or ""),
-            "RAY_ADDRESS": "",
-            "RAY_AUTH_MODE": "",
-        }
-        return subprocess.run(
-            [sys.executable, "-m", "rlx", *args],
-            cwd=self.workdir,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
+        token = self.token if token == "" else (token or "")
+        return run_rlx(list(args), self.workdir, timeout=timeout, RAY_AUTH_TOKEN=token)
 
     def close(self) -> None:
         self.stop.set()

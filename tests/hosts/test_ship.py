@@ -7,18 +7,16 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
 import yaml
 
-from rlx.errors import RlxError
 from rlx.launchers.base import LaunchRequest
-from rlx.launchers.ship import build_wheel, shipped_version
-from rlx.node.version import check_node_version
+from rlx.launchers.ship import shipped_version
 from tests.support.hosts.probejob import assert_nothing_left, probe_recipe
 from tests.support.hosts.rendered import REPO, RenderedJob
+from tests.support.slurm_jobs import launch_and_wait
 
 SITE = (
     Path(sys.executable).parent.parent
@@ -26,18 +24,6 @@ SITE = (
     / f"python{sys.version_info[0]}.{sys.version_info[1]}"
     / "site-packages"
 )
-
-
-def test_the_wheel_is_this_rlx_and_installs(tmp_path: Path) -> None:
-    wheel = build_wheel(tmp_path)
-    assert wheel.name == f"rlx-{shipped_version()}-py3-none-any.whl"
-    assert build_wheel(tmp_path) == wheel  # reused, not rebuilt
-    names = zipfile.ZipFile(wheel).namelist()
-    assert "rlx/cli.py" in names and "rlx/launchers/ship.py" in names
-    assert not any("__pycache__" in n for n in names)
-    with pytest.raises(RlxError, match=r"this node runs rlx .*launched with rlx 9\.9"):
-        check_node_version({"RLX_WHEEL": "/x/rlx-9.9+gabc-py3-none-any.whl"})
-    check_node_version({})
 
 
 def clean_env(root: Path) -> Path:
@@ -195,19 +181,9 @@ def test_slurm_nodes_install_the_shipped_wheel_in_the_job_folder(slurm_cluster, 
     # This checkout's rlx launches (imported from here, not through PYTHONPATH, which sbatch
     # would hand to the job and so to the nodes).
     launcher = f"import sys; sys.path.insert(0, {str(REPO)!r}); from rlx.cli import main; main()"
-    done = subprocess.run(
-        [sys.executable, "-c", launcher, "launch", "shipped.yaml", "-b", "slurm"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    [job_id] = slurm_cluster.active_jobs()
-    job = slurm_cluster.wait_job(job_id, timeout=420)
-    folder = tmp_path / "rlx-logs" / f"shipped-{job_id}"
-    logs = {p.name: p.read_text(errors="replace") for p in folder.glob("*.log")}
+    argv = [sys.executable, "-c", launcher, "launch", "shipped.yaml", "-b", "slurm"]
+    run = launch_and_wait(slurm_cluster, argv, tmp_path, env, "shipped", timeout=420)
+    job, folder, logs = run.job, run.folder, run.logs
     version = shipped_version()
     assert job.state == "COMPLETED" and job.exit_code == 0, logs
     wheel = tmp_path / "rlx-logs" / ".rlx-wheels" / f"rlx-{version}-py3-none-any.whl"

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from tests.conftest import RECIPES
+from tests.support.cli import run_rlx
 from tests.support.hosts.rendered import node_base_env
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(1200)]
@@ -40,15 +41,7 @@ def quickstart(workdir: Path, name: str, steps: int) -> Path:
 
 
 def rlx(workdir: Path, env: dict[str, str], *args: str, timeout: float = 120):
-    return subprocess.run(
-        [sys.executable, "-m", "rlx", *args],
-        cwd=workdir,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    return run_rlx(list(args), workdir, env=env, timeout=timeout)
 
 
 def state_of(workdir: Path, env: dict[str, str], name: str) -> str:

@@ -6,6 +6,8 @@ keeps the tolerance far above float32 resolution on any CPU."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -53,3 +55,16 @@ def assert_same_gradients(
     worst = max(float((got[name] - value).abs().max()) for name, value in want.items()) / scale
     assert worst <= relative, f"gradients differ by {worst:.3g} of the largest ({relative})"
     return worst
+
+
+def gradient_of_update(learner: Any, batch: Any) -> dict[str, torch.Tensor]:
+    """The summed gradient one Learner update applies (no clipping in the settings), read from
+    the gradients themselves: an optimiser that records them instead of stepping."""
+    recorder = record_gradients(learner.policy)
+    learner.optimizer = recorder
+    learner.update(batch, step=1)
+    return recorder.gradients
+
+
+def assert_same_gradient(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert_same_gradients(got, want, relative=1e-5)

@@ -8,7 +8,7 @@ from typing import Any
 import yaml
 
 from rlx.recipe import parse_recipe
-from rlx.recipe.model import Recipe
+from rlx.recipe.model import Recipe, TrainerSettings
 
 
 def trainer_section(tmp_path: Path, **overrides: Any) -> dict[str, Any]:
@@ -47,3 +47,17 @@ def write_recipe(tmp_path: Path, name: str = "trainer-test", **overrides: Any) -
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(recipe_dict(tmp_path, name, **overrides)))
     return path
+
+
+def small_trainer(tmp_path: Path, **overrides: Any) -> TrainerSettings:
+    """The trainer section of a small GRPO recipe (4 prompts x 4 samples of at most 12
+    tokens, one micro-batch), with section-wise overrides: what the Learner tests build."""
+    base: dict[str, Any] = {
+        "rollout": {"n": 4, "max_new_tokens": 12},
+        "batch": {"prompts_per_step": 4, "micro_batch_size": 16},
+    }
+    for key, value in overrides.items():
+        base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value
+    trainer = make_recipe(tmp_path, **base).trainer
+    assert trainer is not None
+    return trainer

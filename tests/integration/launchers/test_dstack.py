@@ -19,6 +19,7 @@ from rlx.launchers import operations
 from rlx.launchers.base import Job, recall, remember
 from rlx.launchers.dstack.ops import NodeJob, RunView, verdict
 from tests.conftest import RECIPES
+from tests.support.cli import assert_one_line_error
 from tests.support.dstack_server import DstackServer, free_port
 
 GSM8K = RECIPES / "gsm8k-grpo.yaml"
@@ -59,19 +60,6 @@ def invoke(*args: str):
     result = runner.invoke(app, list(args))
     assert result.exception is None or isinstance(result.exception, SystemExit), result.output
     return result
-
-
-def error_lines(output: str) -> list[str]:
-    return [line for line in output.splitlines() if line.startswith("error:")]
-
-
-def assert_one_line_error(output: str, *needles: str) -> str:
-    errors = error_lines(output)
-    assert len(errors) == 1, output
-    assert "Traceback" not in output, output
-    for needle in needles:
-        assert needle in errors[0], errors[0]
-    return errors[0]
 
 
 def listed(server: DstackServer) -> list[str]:

@@ -7,7 +7,6 @@ import json
 import os
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ from rlx.cli import app
 from rlx.launchers import render
 from rlx.launchers.ray.ops import STOPPED_EXIT, exit_code
 from rlx.recipe import parse_recipe
-from tests.conftest import REPO
+from tests.support.cli import run_rlx
 
 runner = CliRunner()
 
@@ -40,19 +39,6 @@ def test_the_request_is_what_ray_accepts() -> None:
     assert env["A"] == "b c" and "RLX_RECIPE_JSON" in env
     assert env["HF_TOKEN"].startswith("<")  # a name, never a value
     ray.runtime_env.RuntimeEnv(**request["runtime_env"])
-
-
-def run_rlx(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
-    full = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ADDRESS": "", "RAY_AUTH_TOKEN": "", **env}
-    return subprocess.run(
-        [sys.executable, "-m", "rlx", *args],
-        cwd=cwd,
-        env=full,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
 
 
 def test_no_address_no_token_and_wrong_flags_are_one_line(tmp_path: Path, write_recipe) -> None:
@@ -85,6 +71,7 @@ def test_unreachable_dashboard_names_the_tunnel(tmp_path: Path, write_recipe) ->
     done = run_rlx(
         ["launch", str(path), "-b", "ray", "--address", "http://127.0.0.1:9"],
         tmp_path,
+        timeout=120,
         RAY_AUTH_TOKEN="t",
     )
     assert done.returncode == 1, done.stderr
@@ -102,12 +89,12 @@ def test_a_working_dir_over_rays_limit_is_named(tmp_path: Path, write_recipe) ->
     args = ["launch", str(path), "-b", "ray", "--address", "http://127.0.0.1:9"]
     # Ray's limit follows its gRPC message size; 2 MiB here stands for the 500 MiB default.
     small = {"RAY_AUTH_TOKEN": "t", "RAY_max_grpc_message_size": str(2 * 2**20)}
-    done = run_rlx(args, tmp_path, **small)
+    done = run_rlx(args, tmp_path, timeout=120, **small)
     assert done.returncode == 1
     assert "holds 3 MiB after Ray's excludes; Ray uploads at most 2 MiB" in done.stderr
     # Ray's own excludes count: with the data in .rayignore the upload is small enough.
     (work / ".rayignore").write_text("data.bin\n")
-    done = run_rlx(args, tmp_path, **small)
+    done = run_rlx(args, tmp_path, timeout=120, **small)
     assert "cannot reach the dashboard" in done.stderr, done.stderr
 
 

@@ -24,6 +24,7 @@ from typer.testing import CliRunner
 from rlx.cli import app
 from rlx.launchers.base import Job, remember
 from tests.conftest import RECIPES, REPO
+from tests.support.cli import assert_one_line_error
 from tests.support.dstack_server import free_port
 
 GSM8K = RECIPES / "gsm8k-grpo.yaml"
@@ -94,19 +95,6 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sky_home: SkyHome) 
     for name, value in SECRETS.items():
         monkeypatch.setenv(name, value)
     return folder
-
-
-def error_lines(output: str) -> list[str]:
-    return [line for line in output.splitlines() if line.startswith("error:")]
-
-
-def assert_one_line_error(output: str, *needles: str) -> str:
-    errors = error_lines(output)
-    assert len(errors) == 1, output
-    assert "Traceback" not in output, output
-    for needle in needles:
-        assert needle in errors[0], errors[0]
-    return errors[0]
 
 
 def launch(*args: str) -> tuple[int, str]:

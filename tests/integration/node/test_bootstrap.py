@@ -49,7 +49,7 @@ def assert_nothing_left(ip: str) -> None:
     assert raynode.own_ray_pids(f"{ip}:{PORT}", PORT) == []
 
 
-def test_runs_command_and_exits_with_its_code(tmp_path, rlx_env):
+def test_runs_command_and_exits_with_its_code(tmp_path, path_env):
     probe = tmp_path / "probe.out"
     command = [
         f'echo "$RAY_ADDRESS $RLX_NUM_NODES $RLX_BACKEND" > {probe}',
@@ -57,7 +57,7 @@ def test_runs_command_and_exits_with_its_code(tmp_path, rlx_env):
         f" >> {probe}",
         "exit 3",
     ]
-    result = rlx_node(recipe_file(tmp_path, command, auth="none"), rlx_env)
+    result = rlx_node(recipe_file(tmp_path, command, auth="none"), path_env)
     assert result.returncode == 3, result.stderr
     ip = primary_ip()
     address, nodes, backend, *rest = probe.read_text().split()
@@ -67,52 +67,52 @@ def test_runs_command_and_exits_with_its_code(tmp_path, rlx_env):
     assert_nothing_left(ip)
 
 
-def test_token_auth_and_success(tmp_path, rlx_env):
+def test_token_auth_and_success(tmp_path, path_env):
     command = ["python -c 'import ray; ray.init(); print(ray.is_initialized())'"]
-    env = {**rlx_env, "RLX_RAY_TOKEN": "0123456789abcdef" * 4}
+    env = {**path_env, "RLX_RAY_TOKEN": "0123456789abcdef" * 4}
     result = rlx_node(recipe_file(tmp_path, command), env)
     assert result.returncode == 0, result.stderr
     assert "True" in result.stdout
     assert_nothing_left(primary_ip())
 
 
-def test_auth_none_ignores_a_stale_token_file(tmp_path, rlx_env):
+def test_auth_none_ignores_a_stale_token_file(tmp_path, path_env):
     # Any earlier local `ray.init()` leaves ~/.ray/auth_token; with the auth mode unset,
     # `ray start` would then turn token auth on by itself and lock our own clients out.
     home = tmp_path / "home"
     (home / ".ray").mkdir(parents=True)
     (home / ".ray" / "auth_token").write_text("f" * 64)
     command = ["python -c 'import ray; ray.init(); print(ray.is_initialized())'"]
-    env = {**rlx_env, "HOME": str(home)}
+    env = {**path_env, "HOME": str(home)}
     result = rlx_node(recipe_file(tmp_path, command, auth="none"), env)
     assert result.returncode == 0, result.stderr
     assert "True" in result.stdout
     assert_nothing_left(primary_ip())
 
 
-def test_a_taken_head_port_is_one_clear_error(tmp_path, rlx_env):
+def test_a_taken_head_port_is_one_clear_error(tmp_path, path_env):
     ip = primary_ip()
     with socket.create_server((ip, PORT)):  # something else holds the GCS port
-        result = rlx_node(recipe_file(tmp_path, ["true"], auth="none"), rlx_env, timeout=120)
+        result = rlx_node(recipe_file(tmp_path, ["true"], auth="none"), path_env, timeout=120)
     assert result.returncode == 1, result.stderr
     assert f"ray.port ({PORT}) already in use on this node" in result.stderr
     assert "Traceback" not in result.stderr
     assert_nothing_left(ip)
 
 
-def test_missing_token_is_one_clear_line(tmp_path, rlx_env):
-    env = {k: v for k, v in rlx_env.items() if k != "RLX_RAY_TOKEN"}
+def test_missing_token_is_one_clear_line(tmp_path, path_env):
+    env = {k: v for k, v in path_env.items() if k != "RLX_RAY_TOKEN"}
     result = rlx_node(recipe_file(tmp_path, ["true"]), env, timeout=60)
     assert result.returncode == 1
     assert "RLX_RAY_TOKEN is not set" in result.stderr
     assert "Traceback" not in result.stderr
 
 
-def test_missing_node_is_named_and_command_never_runs(tmp_path, rlx_env):
+def test_missing_node_is_named_and_command_never_runs(tmp_path, path_env):
     ip = primary_ip()
     marker = tmp_path / "started"
     env = {
-        **rlx_env,
+        **path_env,
         "SKYPILOT_NODE_RANK": "0",
         "SKYPILOT_NODE_IPS": f"{ip}\n10.255.255.7",
         "SKYPILOT_NUM_NODES": "2",

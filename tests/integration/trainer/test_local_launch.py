@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.support.runner import REPO, rlx_env, run_rlx
+from tests.conftest import REPO
+from tests.support.cli import rlx_env, run_rlx
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.timeout(900)

@@ -21,8 +21,9 @@ import yaml
 from rlx.runs import read_metrics
 from rlx.trainer.checkpoint import MARKER
 from rlx.trainer.checkpoint.export import read_tensors, saved_tensors
+from tests.conftest import REPO
+from tests.support.cli import run_rlx
 from tests.support.recipes import write_recipe
-from tests.support.runner import REPO, run_rlx
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.timeout(1800)

@@ -27,8 +27,13 @@ from rlx.trainer.learn.learner import (
     merge_update_stats,
 )
 from rlx.trainer.rollout.hf import HFEngine
-from tests.support.gradients import assert_same_gradients, record_gradients
-from tests.support.recipes import make_recipe
+from tests.support.gradients import (
+    assert_same_gradient,
+    assert_same_gradients,
+    gradient_of_update,
+    record_gradients,
+)
+from tests.support.recipes import make_recipe, small_trainer
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -72,7 +77,7 @@ def one_update(learner: Learner, batch: SequenceBatch) -> tuple[dict, dict, Upda
 
 
 @pytest.fixture(scope="module")
-def step_batch(tiny_model_dir: Path) -> SequenceBatch:
+def ppo_step_batch(tiny_model_dir: Path) -> SequenceBatch:
     rollout = HFEngine(tiny_model_dir).generate(PROMPTS, 3, max_new_tokens=10, seed=0)
     batch = pack_rollout(rollout)
     generator = torch.Generator().manual_seed(0)
@@ -83,17 +88,17 @@ def step_batch(tiny_model_dir: Path) -> SequenceBatch:
 
 
 @pytest.fixture(scope="module")
-def unsharded(tmp_path_factory, tiny_model_dir: Path, step_batch: SequenceBatch) -> dict:
+def unsharded(tmp_path_factory, tiny_model_dir: Path, ppo_step_batch: SequenceBatch) -> dict:
     """One process over the whole batch: what every layout must reproduce."""
     tmp = tmp_path_factory.mktemp("unsharded")
     learner = Learner(
         ppo_settings(tmp), str(tiny_model_dir), str(tiny_model_dir), torch.device("cpu")
     )
-    prepared = learner.prepare(step_batch, old_logprobs=False)
+    prepared = learner.prepare(ppo_step_batch, old_logprobs=False)
     # Reference log-probs away from the policy's, so that the KL term has a gradient.
-    mask = step_batch.response_mask
+    mask = ppo_step_batch.response_mask
     shift = torch.rand(mask.shape, generator=torch.Generator().manual_seed(2)) - 0.5
-    batch = step_batch.with_fields(
+    batch = ppo_step_batch.with_fields(
         **{**prepared, REF_LOGP: torch.where(mask, prepared[REF_LOGP] + shift, 0.0)}
     )
     policy, critic, stats = one_update(learner, batch)
@@ -416,14 +421,14 @@ def test_ranks_train_like_one_unsharded_process(
     print("  ".join(report))
 
 
-def test_chunked_logprobs_equal_the_full_logits(tiny_model_dir, step_batch) -> None:
+def test_chunked_logprobs_equal_the_full_logits(tiny_model_dir, ppo_step_batch) -> None:
     from transformers import AutoModelForCausalLM
 
     from rlx.trainer.learn.models import ResponseScorer, score_responses
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     model.train()
-    batch = step_batch
+    batch = ppo_step_batch
     mask = batch.response_mask
     weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1))
 
@@ -468,13 +473,15 @@ def test_chunked_logprobs_equal_the_full_logits(tiny_model_dir, step_batch) -> N
     assert scores.logprobs.requires_grad and not scores.entropy.requires_grad
 
 
-def test_token_budget_packs_rows_without_losing_any(step_batch) -> None:
-    tokens = step_batch.attention_mask.sum(dim=1)
-    rows = micro_batch_rows(step_batch, 2, 30)
-    assert sorted(r for piece in rows for r in piece) == list(range(len(step_batch)))
+def test_token_budget_packs_rows_without_losing_any(ppo_step_batch) -> None:
+    tokens = ppo_step_batch.attention_mask.sum(dim=1)
+    rows = micro_batch_rows(ppo_step_batch, 2, 30)
+    assert sorted(r for piece in rows for r in piece) == list(range(len(ppo_step_batch)))
     for piece in rows:
         assert len(piece) == 1 or int(tokens[piece].sum()) <= 30
-    assert micro_batch_rows(step_batch, 5) == [list(range(s, min(s + 5, 12))) for s in (0, 5, 10)]
+    assert micro_batch_rows(ppo_step_batch, 5) == [
+        list(range(s, min(s + 5, 12))) for s in (0, 5, 10)
+    ]
 
 
 def test_token_budget_gives_the_fixed_count_gradient(tmp_path, tiny_model_dir, unsharded) -> None:
@@ -491,3 +498,33 @@ def test_reference_and_values_are_what_the_unsharded_process_prepared(unsharded)
     prepared = unsharded["prepared"]
     assert set(prepared) == {REF_LOGP, VALUES}
     assert torch.all(prepared[VALUES] == 0)  # the value head starts at zero
+
+
+def _ddp_rank(rank: int, world: int, init_file: str, model: str, tmp: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    conf = small_trainer(Path(tmp), batch={"micro_batch_size": 3}, optim={"grad_clip": 1e9})
+    learner = Learner(conf, model, None, torch.device("cpu"), rank=rank, world_size=world)
+    batch = torch.load(os.path.join(tmp, "batch.pt"), weights_only=False)
+    share = len(batch) // world
+    gradient = gradient_of_update(learner, batch.select(range(rank * share, (rank + 1) * share)))
+    if rank == 0:
+        torch.save(gradient, out)
+    dist.destroy_process_group()
+
+
+def test_two_ddp_ranks_update_like_one(tmp_path, tiny_model_dir, advantage_batch):
+    """Each rank gets half the minibatch; with the global token count and the world-size
+    factor, DDP's averaged gradient equals the single-process one."""
+    torch.save(advantage_batch, tmp_path / "batch.pt")
+    conf = small_trainer(tmp_path, batch={"micro_batch_size": 3}, optim={"grad_clip": 1e9})
+    single = Learner(conf, str(tiny_model_dir), None, torch.device("cpu"))
+    want = gradient_of_update(single, advantage_batch)
+    out = tmp_path / "ddp.pt"
+    mp.spawn(
+        _ddp_rank,
+        args=(2, str(tmp_path / "init"), str(tiny_model_dir), str(tmp_path), str(out)),
+        nprocs=2,
+        join=True,
+    )
+    assert_same_gradient(torch.load(out), want)

@@ -8,19 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.support.cli import assert_one_line_error, run_rlx
 from tests.support.recipes import recipe_dict, write_recipe
-from tests.support.runner import run_rlx
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def assert_one_line_error(result, *fragments: str) -> None:
-    assert result.returncode == 1, result.stdout + result.stderr
-    assert "Traceback" not in result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, result.stderr
-    for fragment in fragments:
-        assert fragment in errors[0], errors[0]
 
 
 @pytest.mark.parametrize(

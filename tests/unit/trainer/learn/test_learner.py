@@ -5,18 +5,12 @@ checkpoint holds puts a learner back exactly."""
 from __future__ import annotations
 
 import copy
-import os
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from rlx.trainer.batch import SequenceBatch, pack_rollout
 from rlx.trainer.checkpoint.training import load_learner_state, save_learner_state
 from rlx.trainer.learn.learner import (
-    ADVANTAGES,
     OLD_LOGP,
     REF_LOGP,
     RETURNS,
@@ -26,151 +20,83 @@ from rlx.trainer.learn.learner import (
     needs_old_logprobs,
 )
 from rlx.trainer.learn.models import lr_multiplier
-from rlx.trainer.rollout.hf import HFEngine
-from tests.support.gradients import assert_same_gradients, record_gradients
-from tests.support.recipes import make_recipe
+from tests.support.gradients import assert_same_gradient, gradient_of_update
+from tests.support.recipes import small_trainer
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def settings(tmp_path: Path, **overrides):
-    trainer = make_recipe(tmp_path, **overrides).trainer
-    assert trainer is not None
-    return trainer
-
-
-@pytest.fixture(scope="module")
-def step_batch(tiny_model_dir: Path) -> SequenceBatch:
-    """16 samples (4 prompts x 4) from the tiny model, with fixed random advantages."""
-    engine = HFEngine(tiny_model_dir)
-    prompts = [[256, 72, 105], [256, 65, 66, 67, 68], [256, 49], [256, 100, 101]]
-    rollout = engine.generate(prompts, 4, max_new_tokens=12, min_new_tokens=3, seed=0)
-    batch = pack_rollout(rollout)
-    generator = torch.Generator().manual_seed(0)
-    advantages = torch.randn(batch.response_mask.shape, generator=generator)
-    return batch.with_fields(**{ADVANTAGES: torch.where(batch.response_mask, advantages, 0.0)})
 
 
 def params(learner: Learner) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in learner.policy.state_dict().items()}
 
 
-def gradient_of_update(learner: Learner, batch: SequenceBatch) -> dict[str, torch.Tensor]:
-    """The summed gradient one update applies (no clipping in the settings), read from the
-    gradients themselves: an optimiser that records them instead of stepping."""
-    recorder = record_gradients(learner.policy)
-    learner.optimizer = recorder
-    learner.update(batch, step=1)
-    return recorder.gradients
-
-
-def assert_same_gradient(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert_same_gradients(got, want, relative=1e-5)
-
-
-def small(tmp_path: Path, **overrides):
-    base = {
-        "rollout": {"n": 4, "max_new_tokens": 12},
-        "batch": {"prompts_per_step": 4, "micro_batch_size": 16},
-    }
-    for key, value in overrides.items():
-        base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value
-    return settings(tmp_path, **base)
-
-
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
-def test_micro_batches_do_not_change_the_update(tmp_path, tiny_model_dir, step_batch, loss_agg):
+def test_micro_batches_do_not_change_the_update(
+    tmp_path, tiny_model_dir, advantage_batch, loss_agg
+):
     gradients = []
     for micro in (16, 5, 1):
-        conf = small(
+        conf = small_trainer(
             tmp_path,
             batch={"micro_batch_size": micro},
             algo={"loss_agg": loss_agg},
             optim={"grad_clip": 1e9},
         )
         learner = Learner(conf, str(tiny_model_dir), None, torch.device("cpu"))
-        gradients.append(gradient_of_update(learner, step_batch))
+        gradients.append(gradient_of_update(learner, advantage_batch))
     for other in gradients[1:]:
         assert_same_gradient(other, gradients[0])
 
 
-def _ddp_rank(rank: int, world: int, init_file: str, model: str, tmp: str, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    conf = small(Path(tmp), batch={"micro_batch_size": 3}, optim={"grad_clip": 1e9})
-    learner = Learner(conf, model, None, torch.device("cpu"), rank=rank, world_size=world)
-    batch = torch.load(os.path.join(tmp, "batch.pt"), weights_only=False)
-    share = len(batch) // world
-    gradient = gradient_of_update(learner, batch.select(range(rank * share, (rank + 1) * share)))
-    if rank == 0:
-        torch.save(gradient, out)
-    dist.destroy_process_group()
-
-
-def test_two_ddp_ranks_update_like_one(tmp_path, tiny_model_dir, step_batch):
-    """Each rank gets half the minibatch; with the global token count and the world-size
-    factor, DDP's averaged gradient equals the single-process one."""
-    torch.save(step_batch, tmp_path / "batch.pt")
-    conf = small(tmp_path, batch={"micro_batch_size": 3}, optim={"grad_clip": 1e9})
-    single = Learner(conf, str(tiny_model_dir), None, torch.device("cpu"))
-    want = gradient_of_update(single, step_batch)
-    out = tmp_path / "ddp.pt"
-    mp.spawn(
-        _ddp_rank,
-        args=(2, str(tmp_path / "init"), str(tiny_model_dir), str(tmp_path), str(out)),
-        nprocs=2,
-        join=True,
-    )
-    assert_same_gradient(torch.load(out), want)
-
-
 def test_old_logprobs_are_recomputed_only_when_the_policy_moves_first(tmp_path) -> None:
-    assert not needs_old_logprobs(small(tmp_path))
-    assert needs_old_logprobs(small(tmp_path, batch={"ppo_epochs": 2}))
-    assert needs_old_logprobs(small(tmp_path, batch={"minibatch_size": 8}))
-    assert needs_old_logprobs(small(tmp_path, algo={"kl": {"coef": 0.1, "mode": "reward"}}))
-    assert not needs_old_logprobs(small(tmp_path, algo={"kl": {"coef": 0.1, "mode": "loss"}}))
+    assert not needs_old_logprobs(small_trainer(tmp_path))
+    assert needs_old_logprobs(small_trainer(tmp_path, batch={"ppo_epochs": 2}))
+    assert needs_old_logprobs(small_trainer(tmp_path, batch={"minibatch_size": 8}))
+    assert needs_old_logprobs(small_trainer(tmp_path, algo={"kl": {"coef": 0.1, "mode": "reward"}}))
+    assert not needs_old_logprobs(
+        small_trainer(tmp_path, algo={"kl": {"coef": 0.1, "mode": "loss"}})
+    )
 
 
-def test_one_update_without_old_logprobs_has_ratio_one(tmp_path, tiny_model_dir, step_batch):
-    learner = Learner(small(tmp_path), str(tiny_model_dir), None, torch.device("cpu"))
-    stats = merge_update_stats([learner.update(step_batch, step=1)])
+def test_one_update_without_old_logprobs_has_ratio_one(tmp_path, tiny_model_dir, advantage_batch):
+    learner = Learner(small_trainer(tmp_path), str(tiny_model_dir), None, torch.device("cpu"))
+    stats = merge_update_stats([learner.update(advantage_batch, step=1)])
     assert stats["ratio_mean"] == pytest.approx(1.0)
     assert stats["clipfrac"] == 0.0 and stats["approx_kl"] == pytest.approx(0.0, abs=1e-7)
     assert stats["grad_norm"] > 0 and stats["entropy"] > 0
 
 
-def test_prepare_and_several_epochs_with_kl_and_critic(tmp_path, tiny_model_dir, step_batch):
-    conf = small(
+def test_prepare_and_several_epochs_with_kl_and_critic(tmp_path, tiny_model_dir, advantage_batch):
+    conf = small_trainer(
         tmp_path,
         algorithm="ppo",
         algo={"kl": {"coef": 0.05, "mode": "loss"}},
         batch={"ppo_epochs": 2, "minibatch_size": 8, "micro_batch_size": 4},
     )
     learner = Learner(conf, str(tiny_model_dir), str(tiny_model_dir), torch.device("cpu"))
-    extra = learner.prepare(step_batch, old_logprobs=True)
+    extra = learner.prepare(advantage_batch, old_logprobs=True)
     assert set(extra) == {REF_LOGP, VALUES, OLD_LOGP}
-    mask = step_batch.response_mask
+    mask = advantage_batch.response_mask
     # Nothing has moved yet: old and reference log-probs agree, the value head starts at 0.
     torch.testing.assert_close(extra[OLD_LOGP], extra[REF_LOGP])
     assert torch.all(extra[VALUES] == 0)
     assert torch.all(extra[OLD_LOGP][mask] < 0) and torch.all(extra[OLD_LOGP][~mask] == 0)
     returns = torch.where(mask, 1.0, 0.0)
-    batch = step_batch.with_fields(**extra, **{RETURNS: returns})
+    batch = advantage_batch.with_fields(**extra, **{RETURNS: returns})
     stats = merge_update_stats([learner.update(batch, step=1)])
     assert stats["loss/value"] > 0 and stats["critic/grad_norm"] > 0
     assert stats["kl"] >= 0 and "loss/kl" in stats
-    after = learner.prepare(step_batch, old_logprobs=True)
+    after = learner.prepare(advantage_batch, old_logprobs=True)
     assert float(after[VALUES][mask].mean()) > 0  # the critic moved toward the returns
     assert not torch.equal(after[OLD_LOGP], extra[OLD_LOGP])
 
 
-def test_state_parts_restore_a_learner_exactly(tmp_path, tiny_model_dir, step_batch):
-    conf = small(tmp_path, algorithm="ppo")
+def test_state_parts_restore_a_learner_exactly(tmp_path, tiny_model_dir, advantage_batch):
+    conf = small_trainer(tmp_path, algorithm="ppo")
     first = Learner(conf, str(tiny_model_dir), str(tiny_model_dir), torch.device("cpu"))
-    batch = step_batch.with_fields(
-        **first.prepare(step_batch, old_logprobs=False),
-        **{RETURNS: torch.where(step_batch.response_mask, 0.5, 0.0)},
+    batch = advantage_batch.with_fields(
+        **first.prepare(advantage_batch, old_logprobs=False),
+        **{RETURNS: torch.where(advantage_batch.response_mask, 0.5, 0.0)},
     )
     first.update(batch, step=1)
     second = Learner(conf, str(tiny_model_dir), str(tiny_model_dir), torch.device("cpu"))
@@ -195,15 +121,15 @@ def test_lr_schedules() -> None:
     assert lr_multiplier(13, warmup_steps=3, total_steps=13, schedule="linear") == 0.0
 
 
-def test_optimiser_state_moves_away_and_back_whole(tmp_path, tiny_model_dir, step_batch):
+def test_optimiser_state_moves_away_and_back_whole(tmp_path, tiny_model_dir, advantage_batch):
     """What a colocated GPU worker does before its engine wakes: every AdamW moment of the
     policy and the critic leaves the training device (here: to "meta", a device other than
     the CPU that needs no accelerator), the step counters stay."""
-    conf = small(tmp_path, algorithm="ppo")
+    conf = small_trainer(tmp_path, algorithm="ppo")
     learner = Learner(conf, str(tiny_model_dir), str(tiny_model_dir), torch.device("cpu"))
-    extra = learner.prepare(step_batch, old_logprobs=True)
-    returns = torch.where(step_batch.response_mask, 1.0, 0.0)
-    learner.update(step_batch.with_fields(**extra, **{RETURNS: returns}), step=1)
+    extra = learner.prepare(advantage_batch, old_logprobs=True)
+    returns = torch.where(advantage_batch.response_mask, 1.0, 0.0)
+    learner.update(advantage_batch.with_fields(**extra, **{RETURNS: returns}), step=1)
     assert learner.move_optimizer_state("cpu") == 0  # already there: nothing moves
     params = sum(p.numel() for o in (learner.optimizer, learner.critic_optimizer) for p in o.state)
     moved = learner.move_optimizer_state("meta")

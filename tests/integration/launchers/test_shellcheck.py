@@ -1,0 +1,42 @@
+"""Every Slurm script rlx renders (the shipped recipes' batch scripts, and each container
+runtime's batch script and the scripts it runs on the nodes) passes `bash -n` and the
+shellcheck of the test environment, at style severity."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from rlx.launchers import render
+from tests.conftest import require
+from tests.unit.launchers.test_render import RECIPE_FILES, rendered
+from tests.unit.launchers.test_slurm_containers import RUNTIMES, node_scripts, recipe_for
+
+
+def shellcheck(path: Path) -> None:
+    subprocess.run(["bash", "-n", str(path)], check=True)
+    done = subprocess.run(
+        [require("shellcheck"), "--shell=bash", "--severity=style", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stdout
+
+
+@pytest.mark.parametrize("recipe", RECIPE_FILES, ids=lambda p: p.stem)
+def test_slurm_script_passes_bash_and_shellcheck(recipe: Path, tmp_path: Path):
+    script = tmp_path / "job.sbatch"
+    script.write_text(rendered(recipe, "slurm"))
+    shellcheck(script)
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_each_runtime_passes_shellcheck(runtime: str, tmp_path: Path) -> None:
+    text = render("slurm", recipe_for(runtime), "boxed.yaml")
+    (tmp_path / "job.sbatch").write_text(text)
+    shellcheck(tmp_path / "job.sbatch")
+    for name, body in node_scripts(recipe_for(runtime)).items():
+        (tmp_path / f"{name}.sh").write_text(body)
+        shellcheck(tmp_path / f"{name}.sh")
