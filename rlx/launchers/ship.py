@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import importlib.metadata
+import os
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -62,7 +63,9 @@ def build_wheel(out_dir: Path) -> Path:
     entries = files + extra
     record = "\n".join(_record_line(n, d) for n, d in entries) + f"\n{info}/RECORD,,\n"
     out_dir.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".tmp")
+    # A name of this process's own: two launches building the same wheel at once never
+    # write into one file; the rename puts a complete wheel in place either way.
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with zipfile.ZipFile(partial, "w", zipfile.ZIP_DEFLATED) as wheel:
         for name, data in [*entries, (f"{info}/RECORD", record.encode())]:
             wheel.writestr(zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0)), data)
