@@ -78,10 +78,10 @@ def trainer_line(marker: Path) -> str:
 
 def rlx_job(hosts, workdir: Path, marker: Path):
     import yaml
+    from tests.hosts.rendered import RenderedJob
 
     from rlx.launchers.base import collect_secrets
     from rlx.recipe import parse_recipe
-    from tests.hosts.rendered import RenderedJob
 
     text = yaml.safe_dump(
         {
@@ -108,9 +108,10 @@ def sky_template_job(hosts, workdir: Path, marker: Path):
 
 
 def floor_job(hosts, workdir: Path, marker: Path):
+    from tests.hosts.rendered import RenderedJob
+
     from rlx.node import raynode
     from rlx.recipe.model import RaySettings
-    from tests.hosts.rendered import RenderedJob
 
     settings = RaySettings()
     head = hosts[0].ip

@@ -127,16 +127,13 @@ def run_setting(model: Path, data: Path, args: Any, choice: str, folder: Path) -
     forwards done and one push in 1 MiB buckets made, so every page of the policy and the
     engine has been touched and the object store has touched what 1 MiB buckets need
     (about the embedding). What the measured pushes add is then theirs."""
-    from rlx.trainer.job import TrainJob
-    from rlx.trainer.main import training_session
-    from rlx.trainer.resolve import run_paths
+    from rlx.trainer.main import trainer_for
 
     bucket_mb = 2**40 if choice == "whole" else int(choice)
     recipe = recipe_for(model, data, args.engine, folder, bucket_mb)
     env = {"RLX_RUN_ID": f"bench-{choice}"}
     log = io.StringIO()
-    job = TrainJob.of(recipe)
-    with training_session(job, env, run_paths(job.name, job.settings, env), log, log) as trainer:
+    with trainer_for(recipe, env, log) as trainer:
         import ray
 
         cluster = trainer.cluster

@@ -188,6 +188,16 @@ def training_session(
         yield Trainer(inputs, cluster, out=out, err=err, memory_of=memory, stop=stop)
 
 
+def trainer_for(
+    recipe: Recipe, env: Mapping[str, str], out: TextIO, err: TextIO | None = None
+) -> contextlib.AbstractContextManager[Any]:
+    """A Trainer for the recipe with its actors up, for code that drives it step by step
+    (tests, benchmarks): the job narrowed and the run's folders found as `rlx train` does."""
+    job = TrainJob.of(recipe)
+    paths = run_paths(job.name, job.settings, env)
+    return training_session(job, env, paths, out, out if err is None else err)
+
+
 def _cluster_memory(cluster: Any, own: Any) -> Any:
     """This process tree plus the workers, which belong to the raylets `ray start` began."""
 

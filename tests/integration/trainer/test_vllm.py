@@ -150,9 +150,7 @@ def test_the_vllm_quickstart_trains_colocated_and_validates(tmp_path: Path, loca
 def test_split_engines_take_every_push_and_a_skipped_one_stops_the_run(
     tmp_path: Path, local_ray
 ) -> None:
-    from rlx.trainer.job import TrainJob
-    from rlx.trainer.main import training_session
-    from rlx.trainer.resolve import run_paths
+    from rlx.trainer.main import trainer_for
 
     ray = local_ray
     recipe = make_recipe(
@@ -165,8 +163,7 @@ def test_split_engines_take_every_push_and_a_skipped_one_stops_the_run(
     )
     env = {"RLX_RUN_ID": "split"}
     out = io.StringIO()
-    job = TrainJob.of(recipe)
-    with training_session(job, env, run_paths(job.name, job.settings, env), out, out) as trainer:
+    with trainer_for(recipe, env, out) as trainer:
         cluster = trainer.cluster
         assert trainer.resume() == 0  # the engine starts from the policy's own weights
         probe = trainer.inputs.probe

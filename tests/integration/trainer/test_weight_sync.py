@@ -10,9 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlx.trainer.job import TrainJob
-from rlx.trainer.main import training_session
-from rlx.trainer.resolve import run_paths
+from rlx.trainer.main import trainer_for
 from rlx.trainer.rollout.colocated import make_colocated_engine
 from rlx.trainer.rollout.probe import StaleEngineError, check_engines
 from tests.support.recipes import make_recipe
@@ -32,8 +30,7 @@ def test_split_engines_get_every_update_and_a_stale_one_stops_the_run(tmp_path: 
     )
     env = {"RLX_RUN_ID": "split"}
     out = io.StringIO()
-    job = TrainJob.of(recipe)
-    with training_session(job, env, run_paths(job.name, job.settings, env), out, out) as trainer:
+    with trainer_for(recipe, env, out) as trainer:
         cluster = trainer.cluster
         assert len(cluster.rollout.handles) == 2 and len(cluster.train.handles) == 1
         assert trainer.resume() == 0  # also proves the engines start at version 0
