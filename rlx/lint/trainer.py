@@ -15,6 +15,7 @@ from rlx.recipe.specs import (
     synthetic_task_problem,
     tiny_spec_problem,
 )
+from rlx.trainer.rollout import choose_engine
 
 
 def _dp_ranks(recipe: Recipe) -> int:
@@ -150,7 +151,7 @@ def check_colocated_tensor_parallel(recipe: Recipe) -> Iterator[Problem]:
     if tp == 1 or recipe.resources.gpus_per_node == 0:
         return
     where = ("trainer", "rollout", "tensor_parallel_size")
-    if trainer.rollout.engine == "hf":
+    if choose_engine(trainer.rollout.engine, recipe.resources.gpus_per_node) == "hf":
         yield Problem(
             where,
             ERROR,
