@@ -13,6 +13,12 @@ pytest_plugins = [
     "tests.support.fixtures",
 ]
 
+# The tests share two cores among several processes at once (Ray's workers, torch's
+# threads, servers, the workers of `make test`): threads that wait for work sleep instead of
+# spinning (OpenMP's default), or one process's spinning starves the others. Children of
+# the tests (Ray, rlx, the emulated hosts, Slurm jobs) inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = REPO / "recipes"
 TESTS = REPO / "tests"

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import REPO
 from tests.support.hosts import (
     Host,
     HostProcess,
@@ -217,7 +218,7 @@ def test_sweep_removes_what_a_crashed_run_left(
     # A prefix of this test's own, so that a concurrent session cannot muddle the picture.
     prefix = "rlx" + "".join(random.choices(string.ascii_lowercase, k=2))
     request.addfinalizer(lambda: sweep_stale(prefix))
-    repo = Path(__file__).resolve().parents[1]
+    repo = REPO
     crashed = subprocess.run(
         [PY, "-c", CRASHING_RUN, prefix],
         check=False,

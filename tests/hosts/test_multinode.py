@@ -90,7 +90,7 @@ def test_hosts_run_this_checkouts_rlx(emulated_hosts: Hosts, tmp_path: Path) -> 
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [
         str(tmp_path / "bin" / "rlx"),
-        str(REPO / "rlx" / "launchers" / "bootstrap.py"),
+        str(REPO / "rlx" / "node" / "bootstrap.py"),
     ]
 
 

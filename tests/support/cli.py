@@ -17,14 +17,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def rlx_env(base: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:
-    """An environment in which `python -m rlx` runs this checkout: the base (the test's own
-    by default) without the Ray and rlx variables a test process may carry (a stray
-    RAY_ADDRESS must not reach the run), with `extra` laid over it."""
-    env = {
-        k: v
-        for k, v in (os.environ if base is None else base).items()
-        if not k.startswith(("RAY_", "RLX_"))
-    }
+    """An environment in which `python -m rlx` runs this checkout: `base` as it is when given,
+    else the test's own without the Ray and rlx variables a test process may carry (a stray
+    RAY_ADDRESS must not reach the run); `extra` laid over it."""
+    if base is None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RLX_"))}
+    else:
+        env = dict(base)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra)
     return env

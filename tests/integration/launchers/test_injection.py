@@ -147,8 +147,7 @@ def test_secret_values_never_rendered(monkeypatch):
     for name in ("HF_TOKEN", "WANDB_API_KEY", "RLX_RAY_TOKEN"):
         monkeypatch.setenv(name, value)
     from rlx.recipe import load_recipe
-
-    from .conftest import RECIPES
+    from tests.conftest import RECIPES
 
     for path in RECIPES.glob("*.yaml"):
         for backend in ("sky", "dstack", "slurm"):
