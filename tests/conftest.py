@@ -36,27 +36,12 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", f"{tier}: {what}")
 
 
-# Tests that share one Slurm cluster (a session fixture): kept on one worker when the suite
-# runs on several (pytest-xdist), so it starts one Slurm, not one per worker.
-SLURM_FIXTURES = {"slurm_session", "slurm_cluster"}
-
-
-def worker_group(item: pytest.Item) -> str:
-    """Which tests run on one worker, in order, under `-n N --dist loadgroup` (`make test`):
-    a module's tests together (its module fixtures start once: a Ray, a server), every test
-    of the Slurm cluster together; groups spread over the workers."""
-    if SLURM_FIXTURES & set(getattr(item, "fixturenames", ())):
-        return "slurm"
-    return item.nodeid.split("::")[0]
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         tier = Path(str(item.path)).relative_to(TESTS).parts[0]
         if tier not in TIERS:
             raise pytest.UsageError(f"{item.nodeid}: tests live in tests/{{{','.join(TIERS)}}}/")
         item.add_marker(getattr(pytest.mark, tier))
-        item.add_marker(pytest.mark.xdist_group(worker_group(item)))
 
 
 @pytest.fixture

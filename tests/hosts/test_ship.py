@@ -185,7 +185,7 @@ def test_slurm_nodes_install_the_shipped_wheel_in_the_job_folder(slurm_cluster, 
     run = launch_and_wait(slurm_cluster, argv, tmp_path, env, "shipped", timeout=420)
     job, folder, logs = run.job, run.folder, run.logs
     version = shipped_version()
-    assert job.state == "COMPLETED" and job.exit_code == 0, logs
+    assert job.state == "COMPLETED" and job.exit_code == 0, run.report()
     wheel = tmp_path / "rlx-logs" / ".rlx-wheels" / f"rlx-{version}-py3-none-any.whl"
     assert wheel.is_file()
     head, workers = (

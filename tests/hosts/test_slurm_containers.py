@@ -72,7 +72,7 @@ def test_podman_containers_on_the_real_slurm(slurm_cluster, image_store, tmp_pat
     argv = [sys.executable, "-m", "rlx", "launch", "boxed.yaml", "-b", "slurm"]
     run = launch_and_wait(slurm_cluster, argv, tmp_path, env, "boxed", timeout=600)
     job, folder, logs, elapsed = run.job, run.folder, run.logs, run.seconds
-    assert job.state == "COMPLETED" and job.exit_code == 0, logs
+    assert job.state == "COMPLETED" and job.exit_code == 0, run.report()
     head = logs["head.log"]
     assert "all 3 nodes joined" in head, head
     driver = next(line.split() for line in head.splitlines() if line.startswith("driver "))

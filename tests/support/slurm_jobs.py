@@ -17,6 +17,10 @@ class SlurmRun:
     logs: dict[str, str]  # every log in it, by file name
     seconds: float  # from the launch to the job's end
 
+    def report(self) -> str:
+        """Every log of the job in full, for a failed assertion (a dict's repr is cut short)."""
+        return "\n".join(f"--- {name}\n{text}" for name, text in sorted(self.logs.items()))
+
 
 def launch_and_wait(
     cluster: Any,
