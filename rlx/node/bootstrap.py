@@ -21,6 +21,7 @@ state goes "waiting" -> "running" -> "done:<code>", and each worker acknowledges
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
@@ -49,6 +50,7 @@ JOIN_POLL_SECONDS = 0.1  # polls while the cluster forms: each is one cheap GCS 
 HEAD_LOST_SECONDS = 15.0  # a worker waits this long without the head before giving up
 ACK_WAIT_SECONDS = 15.0
 TERMINATE_GRACE_SECONDS = 20.0
+PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
 
 
 class ClusterError(RlxError):
@@ -108,6 +110,7 @@ class Bootstrap:
         previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
         # Until the head command runs, the checkpoint warning has nothing to checkpoint.
         previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        adopt_orphans()
         try:
             left = raynode.stop_own_ray(self.address, self.recipe.ray.port)
             if left:
@@ -450,6 +453,24 @@ class Bootstrap:
                     f"Ray stopped on this node ({self.node.describe(self.node.rank)})"
                     "; see /tmp/ray/session_latest/logs/raylet.out"
                 )
+
+
+def adopt_orphans() -> bool:
+    """Make this process the parent of the daemons `ray start` leaves behind.
+
+    `ray start` exits once its daemons run, and they would be re-parented to init: outside
+    the job's process tree. A scheduler that tracks a job by that tree (Slurm's
+    proctrack/linuxproc, or any `kill` of the step's descendants) then cannot see them, and
+    if this bootstrap is killed before it stops them (KillWait shorter than our clean-up),
+    the job's GCS outlives the job. As a child subreaper, the orphans stay under us, so the
+    scheduler's final SIGKILL reaches them too. Linux only; elsewhere nothing changes."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def main(recipe: Recipe, node: NodeInfo, env: Mapping[str, str]) -> int:
