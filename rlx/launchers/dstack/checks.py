@@ -8,11 +8,36 @@ from rlx.lint.core import ERROR, WARNING, Check, Problem
 from rlx.recipe import Recipe
 from rlx.recipe.model import is_bucket
 
+# A dstack network volume is one cloud disk (EBS, a persistent disk): one node attaches it.
+# Several nodes get one each when its name carries the node's rank.
+NODE_RANK = "${{ dstack.node_rank }}"
+
+
+def per_node(name: str | None) -> bool:
+    return name is not None and NODE_RANK.replace(" ", "") in name.replace(" ", "")
+
 
 def check_dstack(recipe: Recipe) -> Iterator[Problem]:
     dstack = recipe.dstack
     if dstack is None:
         return
+    for i, volume in enumerate(recipe.volumes):
+        if volume.name and recipe.resources.nodes > 1 and not per_node(volume.name):
+            yield Problem(
+                ("volumes", i, "name"),
+                ERROR,
+                f"a dstack network volume attaches to one node, and this job has "
+                f"{recipe.resources.nodes}; for state every node shares use a bucket "
+                "(trainer.checkpoint.dir: s3://BUCKET/checkpoints), for node-local data name "
+                f"one volume per node: {volume.name}-{NODE_RANK}",
+            )
+    if len(dstack.regions) > 1 and any(v.name for v in recipe.volumes):
+        yield Problem(
+            ("dstack", "regions"),
+            ERROR,
+            "a network volume lives in one region, and this run may start in any of "
+            f"{', '.join(dstack.regions)}; keep one region, or keep state in a bucket",
+        )
     if recipe.resources.nodes > 1 and not dstack.fleets:
         yield Problem(
             ("dstack", "fleets"),

@@ -29,15 +29,9 @@ runner = CliRunner()
 
 
 def two_node_recipe(write_recipe, name: str, *, fleets: bool = True, retry: bool = False) -> Path:
-    """gsm8k-grpo on its 2 nodes, with its checkpoints on a bucket mount instead of a network
-    volume (a dstack volume needs a backend, which this server has not)."""
+    """gsm8k-grpo on its 2 nodes, its state in a bucket, as shipped."""
     text = GSM8K.read_text()
-    text = text.replace(
-        "volumes:\n  - name: rlx-gsm8k               # a SkyPilot volume / dstack network volume\n"
-        "    path: /shared\n",
-        "file_mounts:\n  /shared: s3://rlx-test-bucket/shared\n",
-    )
-    text = text[: text.index("\nslurm:")] + "\n"  # Slurm cannot copy file mounts
+    text = text[: text.index("\nslurm:")] + "\n"  # dstack's section last: retry goes there
     assert "volumes:" not in text and "dstack:\n  fleets: [l4-cluster]" in text
     if not fleets:
         text = text.replace("dstack:\n  fleets: [l4-cluster]", "dstack:\n  fleets: []")
@@ -92,8 +86,15 @@ def wait_finished(server: DstackServer, name: str, timeout: float = 180.0):
 
 
 @pytest.mark.timeout(300)
-def test_gsm8k_is_refused_for_its_missing_volume(project: Path, dstack_server: DstackServer):
-    result = invoke("launch", str(GSM8K), "--backend", "dstack", "--name", "gsm8k-vol")
+def test_gsm8k_is_refused_for_its_missing_volume(
+    project: Path, dstack_server: DstackServer, write_recipe
+):
+    # One node with a network volume (one disk, one node: what dstack's volumes are for).
+    text = GSM8K.read_text().replace("  nodes: 2\n", "  nodes: 1\n")
+    text = text.replace("sky:\n  infra: gcp\n", "")  # SkyPilot has no volumes on GCP
+    text = text.replace("\nsetup:", "\nvolumes:\n  - name: rlx-gsm8k\n    path: /data\n\nsetup:")
+    recipe = write_recipe(text, "gsm8k-grpo.yaml")
+    result = invoke("launch", str(recipe), "--backend", "dstack", "--name", "gsm8k-vol")
     assert result.exit_code == 1
     assert_one_line_error(
         result.output, "dstack: volume rlx-gsm8k does not exist in project main", "dstack apply"

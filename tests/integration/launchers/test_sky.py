@@ -106,9 +106,20 @@ def launch(*args: str) -> tuple[int, str]:
 # ------------------------------------------------------------------------- launch refusals
 
 
+def volume_variant(folder: Path) -> Path:
+    """gsm8k-grpo on Kubernetes with a SkyPilot volume (where SkyPilot has them) that was
+    never created."""
+    text = GSM8K.read_text().replace("sky:\n  infra: gcp", "sky:\n  infra: k8s")
+    text = text[: text.index("\ndstack:")] + "\n"  # a dstack volume is one node's disk
+    text = text.replace("\nsetup:", "\nvolumes:\n  - name: rlx-gsm8k\n    path: /shared\n\nsetup:")
+    path = folder / "gsm8k-grpo.yaml"
+    path.write_text(text)
+    return path
+
+
 @pytest.mark.timeout(600)
 def test_gsm8k_stops_at_the_missing_volume(workdir: Path, sky_home: SkyHome):
-    code, output = launch(str(GSM8K), "--backend", "sky")
+    code, output = launch(str(volume_variant(workdir)), "--backend", "sky")
     assert code == 1
     assert_one_line_error(output, "SkyPilot: volume rlx-gsm8k does not exist", "sky volumes apply")
     # the SDK really went to its own API server (started on our port)
@@ -120,7 +131,7 @@ def test_gsm8k_stops_at_the_missing_volume(workdir: Path, sky_home: SkyHome):
 
 @pytest.mark.timeout(600)
 def test_gsm8k_managed_stops_at_the_missing_volume(workdir: Path):
-    code, output = launch(str(GSM8K), "--backend", "sky", "--managed")
+    code, output = launch(str(volume_variant(workdir)), "--backend", "sky", "--managed")
     assert code == 1
     assert_one_line_error(output, "volume rlx-gsm8k does not exist", "sky volumes apply")
 

@@ -274,6 +274,72 @@ BROKEN = [
         "exceeds max_new_tokens",
     ),
     (
+        "url-missing-a-slash",
+        "name: job\n" + TRAINER + "  checkpoint: {dir: 's3:/bucket/ckpt'}\n",
+        5,
+        "trainer.checkpoint.dir",
+        "with a slash missing",
+    ),
+    (
+        "url-unsupported-scheme",
+        "name: job\n" + TRAINER + "  logging: {dir: 'ftp://host/runs'}\n",
+        5,
+        "trainer.logging.dir",
+        "rlx cannot store to",
+    ),
+    (
+        "bucket-extra-not-in-setup",
+        "name: job\nsetup:\n  - pip install 'rlx[train]'\n"
+        + TRAINER
+        + "  checkpoint: {dir: 's3://bucket/ckpt'}\n",
+        7,
+        "trainer.checkpoint.dir",
+        "rlx[train,s3]",
+    ),
+    (
+        "data-in-a-store",
+        "name: job\ntrainer:\n  model: {path: Qwen/Qwen2.5-0.5B}\n"
+        "  data: {train: 's3://bucket/data.jsonl'}\n",
+        4,
+        "trainer.data.train",
+        "read on the head",
+    ),
+    (
+        "sky-volume-on-aws",
+        "name: job\nvolumes:\n  - {name: vol, path: /shared}\n" + TRAINER + "sky:\n  infra: aws\n",
+        3,
+        "volumes[0].name",
+        "s3://BUCKET/checkpoints",
+    ),
+    (
+        "sky-volume-eager-next-region",
+        "name: job\nvolumes:\n  - {name: vol, path: /shared}\n"
+        + TRAINER
+        + "sky:\n  infra: k8s\n  recovery: {strategy: EAGER_NEXT_REGION}\n",
+        9,
+        "sky.recovery.strategy",
+        "region-bound volume",
+    ),
+    (
+        "dstack-volume-multinode",
+        "name: job\nresources: {nodes: 2}\nvolumes:\n  - {name: vol, path: /shared}\n"
+        + TRAINER
+        + "dstack:\n  fleets: [f]\n",
+        4,
+        "volumes[0].name",
+        "${{ dstack.node_rank }}",
+    ),
+    (
+        "checkpoint-on-a-per-node-volume",
+        "name: job\nresources: {nodes: 2}\n"
+        "volumes:\n  - {name: 'vol-${{ dstack.node_rank }}', path: /local}\n"
+        + TRAINER
+        + "  checkpoint: {dir: /local/ckpt}\n",
+        8,
+        "trainer.checkpoint.dir",
+        "is on node-local disk but 2 nodes write shards there",
+    ),
+    (
         "resume-auto-without-dir",
         "name: job\n" + TRAINER + "  checkpoint: {resume: auto}\n",
         5,
