@@ -215,8 +215,9 @@ def down(job: Job) -> None:
         state = status(job)
         raise RlxError(f"{job.name} is not running ({state.state.lower()}); nothing to stop")
     pid = int(job.handle)
-    # SIGTERM: the trainer stops between operations and releases its Ray; then SIGKILL.
-    for sig, wait in ((signal.SIGTERM, STOP_GRACE_SECONDS), (signal.SIGKILL, 10.0)):
+    # SIGINT, a person's stop: the trainer stops between operations and releases its Ray
+    # (SIGTERM would mean a preemption: checkpoint first, exit 75); then SIGKILL.
+    for sig, wait in ((signal.SIGINT, STOP_GRACE_SECONDS), (signal.SIGKILL, 10.0)):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
         deadline = time.monotonic() + wait

@@ -9,6 +9,7 @@ import io
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
@@ -21,8 +22,10 @@ class Stopped(Exception):
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
-        # USR1 is the scheduler's warning (Slurm --signal): checkpointed, worth a requeue.
-        self.code = TRY_AGAIN if signum == signal.SIGUSR1 else 128 + signum
+        # USR1 is the scheduler's warning (Slurm --signal), SIGTERM how every scheduler and
+        # cloud stops a node (preemption, a spot reclaim, a cancelled job): both checkpoint
+        # first and are worth a retry. SIGINT is a person stopping the run: 130, no retry.
+        self.code = TRY_AGAIN if signum in SAVE_FIRST else 128 + signum
 
 
 # --------------------------------------------------------------------------- console
@@ -93,25 +96,38 @@ def console_to_log(log_path: Path) -> Iterator[tuple[TextIO, TextIO]]:
             sys.stdout, sys.stderr = real_out, real_err
 
 
+# Signals after which the step in progress ends, a checkpoint is saved, and the run exits
+# 75. The deadline this must meet is the platform's grace before SIGKILL (GCP spot: 30 s;
+# Slurm: KillWait; SkyPilot/dstack: their own); docs/storage.md has what was measured.
+SAVE_FIRST = (signal.SIGUSR1, signal.SIGTERM)
+
+
 class StopRequest:
-    """Set by SIGTERM or SIGINT; the loop calls check() between phases and stops there.
+    """Set by SIGTERM, SIGUSR1 or SIGINT; the loop calls check() between phases and stops.
+
+    SIGTERM and SIGUSR1 (the scheduler's warning) let the step in progress end, save, and
+    stop with 75; SIGINT (Ctrl-C, `rlx down` on this machine) stops at the next check.
 
     The handler does not raise: an exception thrown from inside Ray's C++ calls (ray.wait,
-    ray.get) comes out mangled. A second SIGTERM or SIGINT does stop at once, for a start-up
-    that hangs; a repeated warning (USR1) does not.
+    ray.get) comes out mangled. A SIGINT after any first signal stops at once, for a start-up
+    or a save that hangs; so does a SIGTERM after SIGINT. A repeated SIGTERM or warning does
+    not: schedulers signal every process of a job and the node forwards it, so the trainer
+    usually gets it twice, and the second must not skip the checkpoint.
     """
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self.received: float | None = None  # time.monotonic() when the first signal came
 
     def handler(self, signum: int, _frame: object) -> None:
         if self.signum is not None:
-            if signum == signal.SIGUSR1:
-                # The warning again: Slurm signals every process of the step and the node
-                # forwards it too, so it usually arrives twice. Still save first.
+            if signum in SAVE_FIRST and self.signum in SAVE_FIRST:
+                # The same request again: Slurm signals every process of the step and the
+                # node forwards it too, so it usually arrives twice. Still save first.
                 return
             raise Stopped(signum)
         self.signum = signum
+        self.received = time.monotonic()
 
     def check(self) -> None:
         """Stop here on SIGTERM/SIGINT; the warning (USR1) lets the step in progress end."""
@@ -124,8 +140,8 @@ class StopRequest:
 
     @property
     def checkpoint_first(self) -> bool:
-        """The stop is the scheduler's warning: save what was done before stopping."""
-        return self.signum == signal.SIGUSR1
+        """Save what was done before stopping (SIGTERM, or the scheduler's warning)."""
+        return self.signum in SAVE_FIRST
 
 
 @contextlib.contextmanager
