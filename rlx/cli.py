@@ -470,14 +470,19 @@ def train(
 @app.command()
 @expected_errors
 def export(
-    checkpoint: Path = typer.Argument(..., help="A checkpoint's step-NNNNNN folder."),
-    out: Path = typer.Argument(..., help="The Hugging Face folder to write (must not exist)."),
+    checkpoint: str = typer.Argument(
+        ..., help="A checkpoint's step-NNNNNN folder, or its s3:// gs:// az:// prefix."
+    ),
+    out: str = typer.Argument(
+        ..., help="The Hugging Face folder (or store prefix) to write (must not exist)."
+    ),
 ) -> None:
     """Write a checkpoint's policy as a Hugging Face folder (config, safetensors, tokenizer,
     generation config) that from_pretrained loads and vLLM serves. Offline, one process."""
+    from rlx.storage import location
     from rlx.trainer.checkpoint.export import export_checkpoint
 
-    exported = export_checkpoint(checkpoint, out)
+    exported = export_checkpoint(location(checkpoint, "checkpoint"), location(out, "out"))
     typer.echo(
         f"exported {checkpoint} to {exported.folder}: {exported.tensors} tensors in "
         f"{exported.files} safetensors file(s), {exported.dtype}, "

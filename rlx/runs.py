@@ -47,8 +47,9 @@ class RunPaths:
     """Where one run reads and writes. checkpoints is None when checkpointing is off."""
 
     run_id: str
-    run_dir: Path  # logging.dir / run id: metrics, log, plot, result
-    checkpoint_root: Path | None  # checkpoint.dir (the manager adds the run id)
+    run_dir: Path  # logging.dir / run id: metrics, log, plot, result (on this node's disk)
+    checkpoint_root: Path | str | None  # checkpoint.dir, a folder or a store URL
+    run_url: str | None = None  # logging.dir / run id in a store: run_dir is mirrored there
 
     @property
     def metrics(self) -> Path:
@@ -67,8 +68,15 @@ class RunPaths:
         return self.run_dir / RESULT_FILE
 
     @property
-    def checkpoints(self) -> Path | None:
+    def checkpoints(self) -> Path | str | None:
+        if isinstance(self.checkpoint_root, str):
+            return f"{self.checkpoint_root.rstrip('/')}/{self.run_id}"
         return None if self.checkpoint_root is None else self.checkpoint_root / self.run_id
+
+    @property
+    def where(self) -> str:
+        """Where a user finds the run's files: the store prefix when mirrored there."""
+        return self.run_url or str(self.run_dir)
 
 
 @dataclass
@@ -173,7 +181,9 @@ def _duration(seconds: float) -> str:
 
 
 def progress_detail(run_dir: Path, now: float | None = None) -> str | None:
-    """'step 12 of 100, reward 0.412, 3m05s elapsed, ETA 22m40s'; None without a record."""
+    """'step 12 of 100, reward 0.412, 3m05s elapsed, ETA 22m40s, newest checkpoint
+    s3://b/ckpt/run/step-000010'; None without a record. The checkpoint is read where it
+    lives (a folder, or a store when its library and credentials are here)."""
     record = read_result(run_dir)
     if record is None:
         return None
@@ -192,4 +202,61 @@ def progress_detail(run_dir: Path, now: float | None = None) -> str | None:
             done = step - rows[0]["step"] + 1
             rate = elapsed / max(done, 1)
             parts.append(f"ETA {_duration(rate * (record.steps - step))}")
+    if record.checkpoints:
+        from rlx.checkpoints import newest_complete_step
+
+        newest = newest_complete_step(record.checkpoints)
+        parts.append(f"newest checkpoint {newest}" if newest else "no checkpoint yet")
     return ", ".join(parts)
+
+
+# --------------------------------------------------------------------------- runs in a store
+
+
+def pull_run(paths: RunPaths) -> int:
+    """A run folder mirrored to a store (logging.dir is a URL): bring back what an earlier
+    attempt of this run left there (its metrics, log, TensorBoard events), so a resumed run
+    on another machine continues the same files. Returns the files fetched."""
+    if paths.run_url is None:
+        return 0
+    from rlx.storage import filesystem
+
+    fs, base = filesystem(paths.run_url)
+    fs.invalidate_cache(base)
+    try:
+        names = [p[len(base) + 1 :] for p in fs.find(base)]
+    except FileNotFoundError:
+        return 0
+    # The exported model is rewritten at the end; the rest continues where it stopped.
+    names = [n for n in names if not n.startswith("model/")]
+    local = [paths.run_dir / n for n in names]
+    missing = [(n, p) for n, p in zip(names, local, strict=True) if not p.exists()]
+    for _, path in missing:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    if missing:
+        fs.get([f"{base}/{n}" for n, _ in missing], [str(p) for _, p in missing])
+    return len(missing)
+
+
+def push_run(paths: RunPaths) -> None:
+    """Copy the run folder to its store prefix (logging.dir is a URL): called after every
+    checkpoint and when the run ends, so what a preempted node held is in the store."""
+    if paths.run_url is None or not paths.run_dir.is_dir():
+        return
+    from rlx.storage import filesystem
+
+    fs, base = filesystem(paths.run_url)
+    files = [p for p in sorted(paths.run_dir.rglob("*")) if p.is_file()]
+    names = [p.relative_to(paths.run_dir).as_posix() for p in files]
+    if files:
+        fs.put([str(p) for p in files], [f"{base}/{n}" for n in names])
+
+
+def mirror_run(paths: RunPaths, err: Any) -> None:
+    """push_run, where a failure to reach the store is a warning on err: the run's own
+    outcome (and its checkpoints, which have their own checks) stands."""
+    try:
+        push_run(paths)
+    except Exception as exc:  # the store's library raises its own kinds
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"warning: run folder not copied to {paths.run_url}: {first}", file=err)

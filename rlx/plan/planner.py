@@ -19,12 +19,16 @@ from rlx.errors import RlxError
 from rlx.plan import memory as mem
 from rlx.plan.shapes import ModelShape, PlanError, find_shape
 from rlx.recipe.model import Recipe, TrainerSettings, effective_strategy
+from rlx.storage import is_store_url
 from rlx.trainer.rollout import choose_engine
 
 GIB = mem.GIB
 HEADROOM = 0.10  # a plan with less spare memory than this is a warning
 RUNTIME_GIB = 2.0  # per GPU process: CUDA context, NCCL buffers, allocator slack
 VLLM_RESERVE_GIB = 2.0  # inside vLLM's budget: its activation peak and CUDA graphs
+# s3fs uploads a file in parts of 50 MiB, up to 10 at once (its max_concurrency): the host
+# memory one rank's upload holds at its peak. gcsfs and adlfs hold less.
+UPLOAD_BUFFER_BYTES = 10 * 50 * 2**20
 HOST_PROCESS_GIB = 2.0  # per Ray actor or the controller: Python, torch, transformers
 HOST_ENGINE_GIB = 4.0  # per split vLLM engine process
 
@@ -78,6 +82,8 @@ class MemoryPlan:
     checkpoint_bytes: int
     checkpoints_on_disk: int
     export_bytes: int
+    staging_bytes: int = 0  # per node: the shards staged on local disk before an upload
+    checkpoints_in_store: bool = False  # checkpoints_on_disk counts the store's copies
     problems: list[str] = field(default_factory=list)  # does not fit: what to change
     warnings: list[str] = field(default_factory=list)  # fits, but tightly
 
@@ -109,6 +115,7 @@ class MemoryPlan:
             "checkpoint_bytes": self.checkpoint_bytes,
             "checkpoints_on_disk_bytes": self.checkpoints_on_disk,
             "export_bytes": self.export_bytes,
+            "staging_bytes_per_node": self.staging_bytes,
             "fits": self.fits,
             "problems": self.problems,
             "warnings": self.warnings,
@@ -249,6 +256,19 @@ def plan_recipe(
     plan.export_bytes = shape.params * mem.DTYPE_BYTES[compute]
     if trainer.checkpoint.dir is None:
         plan.checkpoints_on_disk = 0
+    elif is_store_url(trainer.checkpoint.dir):
+        # Each node stages its ranks' shards (rank 0's node: the small parts and hf/ too)
+        # before uploading them; the store keeps the retained copies, not the node.
+        plan.checkpoints_in_store = True
+        most_ranks = max((ranks for ranks, _, _ in layout.node_kinds), default=1)
+        share = plan.checkpoint_bytes // max(layout.train_ranks, 1)
+        plan.staging_bytes = most_ranks * share
+        disk = recipe.resources.disk_size
+        if disk is not None and plan.staging_bytes > int(disk) * GIB:
+            plan.problems.append(
+                f"checkpoint staging: {gib(plan.staging_bytes)} GiB of shards per node before "
+                f"the upload, more than resources.disk_size {disk} GB; raise disk_size"
+            )
     _verdict(plan, recipe, env, advise)
     return plan
 
@@ -470,6 +490,14 @@ def _host_budgets(
                 items.append(
                     Item("checkpoint save/resume", ranks * ckpt_share, "each rank's shard")
                 )
+                if is_store_url(trainer.checkpoint.dir):
+                    items.append(
+                        Item(
+                            "checkpoint upload buffers",
+                            ranks * UPLOAD_BUFFER_BYTES,
+                            "multipart parts in flight, per rank",
+                        )
+                    )
             if _colocated_vllm(trainer, gpu):
                 items.append(
                     Item("vLLM weights asleep", ranks * engine_copy, "sleep mode keeps them here")

@@ -62,8 +62,14 @@ def print_plan(plan: MemoryPlan) -> None:
     console.print()
     console.print(
         f"checkpoint: {_gib(plan.checkpoint_bytes)} GiB each, "
-        f"{_gib(plan.checkpoints_on_disk)} GiB on disk with retention; "
+        f"{_gib(plan.checkpoints_on_disk)} GiB "
+        f"{'in the store' if plan.checkpoints_in_store else 'on disk'} with retention; "
         f"export {_gib(plan.export_bytes)} GiB"
+        + (
+            f"; staged {_gib(plan.staging_bytes)} GiB per node before each upload"
+            if plan.staging_bytes
+            else ""
+        )
     )
     for warning in plan.warnings:
         console.print(f"[yellow]warning:[/] {warning}")

@@ -10,6 +10,7 @@ One step:
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,16 +28,19 @@ from rlx.runs import (
     STEP_TIME,
     TOKENS_PER_S,
     RunPaths,
+    mirror_run,
 )
 from rlx.trainer import algos
 from rlx.trainer.actors.cluster import Cluster
 from rlx.trainer.batch import SequenceBatch, outcome_token_rewards, pack_rollout
 from rlx.trainer.checkpoint import (
-    CheckpointManager,
     capture_rng_state,
+    location_name,
+    open_manager,
     resolve_resume,
     restore_rng_state,
 )
+from rlx.trainer.checkpoint.resume import Location
 from rlx.trainer.checkpoint.training import (
     CONTROLLER_RNG,
     KILL_HOOK_ENV,
@@ -129,7 +133,7 @@ class Trainer:
         self.manager = (
             None
             if ckpt is None
-            else CheckpointManager(ckpt, inputs.paths.run_id, settings.checkpoint.keep)
+            else open_manager(ckpt, inputs.paths.run_id, settings.checkpoint.keep)
         )
         self.logger: MetricsLogger | None = None
         self.checkpoint_bytes: int | None = None  # size on disk of the last save
@@ -171,6 +175,8 @@ class Trainer:
                         and done % settings.checkpoint.every
                     ):
                         self.save(done)
+                    if self.stop.checkpoint_first and self.stop.received is not None:
+                        self.stopping_note(done)
                     self.stop.check_between_steps()
                     metrics = self.step(step)
                     if validation.due(settings, step):
@@ -186,6 +192,19 @@ class Trainer:
             self.logger.close()
         self.exported = self.export()
         return max(start, settings.steps)
+
+    def stopping_note(self, done: int) -> None:
+        """What a stop that saves first leaves: the step a retry resumes from, and how long
+        after the signal it was durable (the figure to hold against the platform's grace)."""
+        name = signal.Signals(self.stop.signum or signal.SIGTERM).name
+        seconds = time.monotonic() - (self.stop.received or time.monotonic())
+        if self.manager is None:
+            self.say(f"stopping on {name}: no checkpoint.dir, so a retry starts at step 0")
+            return
+        self.say(
+            f"stopping on {name}: step {done} is in {self.manager.run_dir}, {seconds:.1f} s "
+            "after the signal; exit 75 so the job is retried and resumes there"
+        )
 
     def validate(self, step: int) -> dict[str, float]:
         inputs = self.inputs
@@ -332,7 +351,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save(self, step: int) -> Path:
+    def save(self, step: int) -> Location:
         """Every rank writes its shard into one temporary folder picked here; rank 0 adds the
         small parts and commits it."""
         assert self.manager is not None
@@ -358,7 +377,8 @@ class Trainer:
         saved = self.cluster.call_all("save_checkpoint", request)[0]
         self.checkpoint_bytes = saved.bytes
         self.say(f"checkpoint {saved.path} ({format_bytes(saved.bytes)} on disk)")
-        return Path(saved.path)
+        mirror_run(self.inputs.paths, self.err)
+        return saved.path
 
     def export(self) -> Path | None:
         """The newest checkpoint as a Hugging Face folder, <run folder>/model."""
@@ -378,7 +398,7 @@ class Trainer:
             )
             return None
         self.say(
-            f"exported {latest.name} to {exported.folder} ({exported.dtype}, "
+            f"exported {location_name(latest)} to {exported.folder} ({exported.dtype}, "
             f"{format_bytes(exported.bytes)})"
         )
         return exported.folder
@@ -390,7 +410,7 @@ class Trainer:
             if setting in ("auto", "never"):
                 self.cluster.sync_weights(0, self.inputs.probe, push=False)
                 return 0
-            manager = CheckpointManager(Path(setting).parent, "resume-path", 1)
+            manager = open_manager(setting.rstrip("/").rsplit("/", 1)[0], "resume-path", 1)
         else:
             manager = self.manager
         path = resolve_resume(setting, manager)

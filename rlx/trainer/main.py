@@ -18,7 +18,7 @@ from typing import Any, TextIO
 
 from rlx.errors import RlxError
 from rlx.recipe.model import Recipe
-from rlx.runs import RunPaths, RunResult, run_line, write_result
+from rlx.runs import RunPaths, RunResult, mirror_run, pull_run, run_line, write_result
 from rlx.trainer.job import TrainJob
 from rlx.trainer.report.console import Stopped, StopRequest, console_to_log, handle_signals
 from rlx.trainer.report.record import finish, summary_lines
@@ -224,6 +224,7 @@ def run_training(
     assert settings is not None
     paths = run_paths(recipe.name, settings, env)
     paths.run_dir.mkdir(parents=True, exist_ok=True)
+    pull_run(paths)  # logging.dir in a store: continue what an earlier attempt left there
     result = RunResult(
         state="RUNNING",
         run_id=paths.run_id,
@@ -240,6 +241,8 @@ def run_training(
     stop = StopRequest()
     with console_to_log(paths.log) as (out, err), handle_signals(stop):
         print(run_line(paths), file=out, flush=True)
+        if paths.run_url is not None:
+            print(f"run folder mirrored to {paths.run_url}", file=out, flush=True)
         try:
             # The recipe narrowed once, by the checks lint runs too; a refusal is recorded.
             job = TrainJob.of(recipe)
@@ -262,6 +265,7 @@ def run_training(
         finally:
             result.finished = time.time()
             write_result(paths, result)
+            mirror_run(paths, err)
         if print_summary:
             for line in summary_lines(result):
                 print(line, file=out, flush=True)

@@ -27,7 +27,9 @@ from rlx.recipe.specs import (
     tiny_spec_problem,
 )
 from rlx.runs import RunPaths
+from rlx.storage import check_url, is_store_url, join
 from rlx.trainer.checkpoint import resolve_run_id
+from rlx.trainer.checkpoint.remote import staging_root
 from rlx.trainer.tasks.rewards import RewardFn, resolve_reward
 
 SYNTHETIC_ROWS = 1024
@@ -38,11 +40,47 @@ DATA_FOLDER = "data"
 def run_paths(name: str, settings: TrainerSettings, env: Mapping[str, str]) -> RunPaths:
     """The run id of recipe `name` (stable across relaunches, see resolve_run_id) and the
     run's folders."""
+    check_path_fields(settings)
     run_id = resolve_run_id(name, env)
-    run_dir = Path(settings.logging.dir).expanduser().absolute() / run_id
+    log_dir = settings.logging.dir
+    if is_store_url(log_dir):
+        # Written on this node's disk, mirrored to the store (runs.py: push_run).
+        run_dir = staging_root() / "runs" / run_id
+        run_url: str | None = join(log_dir, run_id)
+    else:
+        run_dir = Path(log_dir).expanduser().absolute() / run_id
+        run_url = None
     ckpt = settings.checkpoint.dir
-    root = None if ckpt is None else Path(ckpt).expanduser().absolute()
-    return RunPaths(run_id, run_dir, root)
+    root: Path | str | None
+    if ckpt is None:
+        root = None
+    elif is_store_url(ckpt):
+        root = ckpt.rstrip("/")
+    else:
+        root = Path(ckpt).expanduser().absolute()
+    return RunPaths(run_id, run_dir, root, run_url)
+
+
+def check_path_fields(settings: TrainerSettings) -> None:
+    """Every path field that holds a URL names a store rlx can use here (its extra is
+    installed): one line otherwise, before anything is written."""
+    fields = {
+        "checkpoint.dir": settings.checkpoint.dir,
+        "logging.dir": settings.logging.dir,
+        "model.path": settings.model.path,
+        "critic_model.path": settings.critic_model and settings.critic_model.path,
+        "data.train": settings.data.train,
+    }
+    if settings.checkpoint.resume not in ("auto", "never"):
+        fields["checkpoint.resume"] = settings.checkpoint.resume
+    for field, value in fields.items():
+        if value:
+            check_url(value, field)
+    if is_store_url(settings.data.train):
+        raise RlxError(
+            f"trainer.data.train: {settings.data.train} is in a store; the prompt file is read "
+            "on the head only, so keep it in the workdir (or on a volume), or fetch it in setup:"
+        )
 
 
 # --------------------------------------------------------------------------- models
@@ -51,7 +89,7 @@ def run_paths(name: str, settings: TrainerSettings, env: Mapping[str, str]) -> R
 def model_cache_dir(paths: RunPaths) -> Path:
     """Where generated models go: beside the checkpoints (shared storage on multi-node jobs,
     lint makes sure of it), else inside the run folder."""
-    if paths.checkpoint_root is not None:
+    if paths.checkpoint_root is not None and not isinstance(paths.checkpoint_root, str):
         return paths.checkpoint_root / MODEL_CACHE
     return paths.run_dir / "models"
 
@@ -65,6 +103,8 @@ def resolve_model_path(spec: str, cache_dir: Path, seed: int, field: str = "mode
         if problem is not None or model is None:
             raise RlxError(f"trainer.{field}.path: {spec!r} {problem}")
         return str(build_tiny_cached(model, cache_dir, seed))
+    if is_store_url(spec):
+        return str(fetch_model(spec, field))
     if is_local_path(spec):
         folder = Path(spec).expanduser()
         if not folder.is_dir():
@@ -79,6 +119,46 @@ def resolve_model_path(spec: str, cache_dir: Path, seed: int, field: str = "mode
             )
         return str(folder)
     return spec  # a hub id: from_pretrained downloads it (and reports what is wrong)
+
+
+def fetch_model(url: str, field: str = "model") -> Path:
+    """A model folder in a store, downloaded once per node into its staging folder (to a
+    scratch name, renamed when whole): every node reads its own copy."""
+    from rlx.storage import filesystem
+    from rlx.trainer.checkpoint.store import sanitize_run_id
+
+    target = staging_root() / "models" / sanitize_run_id(url.replace("://", "-"))
+    if (target / "config.json").is_file():
+        return target
+    fs, base = filesystem(url)
+    if not fs.exists(f"{base}/config.json"):
+        raise RlxError(
+            f"trainer.{field}.path: {url} has no config.json; point it at the prefix of a "
+            "model saved with save_pretrained (or uploaded by rlx export)"
+        )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        names = [p[len(base) + 1 :] for p in fs.find(base)]
+        for name in names:
+            (scratch / name).parent.mkdir(parents=True, exist_ok=True)
+        fs.get([f"{base}/{n}" for n in names], [str(scratch / n) for n in names])
+        with contextlib.suppress(OSError):  # another process won the race: use theirs
+            os.rename(scratch, target)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
+def node_model_path(resolved: str, source: str, seed: int) -> str:
+    """The head's resolved model path as a folder on this node: a model in a store is
+    fetched here too, a tiny model built here when the head's cache is not shared."""
+    if is_store_url(source):
+        return str(fetch_model(source))
+    model = tiny_model(source) if source.startswith(TINY_PREFIX) else None
+    if model is not None and not Path(resolved).is_dir():
+        return str(build_tiny_cached(model, Path(resolved).parent, seed))
+    return resolved
 
 
 def build_tiny_cached(model: TinyModel, cache_dir: Path, seed: int) -> Path:

@@ -38,3 +38,24 @@ def test_the_newest_run_the_head_log_names(tmp_path: Path) -> None:
     )
     assert run_dir_from_log(log) == Path("/shared/runs/a 2")
     assert run_dir_from_log("nothing here") is None
+
+
+def test_status_names_the_newest_complete_checkpoint(tmp_path: Path) -> None:
+    from rlx.checkpoints import MARKER, newest_complete_step
+
+    ckpt = tmp_path / "ckpt" / "r"
+    for step, complete in ((2, True), (4, True), (6, False)):
+        folder = ckpt / f"step-{step:06d}"
+        folder.mkdir(parents=True)
+        if complete:
+            (folder / MARKER).write_text(json.dumps({"format": 1, "step": step}))
+    (ckpt / "step-000008").mkdir()
+    (ckpt / "step-000008" / MARKER).write_text(json.dumps({"format": 1, "step": 7}))  # wrong
+    assert newest_complete_step(ckpt) == str(ckpt / "step-000004")
+    write_run(tmp_path / "run", "RUNNING", 100, [0.1], started=1000.0)
+    record = json.loads((tmp_path / "run" / "result.json").read_text())
+    record["checkpoints"] = str(ckpt)
+    (tmp_path / "run" / "result.json").write_text(json.dumps(record))
+    detail = progress_detail(tmp_path / "run", now=1010.0)
+    assert detail is not None and detail.endswith(f"newest checkpoint {ckpt / 'step-000004'}")
+    assert newest_complete_step(tmp_path / "nowhere") is None

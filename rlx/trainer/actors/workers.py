@@ -5,6 +5,7 @@ each method moves tensors in and out and calls the Learner or an engine.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import socket
@@ -18,6 +19,7 @@ import torch
 
 from rlx import procfs
 from rlx.recipe.model import TrainerSettings
+from rlx.storage import is_store_url
 from rlx.trainer.actors.placement import threads_for
 from rlx.trainer.batch import RolloutBatch, SequenceBatch
 from rlx.trainer.checkpoint import (
@@ -25,6 +27,12 @@ from rlx.trainer.checkpoint import (
     capture_rng_state,
     read_marker,
     restore_rng_state,
+)
+from rlx.trainer.checkpoint.remote import (
+    DCP_METADATA,
+    StoreCheckpointManager,
+    remove,
+    staging_root,
 )
 from rlx.trainer.checkpoint.training import (
     EXPORT_INFO,
@@ -69,6 +77,20 @@ class WorkerSpec:
     engine_kind: str  # "hf" | "vllm" (resolved), for the colocated or split engine
     colocated: bool  # training workers hold the engines
     use_gpu: bool
+
+
+def on_this_node(spec: WorkerSpec) -> WorkerSpec:
+    """spec with its model paths as folders on this worker's node (fetched from a store, or
+    a tiny model built here, when the head's copy is not on a shared disk)."""
+    from rlx.trainer.resolve import node_model_path
+
+    settings = spec.settings
+    policy = node_model_path(spec.policy_path, settings.model.path, settings.seed)
+    critic = spec.critic_path
+    if critic is not None:
+        source = (settings.critic_model or settings.model).path
+        critic = node_model_path(critic, source, settings.seed)
+    return dataclasses.replace(spec, policy_path=policy, critic_path=critic)
 
 
 @dataclass
@@ -228,8 +250,8 @@ class TrainWorker:
     """One data-parallel rank: a Learner, and in layout: colocated its rollout engine."""
 
     def __init__(self, spec: WorkerSpec):
-        self.spec = spec
         self.device = _prepare_process(spec, "train-worker")
+        self.spec = spec = on_this_node(spec)
         self.learner: Learner | None = None
         self.engine: ColocatedEngine | None = None
         self.model_files: Path | None = None  # config and tokenizer files, for checkpoints
@@ -409,6 +431,8 @@ class TrainWorker:
         """Write this rank's shard into the save's temporary folder (every rank, together);
         rank 0 then adds the small parts and commits the folder. Rank 0 returns the complete
         checkpoint, the other ranks None."""
+        if is_store_url(request.root):
+            return self._save_to_store(request)
         learner = self._learner()
         temporary = Path(request.folder)
         save_learner_state(learner.sharded_state(), temporary / LEARNER_STATE)
@@ -418,13 +442,7 @@ class TrainWorker:
         if hook is not None:
             hook(f"part:{LEARNER_STATE}")
         manager = CheckpointManager(Path(request.root), request.run_id, request.keep)
-        parts = {
-            **learner.state_parts(),
-            **request.controller_parts,
-            WORKER_RNG: {"workers": request.rng_states},
-            EXPORT_INFO: {"dtype": dtype_name(learner.dtype)},
-        }
-        entries = manager.write_parts(temporary, parts, hook)
+        entries = manager.write_parts(temporary, self._small_parts(request), hook)
         if self.model_files is None:
             self.model_files = model_files_folder(self.spec.policy_path)
         copy_model_files(self.model_files, temporary / HF_FILES)
@@ -434,9 +452,60 @@ class TrainWorker:
         marker = read_marker(final)
         return SavedCheckpoint(str(final), None if marker is None else marker["bytes"])
 
+    def _small_parts(self, request: SaveRequest) -> dict[str, Any]:
+        learner = self._learner()
+        return {
+            **learner.state_parts(),
+            **request.controller_parts,
+            WORKER_RNG: {"workers": request.rng_states},
+            EXPORT_INFO: {"dtype": dtype_name(learner.dtype)},
+        }
+
+    def _save_to_store(self, request: SaveRequest) -> SavedCheckpoint | None:
+        """A save into object storage (remote.py): this rank stages its shard on its node's
+        disk and uploads it; once every rank has (a collective), rank 0 uploads the DCP
+        metadata and the small parts, checks the listing and writes COMPLETE."""
+        learner = self._learner()
+        rank = self.spec.rank
+        # This node's own staging folder (RLX_STAGING_DIR as the node has it), named like
+        # the one the controller picked for the save.
+        staging = staging_root() / request.run_id / Path(request.folder).name / f"rank-{rank}"
+        manager = StoreCheckpointManager(request.root, request.run_id, request.keep)
+        try:
+            save_learner_state(learner.sharded_state(), staging / LEARNER_STATE)
+            mine = manager.upload(
+                staging / LEARNER_STATE, request.step, LEARNER_STATE, skip=(DCP_METADATA,)
+            )
+            uploaded = [f for files in gather_objects(mine) for f in files]
+            if rank != 0:
+                return None
+            hook = kill_hook_for_save(request.kill_spec, request.step)
+            if hook is not None:
+                hook(f"part:{LEARNER_STATE}")
+            entries = manager.write_parts(staging, self._small_parts(request), hook)
+            if self.model_files is None:
+                self.model_files = model_files_folder(self.spec.policy_path)
+            copy_model_files(self.model_files, staging / HF_FILES)
+            entries[LEARNER_STATE] = {"file": LEARNER_STATE, "format": "dcp"}
+            entries[HF_FILES] = {"file": HF_FILES, "format": "folder"}
+            url = manager.commit(
+                staging,
+                request.step,
+                entries,
+                uploaded,
+                late=(f"{LEARNER_STATE}/{DCP_METADATA}",),
+                _after_phase=hook,
+            )
+            return SavedCheckpoint(url, manager.last_bytes)
+        finally:
+            remove(staging)
+            with contextlib.suppress(OSError):  # the save's folder, once every rank is done
+                staging.parent.rmdir()
+
     def load_checkpoint(self, path: str) -> LoadReport:
         """Load this rank's share of the checkpoint."""
-        parts = load_parts(Path(path), (LEARNER_STATE, *LEARNER_PARTS, WORKER_RNG))
+        location = path if is_store_url(path) else Path(path)
+        parts = load_parts(location, (LEARNER_STATE, *LEARNER_PARTS, WORKER_RNG))
         if LEARNER_STATE not in parts:
             raise ValueError(
                 f"{path} is a single-file checkpoint of an older rlx; resume it with that "
@@ -467,14 +536,25 @@ class TrainWorker:
                 dist.destroy_process_group()
 
 
+def gather_objects(value: Any) -> list[Any]:
+    """value from every training rank, in rank order (a collective; alone: [value])."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
 class RolloutWorker:
     """A rollout engine of its own (layout: split), loaded from the policy's starting point
     and kept current by weight pushes."""
 
     def __init__(self, spec: WorkerSpec, index: int, tensor_parallel: int):
-        self.spec = spec
         self.index = index
         self.device = _prepare_process(spec, f"rollout-worker-{index}")
+        self.spec = spec = on_this_node(spec)
         if tensor_parallel > 1 and spec.engine_kind == "vllm":
             prepare_tensor_parallel(tensor_parallel, spec.use_gpu)
         self.engine = make_engine(

@@ -1,6 +1,13 @@
 """Atomic, resumable checkpoints of a training run; see store.py for the on-disk protocol."""
 
-from rlx.trainer.checkpoint.resume import RUN_ID_ENV_VARS, resolve_resume, resolve_run_id
+from rlx.trainer.checkpoint.resume import (
+    RUN_ID_ENV_VARS,
+    location_name,
+    marker_of,
+    open_manager,
+    resolve_resume,
+    resolve_run_id,
+)
 from rlx.trainer.checkpoint.rng import capture_rng_state, restore_rng_state
 from rlx.trainer.checkpoint.store import (
     MARKER,
@@ -16,6 +23,9 @@ __all__ = [
     "CheckpointManager",
     "PhaseHook",
     "capture_rng_state",
+    "location_name",
+    "marker_of",
+    "open_manager",
     "read_marker",
     "resolve_resume",
     "resolve_run_id",

@@ -11,6 +11,7 @@ model-0000i-of-0000n.safetensors with model.safetensors.index.json when it is la
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import secrets
 import shutil
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from rlx.errors import RlxError
+from rlx.storage import is_store_url
 from rlx.trainer.checkpoint.parts import fsync_path, read_part
 from rlx.trainer.checkpoint.store import MARKER, newest_complete, read_marker, verify_files
 from rlx.trainer.checkpoint.training import (
@@ -37,7 +39,7 @@ INDEX_FILE = "model.safetensors.index.json"
 
 @dataclass(frozen=True)
 class Exported:
-    folder: Path
+    folder: Path  # (a URL when the export went to a store)
     files: int  # safetensors files
     tensors: int
     bytes: int  # the weights' size on disk
@@ -70,11 +72,75 @@ def check_checkpoint(path: Path) -> dict[str, Any]:
 
 
 def export_checkpoint(
-    checkpoint: Path, out: Path, *, replace: bool = False, max_shard_bytes: int = MAX_SHARD_BYTES
+    checkpoint: Path | str,
+    out: Path | str,
+    *,
+    replace: bool = False,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> Exported:
     """Write checkpoint's policy as a Hugging Face folder at out (atomically: it appears
-    complete or not at all). An existing out is an error unless replace."""
-    checkpoint, out = Path(checkpoint), Path(out)
+    complete or not at all). An existing out is an error unless replace. Either may be a
+    store URL: the checkpoint's files are fetched to a scratch folder first (checked against
+    their marker), the folder is uploaded after it is written."""
+    if isinstance(checkpoint, str) and is_store_url(checkpoint):
+        return _export_from_store(checkpoint, out, replace, max_shard_bytes)
+    if isinstance(out, str) and is_store_url(out):
+        return _export_to_store(Path(checkpoint), out, replace, max_shard_bytes)
+    return _export_local(Path(checkpoint), Path(out), replace, max_shard_bytes)
+
+
+def _export_from_store(url: str, out: Path | str, replace: bool, max_shard_bytes: int) -> Exported:
+    from rlx.trainer.checkpoint.remote import fetch_files, read_marker_url, remove, scratch_folder
+
+    marker = read_marker_url(url)
+    if marker is None:
+        raise RlxError(
+            f"{url} is not a complete checkpoint: no valid {MARKER} marker there (an "
+            "interrupted save, or not a step-NNNNNN prefix)"
+        )
+    scratch = scratch_folder("export")
+    try:
+        local = scratch / url.rstrip("/").rsplit("/", 1)[-1]
+        local.mkdir()
+        wanted = [
+            name for name in (LEARNER_STATE, HF_FILES, EXPORT_INFO) if name in marker["parts"]
+        ]
+        fetch_files(url, [marker["parts"][name]["file"] for name in wanted], marker, local)
+        kept = {name: marker["parts"][name] for name in wanted}
+        files = [
+            f
+            for f in marker["files"]
+            if any(
+                f["name"] == e["file"] or f["name"].startswith(e["file"] + "/")
+                for e in kept.values()
+            )
+        ]
+        (local / MARKER).write_text(json.dumps({**marker, "parts": kept, "files": files}))
+        return export_checkpoint(local, out, replace=replace, max_shard_bytes=max_shard_bytes)
+    finally:
+        remove(scratch)
+
+
+def _export_to_store(checkpoint: Path, url: str, replace: bool, max_shard_bytes: int) -> Exported:
+    from rlx.storage import filesystem
+    from rlx.trainer.checkpoint.remote import remove, scratch_folder
+
+    fs, base = filesystem(url)
+    if fs.exists(base) and fs.ls(base) and not replace:
+        raise RlxError(f"{url} already exists; give a new prefix or remove it first")
+    scratch = scratch_folder("export")
+    try:
+        exported = _export_local(checkpoint, scratch / "model", False, max_shard_bytes)
+        if replace and fs.exists(base):
+            fs.rm(base, recursive=True)
+        names = sorted(p.name for p in exported.folder.iterdir())
+        fs.put([str(exported.folder / n) for n in names], [f"{base}/{n}" for n in names])
+        return dataclasses.replace(exported, folder=url)  # type: ignore[arg-type]
+    finally:
+        remove(scratch)
+
+
+def _export_local(checkpoint: Path, out: Path, replace: bool, max_shard_bytes: int) -> Exported:
     marker = check_checkpoint(checkpoint)
     if out.exists() and not replace and (not out.is_dir() or any(out.iterdir())):
         raise RlxError(f"{out} already exists; give a new folder or remove it first")

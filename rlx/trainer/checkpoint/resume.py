@@ -7,6 +7,8 @@ from pathlib import Path
 
 from rlx.errors import RlxError
 from rlx.node.env import RUN_ID_ENV
+from rlx.storage import is_store_url
+from rlx.trainer.checkpoint.remote import StoreCheckpointManager, read_marker_url
 from rlx.trainer.checkpoint.store import (
     MARKER,
     CheckpointManager,
@@ -37,7 +39,30 @@ def resolve_run_id(recipe_name: str, env: Mapping[str, str]) -> str:
     return run_id
 
 
-def resolve_resume(setting: str, manager: CheckpointManager) -> Path | None:
+Manager = CheckpointManager | StoreCheckpointManager
+Location = Path | str  # a checkpoint's folder, or its URL in a store
+
+
+def open_manager(root: str | Path, run_id: str, keep: int) -> Manager:
+    """The manager of run_id's checkpoints under root: a folder, or a store URL."""
+    if isinstance(root, str) and is_store_url(root):
+        return StoreCheckpointManager(root, run_id, keep)
+    return CheckpointManager(Path(root), run_id, keep)
+
+
+def marker_of(location: Location) -> dict | None:
+    """The COMPLETE marker of a checkpoint folder or URL (None when it is not complete)."""
+    if isinstance(location, str) and is_store_url(location):
+        return read_marker_url(location)
+    return read_marker(Path(location))
+
+
+def location_name(location: Location) -> str:
+    """step-NNNNNN of a checkpoint's folder or URL."""
+    return str(location).rstrip("/").rsplit("/", 1)[-1]
+
+
+def resolve_resume(setting: str, manager: Manager) -> Location | None:
     """The checkpoint to resume from for checkpoint.resume = 'auto' | 'never' | a path.
 
     'auto': the newest complete checkpoint of this run, or None for a fresh start. 'never':
@@ -56,6 +81,13 @@ def resolve_resume(setting: str, manager: CheckpointManager) -> Path | None:
                 "or set RLX_RUN_ID to a new id (or delete that folder) to start afresh"
             )
         return None
+    if is_store_url(setting):
+        if read_marker_url(setting) is None:
+            raise RlxError(
+                f"checkpoint.resume: {setting} is not a complete checkpoint (no valid {MARKER} "
+                "marker there); give a step-NNNNNN prefix that has one"
+            )
+        return setting.rstrip("/")
     path = Path(setting).expanduser()
     if not path.exists():
         raise RlxError(f"checkpoint.resume: {path} does not exist; give a step-NNNNNN folder")

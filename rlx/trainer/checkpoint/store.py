@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from rlx import __version__
+from rlx.checkpoints import MARKER, MARKER_FORMAT, STEP_DIR, parse_marker, step_of
 from rlx.errors import RlxError
 from rlx.trainer.checkpoint.parts import (
     fsync_path,
@@ -35,9 +36,6 @@ from rlx.trainer.checkpoint.parts import (
     write_synced,
 )
 
-MARKER = "COMPLETE"
-MARKER_FORMAT = 1
-STEP_DIR = re.compile(r"step-(?P<step>[0-9]{6,})")
 # Leftovers of interrupted saves (.tmp-) and of rotations (.old-); both are safe to delete.
 LEFTOVER_DIR = re.compile(r"\.step-[0-9]{6,}\.(tmp|old)-[0-9a-f]+")
 PART_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")
@@ -61,16 +59,11 @@ def sanitize_run_id(raw: str) -> str:
 def read_marker(folder: Path) -> dict[str, Any] | None:
     """The COMPLETE marker of a checkpoint folder, or None when the folder is not complete."""
     folder = Path(folder)
-    match = STEP_DIR.fullmatch(folder.name)
     try:
-        marker = json.loads((folder / MARKER).read_text())
-    except (OSError, ValueError):
+        text = (folder / MARKER).read_bytes()
+    except OSError:
         return None
-    if not isinstance(marker, dict) or marker.get("format") != MARKER_FORMAT:
-        return None
-    if match is None or marker.get("step") != int(match["step"]):
-        return None
-    return marker
+    return parse_marker(text, step_of(folder.name))
 
 
 def newest_complete(run_dir: Path) -> Path | None:

@@ -18,7 +18,7 @@ the controller hands it and commits the folder (store.py's protocol). Parts:
                             alone
 
 Every rank, and the controller, load their parts from the same folder on resume (shared
-storage on multi-node jobs).
+storage on multi-node jobs) or the same URL in an object store (remote.py).
 """
 
 from __future__ import annotations
@@ -34,8 +34,16 @@ from pathlib import Path
 from typing import Any
 
 from rlx.errors import RlxError
+from rlx.storage import is_store_url, storage_options
 from rlx.trainer.checkpoint import read_marker
 from rlx.trainer.checkpoint.parts import read_part
+from rlx.trainer.checkpoint.remote import (
+    check_listed,
+    fetch_files,
+    read_marker_url,
+    remove,
+    scratch_folder,
+)
 from rlx.trainer.checkpoint.store import verify_files
 
 LEARNER_STATE = "learner"
@@ -51,9 +59,11 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".c
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 # Test hook, read when a step ends or a save starts (never at import): "step:N" kills the
-# controller once step N (and its checkpoint) is done; "save:N:PHASE" kills the worker
-# writing step N's checkpoint right after PHASE (a CheckpointManager.save phase such as
-# "part:optimizer", "written", "renamed"). Used by the resume and crash tests.
+# controller once step N (and its checkpoint) is done; "term:N" sends it SIGTERM then;
+# "save:N:PHASE" kills the worker writing step N's checkpoint right after PHASE (a
+# CheckpointManager.save phase such as "part:optimizer", "written", "renamed"; in a store
+# "part:learner" once every shard is uploaded, "written", "marked"). Used by the resume
+# and crash tests.
 KILL_HOOK_ENV = "RLX_TEST_KILL_AT"
 
 
@@ -63,8 +73,8 @@ class SaveRequest:
     object across Ray): each rank writes its shard into `folder`; rank 0 adds the small
     parts and commits the folder as step `step` of run `run_id` under `root`."""
 
-    folder: str  # the save's temporary folder, beside the step's final one
-    root: str  # checkpoint.dir
+    folder: str  # the save's temporary folder (a store: each node's own staging folder)
+    root: str  # checkpoint.dir: a folder or a store URL
     run_id: str
     keep: int  # complete checkpoints kept (older ones rotate out after the commit)
     step: int
@@ -89,10 +99,13 @@ class LoadReport:
     host_bytes: int  # the host memory the load took at its peak, above what it held before
 
 
-def load_parts(path: Path, names: Iterable[str]) -> dict[str, Any]:
+def load_parts(path: Path | str, names: Iterable[str]) -> dict[str, Any]:
     """The named parts of a complete checkpoint (those it has), each file checked against
     the size (and for small files the digest) its COMPLETE marker recorded. A DCP part comes
-    back as its folder's path."""
+    back as its folder's path (in a store: its URL, read in place)."""
+    if isinstance(path, str) and is_store_url(path):
+        return load_store_parts(path, names)
+    path = Path(path)
     marker = read_marker(path)
     if marker is None:
         raise RlxError(f"{path} is not a complete checkpoint (no valid COMPLETE marker)")
@@ -103,6 +116,33 @@ def load_parts(path: Path, names: Iterable[str]) -> dict[str, Any]:
             continue
         verify_files(path, marker["files"], (entry["file"],))
         out[name] = read_part(path, entry)
+    out["step"] = marker["step"]
+    return out
+
+
+def load_store_parts(url: str, names: Iterable[str]) -> dict[str, Any]:
+    """load_parts for a checkpoint in a store: the small parts are downloaded to a scratch
+    folder, checked and read; DCP parts stay in the store (their URL)."""
+    marker = read_marker_url(url)
+    if marker is None:
+        raise RlxError(f"{url} is not a complete checkpoint (no valid COMPLETE marker)")
+    out: dict[str, Any] = {}
+    scratch = scratch_folder("load")
+    try:
+        for name in names:
+            entry = marker["parts"].get(name)
+            if entry is None:
+                continue
+            if entry["format"] == "dcp":
+                check_listed(url, marker, entry["file"])
+                out[name] = f"{url.rstrip('/')}/{entry['file']}"
+                continue
+            if entry["format"] == "folder":
+                continue  # hf/: read by export, which fetches it itself
+            fetch_files(url, [entry["file"]], marker, scratch)
+            out[name] = read_part(scratch, entry)
+    finally:
+        remove(scratch)
     out["step"] = marker["step"]
     return out
 
@@ -146,13 +186,19 @@ def save_learner_state(state: dict[str, Any], folder: Path) -> None:
         )
 
 
-def load_learner_state(state: dict[str, Any], folder: Path) -> None:
-    """Fill state in place from a DCP folder: each rank reads only what its tensors (whole,
-    or its FSDP shards) cover; DCP reshards when the rank count changed."""
+def load_learner_state(state: dict[str, Any], folder: Path | str) -> None:
+    """Fill state in place from a DCP folder (or its URL in a store): each rank reads only
+    what its tensors (whole, or its FSDP shards) cover; DCP reshards when the rank count
+    changed."""
     import torch.distributed.checkpoint as dcp
 
     with single_process_quiet():
-        reader = dcp.FileSystemReader(str(folder))
+        if isinstance(folder, str) and is_store_url(folder):
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+            reader = FsspecReader(folder, **storage_options(folder))
+        else:
+            reader = dcp.FileSystemReader(str(folder))
         dcp.load(state, storage_reader=reader, no_dist=not distributed())
 
 
@@ -188,6 +234,10 @@ def kill_hook_for_save(spec: str | None, step: int) -> Callable[[str], None] | N
 
 
 def kill_after_step(spec: str | None, step: int) -> None:
-    """Honour a 'step:N' test spec: die at once, as a killed job would."""
-    if spec and spec.startswith("step:") and int(spec.split(":", 1)[1]) == step:
-        os.kill(os.getpid(), signal.SIGKILL)
+    """Honour a 'step:N' test spec: die at once, as a killed job would; 'term:N': send
+    ourselves SIGTERM, as a preemption does, once step N is done."""
+    if not spec or ":" not in spec:
+        return
+    kind, _, at = spec.partition(":")
+    if kind in ("step", "term") and at.isdigit() and int(at) == step:
+        os.kill(os.getpid(), signal.SIGKILL if kind == "step" else signal.SIGTERM)

@@ -274,8 +274,8 @@ def test_host_memory_too_small_fails_lint(tmp_path: Path) -> None:
     path = _variant(tmp_path, "ppo-7b.yaml", resources__memory="100")
     errors = _lint_errors(path)
     assert any(
-        "resources.memory: does not fit: host RAM per node: needs 198.3 GiB of 93.1 GiB" in e
-        and "resources.memory: '213+'" in e
+        "resources.memory: does not fit: host RAM per node: needs 202.3 GiB of 93.1 GiB" in e
+        and "resources.memory: '218+'" in e
         for e in errors
     ), errors
 

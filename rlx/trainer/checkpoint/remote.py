@@ -1,0 +1,330 @@
+"""Checkpoints in object storage (s3://, gs://, az://): the same folders as on a disk,
+<root>/<run id>/step-000050/..., made complete by a COMPLETE marker written last.
+
+Object stores have no atomic rename (a "rename" copies every object), so nothing here renames.
+A save goes:
+
+1. every rank writes its DCP shard into a folder on its own node's disk (staging: the node's
+   disks are fast and private; the store is shared and slower), then uploads its own shard
+   files to the step's prefix, never another rank's;
+2. the ranks tell rank 0 which files they uploaded and their sizes (a collective, so rank 0
+   knows every shard is in the store before it goes on);
+3. rank 0 uploads the DCP metadata (after the shards: metadata names every shard) and the
+   small parts, lists the prefix once to check every file is there with its size (S3, GCS
+   and Azure list what was written, strongly consistent), and only then writes COMPLETE.
+
+A prefix without the marker is an interrupted save: never loaded, and deleted by the next
+save. Retention deletes a checkpoint's marker first, then its files, so a deletion killed
+halfway leaves a prefix without a marker (cleaned up later), never a marker over missing
+files. Loading reads the marker, downloads the small parts it asks for (checked against their
+sha256), and hands DCP the step's URL: every rank reads only the byte ranges its own shards
+need (torch's fsspec reader), at any rank count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from rlx import __version__
+from rlx.checkpoints import MARKER, MARKER_FORMAT, STEP_DIR, parse_marker, step_of
+from rlx.errors import RlxError
+from rlx.storage import filesystem, join, unstrip
+from rlx.trainer.checkpoint.parts import sha256_of
+from rlx.trainer.checkpoint.store import (
+    HASHED_BYTES,
+    PhaseHook,
+    check_part_name,
+    sanitize_run_id,
+)
+
+# Node-local folders where ranks stage their shards before the upload (and small parts are
+# downloaded to on load); removed once a save or load is done.
+STAGING_ENV = "RLX_STAGING_DIR"
+DCP_METADATA = ".metadata"
+
+
+def staging_root() -> Path:
+    return Path(os.environ.get(STAGING_ENV) or Path(tempfile.gettempdir()) / "rlx-staging")
+
+
+def describe_local(folder: Path, prefix: str = "") -> list[dict[str, Any]]:
+    """Every file under folder by its name relative to the checkpoint (prefix/...): size,
+    and sha256 for the small ones."""
+    files = []
+    for path in sorted(folder.rglob("*")):
+        if path.is_dir():
+            continue
+        name = path.relative_to(folder).as_posix()
+        entry: dict[str, Any] = {
+            "name": f"{prefix}/{name}" if prefix else name,
+            "bytes": path.stat().st_size,
+        }
+        if entry["bytes"] <= HASHED_BYTES:
+            entry["sha256"] = sha256_of(path)
+        files.append(entry)
+    return files
+
+
+class StoreCheckpointManager:
+    """Saves, finds and loads the checkpoints of one run under root/run_id/ in a store."""
+
+    remote = True
+
+    def __init__(self, root: str, run_id: str, keep: int):
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, got {keep}")
+        if sanitize_run_id(run_id) != run_id or not run_id:
+            raise ValueError(f"run id {run_id!r} is not a safe folder name; see resolve_run_id")
+        self.root = root.rstrip("/")
+        self.run_id = run_id
+        self.keep = keep
+        self.fs, self._root_path = filesystem(self.root)
+        self.last_bytes: int | None = None  # the size of the last checkpoint committed
+
+    @property
+    def run_dir(self) -> str:
+        return join(self.root, self.run_id)
+
+    def step_url(self, step: int) -> str:
+        return join(self.run_dir, f"step-{step:06d}")
+
+    def _path(self, url: str) -> str:
+        return self.fs._strip_protocol(url)
+
+    # ------------------------------------------------------------------ finding
+
+    def _listing(self) -> dict[int, bool]:
+        """step -> whether it is complete, for every step prefix of this run."""
+        base = self._path(self.run_dir)
+        self.fs.invalidate_cache(base)
+        try:
+            children = self.fs.ls(base, detail=False)
+        except FileNotFoundError:
+            return {}
+        steps: dict[int, bool] = {}
+        for child in children:
+            match = STEP_DIR.fullmatch(child.rstrip("/").rsplit("/", 1)[-1])
+            if match:
+                step = int(match["step"])
+                steps[step] = read_store_marker(self.fs, child, step) is not None
+        return steps
+
+    def checkpoints(self) -> list[str]:
+        """Every complete checkpoint of this run, oldest step first."""
+        return [self.step_url(step) for step, done in sorted(self._listing().items()) if done]
+
+    def latest(self) -> str | None:
+        found = self.checkpoints()
+        return found[-1] if found else None
+
+    # ------------------------------------------------------------------ saving
+
+    def begin(self, step: int) -> Path:
+        """The node-local staging folder of step's save, after deleting what interrupted saves
+        left in the store (prefixes without a marker) and any older save of this very step.
+        The same path on every node names each node's own disk."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        for old, complete in self._listing().items():
+            if not complete or old == step:
+                self._delete(old)
+        staging = staging_root() / self.run_id / f"step-{step:06d}-{os.getpid()}-{time.time_ns()}"
+        return staging
+
+    def upload(self, local: Path, step: int, prefix: str, *, skip: tuple[str, ...] = ()) -> list:
+        """Upload every file under local to the step's prefix/ (names kept); returns their
+        descriptions (relative to the checkpoint)."""
+        files = [
+            f for f in describe_local(local, prefix) if f["name"].rsplit("/", 1)[-1] not in skip
+        ]
+        self._put(local, prefix, [f["name"] for f in files], step)
+        return files
+
+    def _put(self, local: Path, prefix: str, names: list[str], step: int) -> None:
+        if not names:
+            return
+        base = self._path(self.step_url(step))
+        sources = [
+            str(local / name[len(prefix) + 1 :] if prefix else local / name) for name in names
+        ]
+        targets = [f"{base}/{name}" for name in names]
+        self.fs.put(sources, targets)
+
+    def write_parts(
+        self, folder: Path, parts: Mapping[str, Any], _after_phase: PhaseHook | None = None
+    ) -> dict[str, dict[str, str]]:
+        from rlx.trainer.checkpoint.parts import write_part
+
+        hook = _after_phase or (lambda phase: None)
+        for name in parts:
+            check_part_name(name)
+        folder.mkdir(parents=True, exist_ok=True)
+        entries = {}
+        for name, value in parts.items():
+            entries[name] = write_part(folder, name, value)
+            hook(f"part:{name}")
+        return entries
+
+    def commit(
+        self,
+        staging: Path,
+        step: int,
+        entries: Mapping[str, Mapping[str, str]],
+        uploaded: list[dict[str, Any]],
+        *,
+        late: tuple[str, ...] = (),
+        _after_phase: PhaseHook | None = None,
+    ) -> str:
+        """Rank 0's part of a save: upload what staging holds that is not uploaded yet (late:
+        files to send after everything else but the marker, such as DCP's metadata), check
+        the store lists every file with its size, write COMPLETE, rotate. uploaded: what the
+        ranks have put in the store already."""
+        hook = _after_phase or (lambda phase: None)
+        for name in entries:
+            check_part_name(name)
+        done = {f["name"] for f in uploaded}
+        local = [f for f in describe_local(staging) if f["name"] not in done]
+        first = [f for f in local if f["name"] not in late]
+        last = [f for f in local if f["name"] in late]
+        self._put(staging, "", [f["name"] for f in first], step)
+        self._put(staging, "", [f["name"] for f in last], step)
+        files = sorted([*uploaded, *local], key=lambda f: f["name"])
+        self._check_listed(step, files)
+        hook("written")
+
+        marker = {
+            "format": MARKER_FORMAT,
+            "step": step,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "unix_time": time.time(),
+            "rlx_version": __version__,
+            "bytes": sum(f["bytes"] for f in files),
+            "parts": dict(entries),
+            "files": files,
+        }
+        self.fs.pipe(
+            f"{self._path(self.step_url(step))}/{MARKER}", json.dumps(marker, indent=1).encode()
+        )
+        self.last_bytes = marker["bytes"]
+        hook("marked")
+        self._rotate(step)
+        hook("rotated")
+        return self.step_url(step)
+
+    def _check_listed(self, step: int, files: list[dict[str, Any]]) -> None:
+        base = self._path(self.step_url(step))
+        self.fs.invalidate_cache(base)
+        listed = {
+            path[len(base) + 1 :]: info.get("size")
+            for path, info in self.fs.find(base, detail=True).items()
+        }
+        for file in files:
+            if listed.get(file["name"]) != file["bytes"]:
+                raise RlxError(
+                    f"checkpoint {self.step_url(step)}: {file['name']} is not in the store "
+                    f"with its {file['bytes']} bytes after the upload; the save is left "
+                    "incomplete (no COMPLETE marker) and the previous checkpoint stays"
+                )
+
+    # ------------------------------------------------------------------ deleting
+
+    def _delete(self, step: int) -> None:
+        """Marker first: a deletion cut short leaves an incomplete prefix, never a marker
+        over missing files."""
+        base = self._path(self.step_url(step))
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(f"{base}/{MARKER}")
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(base, recursive=True)
+        self.fs.invalidate_cache(base)
+
+    def _rotate(self, newest: int) -> None:
+        complete = [step for step, done in sorted(self._listing().items()) if done]
+        abandoned = [step for step in complete if step > newest]
+        current = [step for step in complete if step <= newest]
+        for step in abandoned + current[: -self.keep]:
+            self._delete(step)
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def read_store_marker(fs: Any, step_path: str, step: int | None = None) -> dict[str, Any] | None:
+    """The COMPLETE marker of a step prefix (a path inside fs), or None if not complete."""
+    step_path = step_path.rstrip("/")
+    try:
+        text = fs.cat_file(f"{step_path}/{MARKER}")
+    except FileNotFoundError:
+        return None
+    return parse_marker(text, step_of(step_path) if step is None else step)
+
+
+def read_marker_url(url: str) -> dict[str, Any] | None:
+    fs, path = filesystem(url)
+    return read_store_marker(fs, path)
+
+
+def fetch_files(url: str, names: list[str], marker: Mapping[str, Any], target: Path) -> None:
+    """Download the checkpoint's files under each of names (a file or a folder) into target,
+    checked against the marker's sizes and digests."""
+    from rlx.trainer.checkpoint.store import verify_files
+
+    fs, base = filesystem(url)
+    wanted = [
+        f
+        for f in marker["files"]
+        if any(f["name"] == n or f["name"].startswith(f"{n}/") for n in names)
+    ]
+    if wanted:
+        for f in wanted:
+            (target / f["name"]).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fs.get(
+                [f"{base}/{f['name']}" for f in wanted], [str(target / f["name"]) for f in wanted]
+            )
+        except FileNotFoundError:
+            raise RlxError(f"checkpoint {url}: a file its marker lists is missing") from None
+    verify_files(target, wanted)
+
+
+def check_listed(url: str, marker: Mapping[str, Any], prefix: str) -> None:
+    """The marker's files under prefix are all in the store with their sizes (a shard too big
+    to download just to check is checked by listing)."""
+    fs, base = filesystem(url)
+    fs.invalidate_cache(base)
+    listed = {
+        path[len(base) + 1 :]: info.get("size")
+        for path, info in fs.find(f"{base}/{prefix}", detail=True).items()
+    }
+    for f in marker["files"]:
+        if f["name"].startswith(f"{prefix}/") and listed.get(f["name"]) != f["bytes"]:
+            raise RlxError(f"checkpoint {url}: {f['name']} is missing or truncated in the store")
+
+
+def scratch_folder(kind: str) -> Path:
+    folder = staging_root() / f"{kind}-{os.getpid()}-{time.time_ns()}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def remove(folder: Path) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+__all__ = [
+    "StoreCheckpointManager",
+    "check_listed",
+    "fetch_files",
+    "read_marker_url",
+    "read_store_marker",
+    "staging_root",
+    "unstrip",
+]
