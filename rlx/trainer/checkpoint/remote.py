@@ -33,16 +33,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from rlx import __version__
-from rlx.checkpoints import MARKER, MARKER_FORMAT, STEP_DIR, parse_marker, step_of
+from rlx.checkpoints import MARKER, STEP_DIR, parse_marker, step_of
 from rlx.errors import RlxError
 from rlx.storage import filesystem, join, unstrip
-from rlx.trainer.checkpoint.parts import sha256_of
 from rlx.trainer.checkpoint.store import (
-    HASHED_BYTES,
     PhaseHook,
     check_part_name,
+    describe_files,
+    new_marker,
     sanitize_run_id,
+    write_parts,
 )
 
 # Node-local folders where ranks stage their shards before the upload (and small parts are
@@ -53,24 +53,6 @@ DCP_METADATA = ".metadata"
 
 def staging_root() -> Path:
     return Path(os.environ.get(STAGING_ENV) or Path(tempfile.gettempdir()) / "rlx-staging")
-
-
-def describe_local(folder: Path, prefix: str = "") -> list[dict[str, Any]]:
-    """Every file under folder by its name relative to the checkpoint (prefix/...): size,
-    and sha256 for the small ones."""
-    files = []
-    for path in sorted(folder.rglob("*")):
-        if path.is_dir():
-            continue
-        name = path.relative_to(folder).as_posix()
-        entry: dict[str, Any] = {
-            "name": f"{prefix}/{name}" if prefix else name,
-            "bytes": path.stat().st_size,
-        }
-        if entry["bytes"] <= HASHED_BYTES:
-            entry["sha256"] = sha256_of(path)
-        files.append(entry)
-    return files
 
 
 class StoreCheckpointManager:
@@ -143,7 +125,7 @@ class StoreCheckpointManager:
         """Upload every file under local to the step's prefix/ (names kept); returns their
         descriptions (relative to the checkpoint)."""
         files = [
-            f for f in describe_local(local, prefix) if f["name"].rsplit("/", 1)[-1] not in skip
+            f for f in describe_files(local, prefix) if f["name"].rsplit("/", 1)[-1] not in skip
         ]
         self._put(local, prefix, [f["name"] for f in files], step)
         return files
@@ -161,17 +143,7 @@ class StoreCheckpointManager:
     def write_parts(
         self, folder: Path, parts: Mapping[str, Any], _after_phase: PhaseHook | None = None
     ) -> dict[str, dict[str, str]]:
-        from rlx.trainer.checkpoint.parts import write_part
-
-        hook = _after_phase or (lambda phase: None)
-        for name in parts:
-            check_part_name(name)
-        folder.mkdir(parents=True, exist_ok=True)
-        entries = {}
-        for name, value in parts.items():
-            entries[name] = write_part(folder, name, value)
-            hook(f"part:{name}")
-        return entries
+        return write_parts(folder, parts, _after_phase)
 
     def commit(
         self,
@@ -191,7 +163,7 @@ class StoreCheckpointManager:
         for name in entries:
             check_part_name(name)
         done = {f["name"] for f in uploaded}
-        local = [f for f in describe_local(staging) if f["name"] not in done]
+        local = [f for f in describe_files(staging) if f["name"] not in done]
         first = [f for f in local if f["name"] not in late]
         last = [f for f in local if f["name"] in late]
         self._put(staging, "", [f["name"] for f in first], step)
@@ -200,16 +172,7 @@ class StoreCheckpointManager:
         self._check_listed(step, files)
         hook("written")
 
-        marker = {
-            "format": MARKER_FORMAT,
-            "step": step,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "unix_time": time.time(),
-            "rlx_version": __version__,
-            "bytes": sum(f["bytes"] for f in files),
-            "parts": dict(entries),
-            "files": files,
-        }
+        marker = new_marker(step, entries, files)
         self.fs.pipe(
             f"{self._path(self.step_url(step))}/{MARKER}", json.dumps(marker, indent=1).encode()
         )

@@ -91,25 +91,60 @@ def check_part_name(name: str) -> None:
         )
 
 
-def describe_tree(folder: Path) -> list[dict[str, Any]]:
-    """Every file under folder (fsynced, with the folders), by relative name: its size, and
-    for files up to HASHED_BYTES its sha256. Shards are not hashed: reading back every rank's
-    shard on one process would cost as much as the save."""
+def describe_files(folder: Path, prefix: str = "", *, sync: bool = False) -> list[dict[str, Any]]:
+    """Every file under folder by its name in the checkpoint (prefix/relative name): its
+    size, and for files up to HASHED_BYTES its sha256. Shards are not hashed: reading back
+    every rank's shard on one process would cost as much as the save. sync: fsync each file
+    and folder first (and folder itself)."""
     files = []
     for path in sorted(folder.rglob("*")):
-        if path.is_dir():
+        if sync:
             fsync_path(path)
+        if path.is_dir():
             continue
-        fsync_path(path)
+        name = path.relative_to(folder).as_posix()
         entry: dict[str, Any] = {
-            "name": path.relative_to(folder).as_posix(),
+            "name": f"{prefix}/{name}" if prefix else name,
             "bytes": path.stat().st_size,
         }
         if entry["bytes"] <= HASHED_BYTES:
             entry["sha256"] = sha256_of(path)
         files.append(entry)
-    fsync_path(folder)
+    if sync:
+        fsync_path(folder)
     return files
+
+
+def new_marker(
+    step: int, entries: Mapping[str, Mapping[str, str]], files: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The COMPLETE marker of step: its parts (file and format) and every file it holds."""
+    return {
+        "format": MARKER_FORMAT,
+        "step": step,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "unix_time": time.time(),
+        "rlx_version": __version__,
+        "bytes": sum(file["bytes"] for file in files),
+        "parts": dict(entries),
+        "files": files,
+    }
+
+
+def write_parts(
+    folder: Path, parts: Mapping[str, Any], _after_phase: PhaseHook | None = None
+) -> dict[str, dict[str, str]]:
+    """Write each part into folder as one file (see CheckpointManager.save); returns the
+    entries a commit records."""
+    hook = _after_phase or (lambda phase: None)
+    for name in parts:
+        check_part_name(name)
+    folder.mkdir(parents=True, exist_ok=True)
+    entries = {}
+    for name, value in parts.items():
+        entries[name] = write_part(folder, name, value)
+        hook(f"part:{name}")
+    return entries
 
 
 def verify_files(path: Path, files: list[dict[str, Any]], prefixes: tuple[str, ...] = ()) -> None:
@@ -194,14 +229,7 @@ class CheckpointManager:
         self, folder: Path, parts: Mapping[str, Any], _after_phase: PhaseHook | None = None
     ) -> dict[str, dict[str, str]]:
         """Write each part into folder (see save); returns the entries commit records."""
-        hook = _after_phase or (lambda phase: None)
-        for name in parts:
-            check_part_name(name)
-        entries = {}
-        for name, value in parts.items():
-            entries[name] = write_part(folder, name, value)
-            hook(f"part:{name}")
-        return entries
+        return write_parts(folder, parts, _after_phase)
 
     def commit(
         self,
@@ -217,7 +245,7 @@ class CheckpointManager:
         hook = _after_phase or (lambda phase: None)
         for name in entries:
             check_part_name(name)
-        files = describe_tree(temporary)
+        files = describe_files(temporary, sync=True)
         hook("written")
 
         final = self.run_dir / f"step-{step:06d}"
@@ -230,16 +258,7 @@ class CheckpointManager:
         fsync_path(self.run_dir)
         hook("renamed")
 
-        marker = {
-            "format": MARKER_FORMAT,
-            "step": step,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "unix_time": time.time(),
-            "rlx_version": __version__,
-            "bytes": sum(file["bytes"] for file in files),
-            "parts": dict(entries),
-            "files": files,
-        }
+        marker = new_marker(step, entries, files)
         write_synced(final / f".{MARKER}.tmp", json.dumps(marker, indent=1).encode())
         (final / f".{MARKER}.tmp").rename(final / MARKER)
         fsync_path(final)
