@@ -1,8 +1,13 @@
-"""Shared fixtures: one tiny random model folder per test session (built, never downloaded)."""
+"""Shared fixtures: one tiny random model folder per test session (built, never downloaded),
+a private Ray, and a Ray cluster of several nodes on this machine."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -55,3 +60,32 @@ def advantage_batch(tiny_model_dir: Path):
     generator = torch.Generator().manual_seed(0)
     advantages = torch.randn(batch.response_mask.shape, generator=generator)
     return batch.with_fields(**{ADVANTAGES: torch.where(batch.response_mask, advantages, 0.0)})
+
+
+@contextlib.contextmanager
+def ray_nodes_here(nodes: int = 2, env: Mapping[str, str] | None = None) -> Iterator[Any]:
+    """A Ray cluster of `nodes` nodes on this machine (ray.cluster_utils: one raylet each, one
+    CPU each), without a token whatever this process carries; its workers import this
+    checkout and have `env` in their environment, as a cloud node has its own."""
+    from ray.cluster_utils import Cluster
+
+    from tests.conftest import REPO
+
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in (env or {}).items():
+            patch.setenv(key, value)
+        patch.setenv("PYTHONPATH", f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        # A loopback test cluster without a token, whatever Ray auth settings this process
+        # carries (Ray reads them from the environment, for the cluster and its clients).
+        patch.setenv("RAY_AUTH_MODE", "disabled")
+        for name in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+            patch.delenv(name, raising=False)
+        cluster = Cluster(
+            initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
+        )
+        for _ in range(nodes - 1):
+            cluster.add_node(num_cpus=1)
+        try:
+            yield cluster
+        finally:
+            cluster.shutdown()

@@ -69,3 +69,23 @@ def test_endpoint_comes_from_the_environment_and_credentials_never_do() -> None:
     env["AWS_ENDPOINT_URL_S3"] = "http://r2"
     assert storage_options("s3://b/p", env) == {"endpoint_url": "http://r2"}
     assert storage_options("gs://b/p", env) == {}
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("checkpoint", {"dir": "s3:/bucket/ckpt"}),
+        ("logging", {"dir": "ftp://host/runs"}),
+        ("model", {"path": "gs:bucket/model"}),
+    ],
+)
+def test_start_up_refuses_the_url_before_anything_is_written(tmp_path, field, value) -> None:
+    from rlx.trainer.resolve import run_paths
+    from tests.support.recipes import make_recipe
+
+    recipe = make_recipe(tmp_path, **{field: value})
+    assert recipe.trainer is not None
+    with pytest.raises(RlxError, match=rf"trainer\.{field}\.") as info:
+        run_paths(recipe.name, recipe.trainer, {})
+    assert "\n" not in str(info.value)
+    assert not any(tmp_path.rglob("s3:*")) and not any(tmp_path.rglob("gs:*"))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,8 +20,8 @@ import yaml
 from rlx.runs import read_metrics
 from rlx.trainer.checkpoint import MARKER
 from rlx.trainer.checkpoint.export import read_tensors, saved_tensors
-from tests.conftest import REPO
 from tests.support.cli import run_rlx
+from tests.support.fixtures import ray_nodes_here
 from tests.support.recipes import write_recipe
 
 pytest.importorskip("ray")
@@ -53,25 +52,9 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ray_nodes(workdir: Path) -> Iterator[Any]:
-    """A Ray cluster of two nodes here; its workers import this checkout."""
-    from ray.cluster_utils import Cluster
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PYTHONPATH", f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-        # A loopback test cluster without a token, whatever Ray auth settings this process
-        # carries (Ray reads them from the environment, for the cluster and its clients).
-        patch.setenv("RAY_AUTH_MODE", "disabled")
-        for name in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
-            patch.delenv(name, raising=False)
-        cluster = Cluster(
-            initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
-        )
-        cluster.add_node(num_cpus=1)
-        try:
-            yield cluster
-        finally:
-            cluster.shutdown()
+def ray_nodes() -> Iterator[Any]:
+    with ray_nodes_here(2) as cluster:
+        yield cluster
 
 
 def ppo_recipe(workdir: Path, name: str, nodes: int, **overrides: Any) -> Path:

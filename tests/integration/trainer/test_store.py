@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,8 +23,8 @@ import torch
 import yaml
 
 from rlx.errors import RlxError
-from tests.conftest import REPO
 from tests.support.cli import run_rlx
+from tests.support.fixtures import ray_nodes_here
 from tests.support.recipes import write_recipe
 from tests.support.stores import StoreServer, azure_server, gcs_server, s3_server
 
@@ -141,26 +140,10 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def ray_nodes(stores: dict[str, StoreServer]) -> Iterator[Any]:
-    """A Ray cluster of two nodes here; its workers import this checkout and have the
-    stores' settings in their environment."""
-    from ray.cluster_utils import Cluster
-
-    with pytest.MonkeyPatch.context() as patch:
-        for store in stores.values():
-            for key, value in store.env.items():
-                patch.setenv(key, value)
-        patch.setenv("PYTHONPATH", f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-        patch.setenv("RAY_AUTH_MODE", "disabled")
-        for name in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
-            patch.delenv(name, raising=False)
-        cluster = Cluster(
-            initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
-        )
-        cluster.add_node(num_cpus=1)
-        try:
-            yield cluster
-        finally:
-            cluster.shutdown()
+    """Two Ray nodes here whose workers have the stores' settings in their environment."""
+    env = {key: value for store in stores.values() for key, value in store.env.items()}
+    with ray_nodes_here(2, env) as cluster:
+        yield cluster
 
 
 def store_recipe(workdir: Path, name: str, root: str, **overrides: Any) -> Path:
