@@ -1,7 +1,7 @@
 """Kill -9 a random rank at random moments of a 3-host FSDP run whose checkpoints live in S3,
 resume each time, and check every resume loaded the newest complete checkpoint.
 
-    python bench/chaos_store.py [--kills 20] [--steps 24] [--seed 0]
+    python bench/chaos_store.py [--kills 20] [--steps 40] [--seed 0]
 
 Needs root (emulated hosts: Linux network, mount and PID namespaces; tests/support/hosts),
 and moto's S3 server, started here on the hosts' bridge so every host reaches it. The hosts
@@ -11,8 +11,10 @@ the run folder (metrics, log) is in the store too.
 1. A straight run: SkyPilot's rendered run block on each of 3 hosts, the head forms the Ray
    cluster and trains (one FSDP rank per host, gloo), a checkpoint every step.
 2. The same run under chaos, as attempts of one run id: each attempt starts all hosts,
-   waits a random time (most of an attempt is spent saving, so many kills land inside a
-   save or an upload), then SIGKILLs the training worker of a random rank. Before the next
+   waits for a random step among the next few (the kills left spread evenly over the steps
+   left), then a random moment (up to 1.5 s: within that
+   step or its save and upload, which take about as long), then SIGKILLs the training
+   worker of a random rank. Before the next
    attempt the script lists the store itself for the newest complete step; the attempt
    must say it resumed from exactly that one. After --kills kills, the last attempt runs to
    the end.
@@ -118,7 +120,7 @@ class Job:
 
 def training_worker(host: Any) -> int | None:
     for proc in host.processes():
-        if "TrainingWorker" in proc.cmdline:
+        if "ray::TrainWorker" in proc.cmdline:
             return proc.pid
     return None
 
@@ -148,7 +150,7 @@ def phase(log: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rng = random.Random(args.seed)
@@ -196,15 +198,18 @@ def main() -> None:
             expected = newest_in_store(fs, run)
             text = recipe_text(root, args.steps, 3)
             job = Job(hosts, work, text, base, f"attempt{attempt}")
-            if kills < args.kills:
-                # Kill after the cluster is up and some training happened: a random moment
-                # within a typical attempt's training time.
+            start = (expected or 0) + 1
+            if kills < args.kills and start < args.steps - 1:
+                # A random step among the next few (the kills left spread over the steps
+                # left), then a random moment within it or its save.
+                room = max((args.steps - 1 - start) // (args.kills - kills), 1)
+                target = start + rng.randrange(room)
                 deadline = time.monotonic() + 600
-                while "training workers:" not in job.head_log():
+                while not re.search(rf"^step {target} ", job.head_log(), re.MULTILINE):
                     if time.monotonic() > deadline or any(p.poll() is not None for p in job.procs):
                         break
-                    time.sleep(0.2)
-                time.sleep(rng.uniform(0.5, max(attempt_s * 0.5, 2.0)))
+                    time.sleep(0.05)
+                time.sleep(rng.uniform(0.0, 1.5))
                 victim = rng.randrange(3)
                 pid = training_worker(hosts[victim])
                 where = phase(job.head_log())

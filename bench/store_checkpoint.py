@@ -17,6 +17,10 @@ save), pooled over the runs of a side after --warmup steps; median and p90. The 
 S3 over disk, within one run of this script. The S3 server shares the machine's cores with
 the trainer, so the figure includes the server's own work; a real store is remote.
 Printed with the load average: a figure taken under load is not a result.
+
+Then, how a rank's shard should reach the store: one DCP save of --direct-mib MiB written
+straight into S3 (torch's fsspec writer) against staged on local disk and uploaded (what
+rlx does), in this process, three times each.
 """
 
 from __future__ import annotations
@@ -90,6 +94,43 @@ def checkpoint_bytes(folder: Path, run_id: str) -> int | None:
         return None
 
 
+def direct_or_staged(prefix: str, mib: int, repeats: int) -> dict[str, list[float]]:
+    """Seconds to save one DCP state of `mib` MiB (one rank, float32 tensors of 16 MiB) into
+    the store: straight (torch's fsspec writer, each file streamed to the store) or staged
+    (written to local disk, then uploaded by rlx's path: one fs.put of every file)."""
+    import shutil
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    from rlx.storage import filesystem, storage_options
+    from rlx.trainer.checkpoint.training import single_process_quiet
+
+    count = max(mib // 16, 1)
+    state = {f"t{i}": torch.randn(4 * 2**20) for i in range(count)}
+    fs, base = filesystem(prefix)
+    times: dict[str, list[float]] = {"straight": [], "staged": []}
+    with single_process_quiet():
+        for i in range(repeats):
+            url = f"{prefix}/direct-{i}"
+            started = time.perf_counter()
+            dcp.save(state, storage_writer=FsspecWriter(url, **storage_options(url)), no_dist=True)
+            times["straight"].append(time.perf_counter() - started)
+            local = Path(tempfile.mkdtemp(prefix="rlx-bench-stage-"))
+            started = time.perf_counter()
+            dcp.save(
+                state,
+                storage_writer=dcp.FileSystemWriter(str(local), sync_files=True),
+                no_dist=True,
+            )
+            names = sorted(p.name for p in local.iterdir())
+            fs.put([str(local / n) for n in names], [f"{base}/staged-{i}/{n}" for n in names])
+            times["staged"].append(time.perf_counter() - started)
+            shutil.rmtree(local, ignore_errors=True)
+    return times
+
+
 def p90(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
@@ -102,6 +143,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--ranks", type=int, default=1)
+    parser.add_argument("--direct-mib", type=int, default=256, help="state size, 0: skip")
     args = parser.parse_args()
 
     from tests.support.stores import s3_server
@@ -120,6 +162,11 @@ def main() -> None:
             "OMP_WAIT_POLICY": "PASSIVE",
         }
         where = {"disk": str(folder / "ckpt"), "s3": f"{prefix}/ckpt"}
+        direct: dict[str, list[float]] = {}
+        if args.direct_mib:
+            for key, value in s3.env.items():
+                os.environ[key] = value
+            direct = direct_or_staged(prefix, args.direct_mib, 3)
         for round_ in range(args.rounds):
             for side in ("disk", "s3"):
                 name = f"bench-{side}"
@@ -145,6 +192,11 @@ def main() -> None:
     ratio = statistics.median(results["s3"]) / statistics.median(results["disk"])
     print()
     print(f"S3 / disk (median seconds per step): {ratio:.2f}x (target <= 1.2x)")
+    if direct:
+        print()
+        print(f"one DCP save of {args.direct_mib} MiB into S3, 3 times (seconds, median):")
+        for way, values in direct.items():
+            print(f"  {way:<9} {statistics.median(values):.2f}")
 
 
 if __name__ == "__main__":
