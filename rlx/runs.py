@@ -238,18 +238,31 @@ def pull_run(paths: RunPaths) -> int:
     return len(missing)
 
 
+# What push_run sent of each run folder: file -> (size, mtime) at the time.
+_PUSHED: dict[Path, dict[Path, tuple[int, int]]] = {}
+
+
 def push_run(paths: RunPaths) -> None:
     """Copy the run folder to its store prefix (logging.dir is a URL): called after every
-    checkpoint and when the run ends, so what a preempted node held is in the store."""
+    checkpoint and when the run ends, so what a preempted node held is in the store. Only
+    files new or changed since this process last pushed them are sent."""
     if paths.run_url is None or not paths.run_dir.is_dir():
         return
     from rlx.storage import filesystem
 
     fs, base = filesystem(paths.run_url)
-    files = [p for p in sorted(paths.run_dir.rglob("*")) if p.is_file()]
+    sent = _PUSHED.setdefault(paths.run_dir, {})
+    files, seen = [], {}
+    for path in sorted(paths.run_dir.rglob("*")):
+        if path.is_file():
+            stat = path.stat()
+            seen[path] = (stat.st_size, stat.st_mtime_ns)
+            if sent.get(path) != seen[path]:  # new or changed since the last push
+                files.append(path)
     names = [p.relative_to(paths.run_dir).as_posix() for p in files]
     if files:
         fs.put([str(p) for p in files], [f"{base}/{n}" for n in names])
+    sent.update({path: seen[path] for path in files})
 
 
 def mirror_run(paths: RunPaths, err: Any) -> None:

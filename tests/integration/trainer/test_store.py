@@ -301,3 +301,23 @@ def test_status_finds_the_newest_checkpoint_in_the_store(store_env, straight, st
 
     run = f"{straight_root}/ckpt/straight"
     assert newest_complete_step(run) == f"{run}/step-000004"
+
+
+def test_the_run_folder_goes_to_the_store_and_comes_back(store_env, tmp_path) -> None:
+    """logging.dir in a store: a push sends what is new or changed; a later attempt on
+    another machine fetches it before it continues the same files."""
+    from rlx.runs import RunPaths, pull_run, push_run
+
+    url = f"{store_env.new_prefix()}/runs/r"
+    here = tmp_path / "here" / "r"
+    (here / "tensorboard").mkdir(parents=True)
+    (here / "metrics.jsonl").write_text('{"step": 1}\n')
+    (here / "tensorboard" / "events").write_bytes(b"\0" * 10)
+    push_run(RunPaths("r", here, None, url))
+    with (here / "metrics.jsonl").open("a") as handle:
+        handle.write('{"step": 2}\n')
+    push_run(RunPaths("r", here, None, url))
+    there = tmp_path / "there" / "r"
+    assert pull_run(RunPaths("r", there, None, url)) == 2
+    assert (there / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
+    assert (there / "tensorboard" / "events").read_bytes() == b"\0" * 10
