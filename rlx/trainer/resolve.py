@@ -88,8 +88,11 @@ def check_path_fields(settings: TrainerSettings) -> None:
 
 def model_cache_dir(paths: RunPaths) -> Path:
     """Where generated models go: beside the checkpoints (shared storage on multi-node jobs,
-    lint makes sure of it), else inside the run folder."""
-    if paths.checkpoint_root is not None and not isinstance(paths.checkpoint_root, str):
+    lint makes sure of it); with checkpoints in a store, each node's staging folder (every
+    node builds its own copy, node_model_path); else inside the run folder."""
+    if isinstance(paths.checkpoint_root, str):
+        return staging_root() / "models"
+    if paths.checkpoint_root is not None:
         return paths.checkpoint_root / MODEL_CACHE
     return paths.run_dir / "models"
 
