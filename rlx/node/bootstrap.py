@@ -50,6 +50,10 @@ JOIN_POLL_SECONDS = 0.1  # polls while the cluster forms: each is one cheap GCS 
 HEAD_LOST_SECONDS = 15.0  # a worker waits this long without the head before giving up
 ACK_WAIT_SECONDS = 15.0
 TERMINATE_GRACE_SECONDS = 20.0
+# SIGTERM while the job runs is a preemption or a cancel: the head passes it to the trainer,
+# which saves the step it finished and exits 75, and every node keeps its Ray up for that
+# long at most (GCP spot gives 30 s before the power goes).
+PREEMPT_GRACE_SECONDS = 25.0
 PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
 
 
@@ -104,7 +108,17 @@ class Bootstrap:
     # ------------------------------------------------------------------ entry point
 
     def run(self) -> int:
+        self.running = False  # the head command has started (set by both sides)
+        self.terminated_at: float | None = None  # when SIGTERM came, if it came then
+
         def handler(signum: int, _frame: object) -> None:
+            # While the job runs, SIGTERM is not an immediate stop: the head command gets it
+            # and has PREEMPT_GRACE_SECONDS to save and exit; the nodes hold on till then.
+            if signum == signal.SIGTERM and self.running:
+                if self.terminated_at is None:
+                    self.terminated_at = self.clock()
+                    self.say("received SIGTERM: the job saves and stops (preemption grace)")
+                return
             raise Stop(signum)
 
         previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -273,13 +287,29 @@ class Bootstrap:
                 os.killpg(proc.pid, signal.SIGUSR1)
 
         signal.signal(signal.SIGUSR1, warn)
+        self.running = True
+        forwarded = False
         try:
             while True:
+                if self.terminated_at is not None and not forwarded:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGTERM)
+                    forwarded = True
+                if forwarded and self.clock() - self.terminated_at > PREEMPT_GRACE_SECONDS:
+                    self.say(
+                        f"the head command did not stop within {PREEMPT_GRACE_SECONDS:.0f} s "
+                        "of SIGTERM; killing it"
+                    )
+                    self.running = False
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    raise Stop(signal.SIGTERM)
                 try:
                     code = proc.wait(timeout=POLL_SECONDS)
                 except subprocess.TimeoutExpired:
                     pass
                 else:
+                    self.running = False
                     return self.cluster_or_command_failure(gcs, alive, code)
                 lost = self.lost_nodes(gcs, alive)
                 if lost:
@@ -442,11 +472,19 @@ class Bootstrap:
                     "was running; this attempt is over"
                 )
             if state.startswith(b"done:"):
+                self.running = False
                 code = int(state.split(b":", 1)[1])
                 with contextlib.suppress(Exception):
                     gcs.put(raynode.ACK_PREFIX + str(self.node.rank).encode(), b"1")
                 self.say(f"the head finished with exit code {code}; leaving")
                 return code
+            # SIGTERM here: hold on while the head's job saves (its done state ends the wait),
+            # for PREEMPT_GRACE_SECONDS at most; before the job runs, leave at once.
+            self.running = state == b"running"
+            if self.terminated_at is not None and (
+                not self.running or self.clock() - self.terminated_at > PREEMPT_GRACE_SECONDS
+            ):
+                raise Stop(signal.SIGTERM)
             last_state = state
             if not raynode.raylet_alive(self.address, settings.port):
                 raise ClusterError(
