@@ -3,10 +3,12 @@ and leave nothing running. (Several hosts: tests/hosts/test_multinode.py.)"""
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -167,3 +169,38 @@ def test_daemons_left_by_a_child_stay_in_the_bootstraps_tree(tmp_path):
         assert out.returncode == 0, out.stderr
         adopted, ours = out.stdout.split()
         assert (adopted, ours) == (("True", "True") if mode == "adopt" else ("False", "False"))
+
+
+def test_sigterm_while_the_job_runs_lets_the_command_save_and_exit_75(tmp_path, path_env):
+    """A preemption: the node passes SIGTERM to the head command, which takes a moment to
+    save and exits 75; the node's exit code is the command's, not 128 + 15."""
+    saved = tmp_path / "saved"
+    started = tmp_path / "started"
+    command = [
+        f"trap 'sleep 2; touch {saved}; exit 75' TERM",
+        f"touch {started}",
+        "while true; do sleep 0.2; done",
+    ]
+    recipe = recipe_file(tmp_path, command, auth="none")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlx", "node", "--backend", "local", "--recipe", str(recipe)],
+        env=path_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while not started.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 75, err
+    assert saved.exists()
+    assert "received SIGTERM: the job saves and stops" in err
+    assert_nothing_left(primary_ip())
