@@ -33,10 +33,18 @@ ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def gather(refs: Sequence[Any], what: str) -> list[Any]:
-    """ray.get, with failures as one-line RlxErrors (see the module docstring)."""
+    """ray.get, with failures as one-line RlxErrors (see the module docstring).
+
+    Results are taken as they come, so the first failure is raised at once: the ranks still
+    alive may be blocked in a collective with the one that died (gloo waits for its peer up
+    to the process group's timeout), and waiting for all of them would hang the run."""
     import ray
 
     try:
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            ray.get(ready)  # raises now if that call failed
         return ray.get(list(refs))
     except ray.exceptions.RayTaskError as exc:
         cause = getattr(exc, "cause", None)
