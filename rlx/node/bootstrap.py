@@ -114,7 +114,9 @@ class Bootstrap:
         def handler(signum: int, _frame: object) -> None:
             # While the job runs, SIGTERM is not an immediate stop: the head command gets it
             # and has PREEMPT_GRACE_SECONDS to save and exit; the nodes hold on till then.
-            if signum == signal.SIGTERM and self.running:
+            # Not on Slurm: it signals every process of the step, Ray's daemons too, so there
+            # is nothing to hold on to (its warning, USR1, is how a Slurm job saves first).
+            if signum == signal.SIGTERM and self.running and self.node.backend != "slurm":
                 if self.terminated_at is None:
                     self.terminated_at = self.clock()
                     self.say("received SIGTERM: the job saves and stops (preemption grace)")
@@ -310,6 +312,8 @@ class Bootstrap:
                     pass
                 else:
                     self.running = False
+                    if code < 0:  # ended by a signal: the shell's convention, 128 + n
+                        code = 128 - code
                     return self.cluster_or_command_failure(gcs, alive, code)
                 lost = self.lost_nodes(gcs, alive)
                 if lost:
