@@ -21,7 +21,6 @@ state goes "waiting" -> "running" -> "done:<code>", and each worker acknowledges
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -54,7 +53,6 @@ TERMINATE_GRACE_SECONDS = 20.0
 # which saves the step it finished and exits 75, and every node keeps its Ray up for that
 # long at most (GCP spot gives 30 s before the power goes).
 PREEMPT_GRACE_SECONDS = 25.0
-PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
 
 
 class ClusterError(RlxError):
@@ -126,7 +124,6 @@ class Bootstrap:
         previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
         # Until the head command runs, the checkpoint warning has nothing to checkpoint.
         previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-        adopt_orphans()
         try:
             left = raynode.stop_own_ray(self.address, self.recipe.ray.port)
             if left:
@@ -495,24 +492,6 @@ class Bootstrap:
                     f"Ray stopped on this node ({self.node.describe(self.node.rank)})"
                     "; see /tmp/ray/session_latest/logs/raylet.out"
                 )
-
-
-def adopt_orphans() -> bool:
-    """Make this process the parent of the daemons `ray start` leaves behind.
-
-    `ray start` exits once its daemons run, and they would be re-parented to init: outside
-    the job's process tree. A scheduler that tracks a job by that tree (Slurm's
-    proctrack/linuxproc, or any `kill` of the step's descendants) then cannot see them, and
-    if this bootstrap is killed before it stops them (KillWait shorter than our clean-up),
-    the job's GCS outlives the job. As a child subreaper, the orphans stay under us, so the
-    scheduler's final SIGKILL reaches them too. Linux only; elsewhere nothing changes."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
 
 
 def main(recipe: Recipe, node: NodeInfo, env: Mapping[str, str]) -> int:
