@@ -47,7 +47,7 @@ RESUMED = re.compile(r"resumed from (\S+) \(step (\d+)\)")
 TASK_ID = "chaos"
 
 
-def recipe_text(root: str, steps: int, nodes: int, resume: str = "auto") -> str:
+def recipe_text(root: str, steps: int, nodes: int, resume: str = "auto", every: int = 1) -> str:
     from tests.support.recipes import trainer_section
 
     section = trainer_section(
@@ -56,7 +56,7 @@ def recipe_text(root: str, steps: int, nodes: int, resume: str = "auto") -> str:
         rollout={"n": 8, "max_new_tokens": 16},
         parallel={"strategy": "fsdp"},
         steps=steps,
-        checkpoint={"dir": f"{root}/ckpt", "every": 1, "keep": 2, "resume": resume},
+        checkpoint={"dir": f"{root}/ckpt", "every": every, "keep": 2, "resume": resume},
         logging={"dir": f"{root}/runs", "tensorboard": False},
     )
     return yaml.safe_dump(
@@ -118,6 +118,21 @@ class Job:
             host.kill_all()
 
 
+def host_env(work: Path, s3: Any) -> dict[str, str]:
+    """What every host's run block starts with: this checkout and its Python first, the
+    store's settings, a private HOME and a job's Ray token; this process reads the store
+    too."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RLX_"))}
+    base.update(s3.env)
+    base["PYTHONPATH"] = f"{REPO}{os.pathsep}{base.get('PYTHONPATH', '')}"
+    base["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{base.get('PATH', '')}"
+    base["HOME"] = str(work / "home")
+    base["RLX_RAY_TOKEN"] = os.urandom(32).hex()
+    base["OMP_WAIT_POLICY"] = "PASSIVE"
+    os.environ.update(s3.env)
+    return base
+
+
 def training_worker(host: Any) -> int | None:
     for proc in host.processes():
         if "ray::TrainWorker" in proc.cmdline:
@@ -163,15 +178,7 @@ def main() -> None:
     (work / "home").mkdir(exist_ok=True)
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; work in {work}")
     with Hosts.create(3) as hosts, s3_server(hosts.bridge_ip) as s3:
-        base = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RLX_"))}
-        base.update(s3.env)
-        base["PYTHONPATH"] = f"{REPO}{os.pathsep}{base.get('PYTHONPATH', '')}"
-        base["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{base.get('PATH', '')}"
-        base["HOME"] = str(work / "home")
-        base["RLX_RAY_TOKEN"] = os.urandom(32).hex()
-        base["OMP_WAIT_POLICY"] = "PASSIVE"
-        for key, value in s3.env.items():
-            os.environ[key] = value  # this process reads the store too
+        base = host_env(work, s3)
         fs = s3.filesystem()
 
         # 1. straight

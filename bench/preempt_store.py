@@ -28,34 +28,15 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from chaos_store import Job, newest_in_store, store_rewards  # noqa: E402
+from chaos_store import Job, host_env, newest_in_store, store_rewards  # noqa: E402
+from chaos_store import recipe_text as chaos_recipe  # noqa: E402
 
 STOPPING = re.compile(r"stopping on SIGTERM: step (\d+) is in \S+, ([0-9.]+) s after the signal")
 
 
 def recipe_text(root: str, steps: int) -> str:
-    import yaml
-
-    from tests.support.recipes import trainer_section
-
-    section = trainer_section(
-        Path("/unused"),
-        batch={"prompts_per_step": 3, "micro_batch_size": 16},
-        rollout={"n": 8, "max_new_tokens": 16},
-        parallel={"strategy": "fsdp"},
-        steps=steps,
-        checkpoint={"dir": f"{root}/ckpt", "every": 10, "keep": 2},
-        logging={"dir": f"{root}/runs", "tensorboard": False},
-    )
-    return yaml.safe_dump(
-        {
-            "name": "chaos",
-            "resources": {"nodes": 3},
-            "ray": {"join_timeout": 240},
-            "setup": ["pip install 'rlx[train,s3]'"],
-            "trainer": section,
-        }
-    )
+    """chaos_store's run, with a cadence checkpoint every 10 steps instead of every step."""
+    return chaos_recipe(root, steps, 3, every=10)
 
 
 def node_process(host) -> int | None:
@@ -81,15 +62,7 @@ def main() -> None:
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; work in {work}")
     rows = []
     with Hosts.create(3) as hosts, s3_server(hosts.bridge_ip) as s3:
-        base = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RLX_"))}
-        base.update(s3.env)
-        base["PYTHONPATH"] = f"{REPO}{os.pathsep}{base.get('PYTHONPATH', '')}"
-        base["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{base.get('PATH', '')}"
-        base["HOME"] = str(work / "home")
-        base["RLX_RAY_TOKEN"] = os.urandom(32).hex()
-        base["OMP_WAIT_POLICY"] = "PASSIVE"
-        for key, value in s3.env.items():
-            os.environ[key] = value
+        base = host_env(work, s3)
         fs = s3.filesystem()
 
         straight = s3.new_prefix("straight")
