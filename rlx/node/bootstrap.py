@@ -21,6 +21,7 @@ state goes "waiting" -> "running" -> "done:<code>", and each worker acknowledges
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
@@ -53,6 +54,11 @@ TERMINATE_GRACE_SECONDS = 20.0
 # which saves the step it finished and exits 75, and every node keeps its Ray up for that
 # long at most (GCP spot gives 30 s before the power goes).
 PREEMPT_GRACE_SECONDS = 25.0
+# After a signal, Ray's daemons get this long per step (TERM, then KILL) to go: the whole
+# clean-up must end well inside a scheduler's kill wait (Slurm's KillWait: 30 s by default,
+# often less), or the scheduler's SIGKILL ends it with the GCS still up.
+SIGNALLED_STOP_GRACE = 1.0
+PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
 
 
 class ClusterError(RlxError):
@@ -124,6 +130,9 @@ class Bootstrap:
         previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
         # Until the head command runs, the checkpoint warning has nothing to checkpoint.
         previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        if self.node.backend == "slurm":
+            adopt_orphans()
+        grace = 5.0
         try:
             left = raynode.stop_own_ray(self.address, self.recipe.ray.port)
             if left:
@@ -135,11 +144,12 @@ class Bootstrap:
             return CLUSTER_FAILURE
         except Stop as stop:
             self.say(f"received {stop}; stopping")
+            grace = SIGNALLED_STOP_GRACE
             return stop.code
         finally:
             for sig, old in previous.items():
                 signal.signal(sig, old)
-            raynode.stop_own_ray(self.address, self.recipe.ray.port)
+            raynode.stop_own_ray(self.address, self.recipe.ray.port, grace=grace)
 
     def check_ports(self) -> None:
         """Fail at once, naming the recipe field, when another program holds one of our
@@ -492,6 +502,24 @@ class Bootstrap:
                     f"Ray stopped on this node ({self.node.describe(self.node.rank)})"
                     "; see /tmp/ray/session_latest/logs/raylet.out"
                 )
+
+
+def adopt_orphans() -> bool:
+    """Keep the daemons `ray start` leaves behind in this process's tree (Slurm only).
+
+    `ray start` exits once its daemons run, and they would be re-parented to init: outside
+    the step's process tree, which is how Slurm's proctrack/linuxproc finds what to SIGKILL
+    after KillWait. As a child subreaper this process stays their parent, so a job whose
+    clean-up is cut short by that SIGKILL takes its GCS with it. Not elsewhere: a sky or
+    dstack run block killed outright must leave the daemons for the retry to clean up, as a
+    crashed job runner does. Linux only; elsewhere nothing changes."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def main(recipe: Recipe, node: NodeInfo, env: Mapping[str, str]) -> int:

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -130,6 +131,44 @@ def test_missing_node_is_named_and_command_never_runs(tmp_path, path_env):
     assert "missing node 1 (10.255.255.7)" in result.stderr
     assert not marker.exists()
     assert_nothing_left(ip)
+
+
+def test_daemons_left_by_a_child_stay_in_the_bootstraps_tree(tmp_path):
+    """`ray start` daemonizes and exits; as a subreaper (on Slurm) the bootstrap becomes the
+    daemon's parent, so Slurm's SIGKILL of the step's process tree reaches it (no GCS
+    outlives a cancelled job). Without adopt_orphans the daemon's parent is init."""
+    script = tmp_path / "parent.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, subprocess, sys, time
+            from rlx.node.bootstrap import adopt_orphans
+            adopted = sys.argv[1] == "adopt" and adopt_orphans()
+            # a child that starts a daemon and exits at once, like `ray start`
+            starter = subprocess.run(
+                [sys.executable, "-c",
+                 "import subprocess, sys; "
+                 "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
+                 "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
+                 "print(p.pid)"],
+                capture_output=True, text=True, check=True,
+            )
+            daemon = int(starter.stdout)
+            time.sleep(0.5)
+            with open(f"/proc/{daemon}/stat") as stat:
+                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            subprocess.run(["kill", str(daemon)])
+            print(adopted, parent == os.getpid())
+            """
+        )
+    )
+    for mode in ("adopt", "plain"):
+        out = subprocess.run(
+            [sys.executable, str(script), mode], capture_output=True, text=True, timeout=60
+        )
+        assert out.returncode == 0, out.stderr
+        adopted, ours = out.stdout.split()
+        assert (adopted, ours) == (("True", "True") if mode == "adopt" else ("False", "False"))
 
 
 def test_sigterm_while_the_job_runs_lets_the_command_save_and_exit_75(tmp_path, path_env):
