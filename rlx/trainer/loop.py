@@ -46,6 +46,7 @@ from rlx.trainer.checkpoint.training import (
     KILL_HOOK_ENV,
     LEARNER_STATE,
     TRAINER_STATE,
+    SavedCheckpoint,
     SaveRequest,
     kill_after_step,
     load_parts,
@@ -137,6 +138,7 @@ class Trainer:
         )
         self.logger: MetricsLogger | None = None
         self.checkpoint_bytes: int | None = None  # size on disk of the last save
+        self.uploading: int | None = None  # the step whose save's upload is under way
         self.exported: Path | None = None  # the Hugging Face folder written at the end
 
     def say(self, message: str) -> None:
@@ -176,6 +178,7 @@ class Trainer:
                     ):
                         self.save(done)
                     if self.stop.checkpoint_first and self.stop.received is not None:
+                        self.finish_saves()
                         self.stopping_note(done)
                     self.stop.check_between_steps()
                     metrics = self.step(step)
@@ -188,6 +191,7 @@ class Trainer:
                     ):
                         self.save(step)
                     kill_after_step(os.environ.get(KILL_HOOK_ENV), step)
+            self.finish_saves()
         finally:
             self.logger.close()
         self.exported = self.export()
@@ -353,8 +357,10 @@ class Trainer:
 
     def save(self, step: int) -> Location:
         """Every rank writes its shard into one temporary folder picked here; rank 0 adds the
-        small parts and commits it."""
+        small parts and commits it. Into object storage the upload goes on while training
+        does (remote.py): the next save, a stop and the run's end wait for it."""
         assert self.manager is not None
+        self.finish_saves()
         state = {
             "step": step,
             "sampler": self.sampler.state_dict(),
@@ -375,10 +381,23 @@ class Trainer:
             kill_spec=os.environ.get(KILL_HOOK_ENV),  # read now: a test hook
         )
         saved = self.cluster.call_all("save_checkpoint", request)[0]
+        if saved is None:  # staged; uploading
+            self.uploading = step
+            return self.manager.step_url(step)
+        self.saved(saved)
+        return saved.path
+
+    def finish_saves(self) -> None:
+        """Wait for the save whose upload is under way (if any) to be complete."""
+        if self.uploading is None:
+            return
+        self.uploading = None
+        self.saved(self.cluster.call_all("finish_checkpoint")[0])
+
+    def saved(self, saved: SavedCheckpoint) -> None:
         self.checkpoint_bytes = saved.bytes
         self.say(f"checkpoint {saved.path} ({format_bytes(saved.bytes)} on disk)")
         mirror_run(self.inputs.paths, self.err)
-        return saved.path
 
     def export(self) -> Path | None:
         """The newest checkpoint as a Hugging Face folder, <run folder>/model."""

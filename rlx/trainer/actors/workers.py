@@ -30,6 +30,7 @@ from rlx.trainer.checkpoint import (
 )
 from rlx.trainer.checkpoint.remote import (
     DCP_METADATA,
+    Background,
     StoreCheckpointManager,
     remove,
     staging_root,
@@ -255,6 +256,7 @@ class TrainWorker:
         self.learner: Learner | None = None
         self.engine: ColocatedEngine | None = None
         self.model_files: Path | None = None  # config and tokenizer files, for checkpoints
+        self._pending_save: Background | None = None  # a store upload still under way
         self._push_plan: list[list[str]] = []  # the open weight push (split engines)
         self._push_dtype: torch.dtype | None = None
 
@@ -430,9 +432,11 @@ class TrainWorker:
     def save_checkpoint(self, request: SaveRequest) -> SavedCheckpoint | None:
         """Write this rank's shard into the save's temporary folder (every rank, together);
         rank 0 then adds the small parts and commits the folder. Rank 0 returns the complete
-        checkpoint, the other ranks None."""
+        checkpoint, the other ranks None. Into object storage, the upload goes on after this
+        returns (None from every rank): finish_checkpoint waits for it."""
         if is_store_url(request.root):
-            return self._save_to_store(request)
+            self._start_store_save(request)
+            return None
         learner = self._learner()
         temporary = Path(request.folder)
         save_learner_state(learner.sharded_state(), temporary / LEARNER_STATE)
@@ -443,14 +447,16 @@ class TrainWorker:
             hook(f"part:{LEARNER_STATE}")
         manager = CheckpointManager(Path(request.root), request.run_id, request.keep)
         entries = manager.write_parts(temporary, self._small_parts(request), hook)
-        if self.model_files is None:
-            self.model_files = model_files_folder(self.spec.policy_path)
-        copy_model_files(self.model_files, temporary / HF_FILES)
-        entries[LEARNER_STATE] = {"file": LEARNER_STATE, "format": "dcp"}
-        entries[HF_FILES] = {"file": HF_FILES, "format": "folder"}
+        self._add_model_files(temporary, entries)
         final = manager.commit(temporary, request.step, entries, _after_phase=hook)
         marker = read_marker(final)
         return SavedCheckpoint(str(final), None if marker is None else marker["bytes"])
+
+    def finish_checkpoint(self) -> SavedCheckpoint | None:
+        """Wait for the save whose upload is under way, if any: rank 0 returns the complete
+        checkpoint, the other ranks None. Raises what the upload raised."""
+        pending, self._pending_save = self._pending_save, None
+        return None if pending is None else pending.result()
 
     def _small_parts(self, request: SaveRequest) -> dict[str, Any]:
         learner = self._learner()
@@ -461,46 +467,60 @@ class TrainWorker:
             EXPORT_INFO: {"dtype": dtype_name(learner.dtype)},
         }
 
-    def _save_to_store(self, request: SaveRequest) -> SavedCheckpoint | None:
-        """A save into object storage (remote.py): this rank stages its shard on its node's
-        disk and uploads it; once every rank has (a collective), rank 0 uploads the DCP
-        metadata and the small parts, checks the listing and writes COMPLETE."""
+    def _add_model_files(self, folder: Path, entries: dict[str, dict[str, str]]) -> None:
+        if self.model_files is None:
+            self.model_files = model_files_folder(self.spec.policy_path)
+        copy_model_files(self.model_files, folder / HF_FILES)
+        entries[LEARNER_STATE] = {"file": LEARNER_STATE, "format": "dcp"}
+        entries[HF_FILES] = {"file": HF_FILES, "format": "folder"}
+
+    def _start_store_save(self, request: SaveRequest) -> None:
+        """A save into object storage (remote.py). On the step's path: this rank stages its
+        shard on its node's disk (DCP, a collective), rank 0 the small parts too. Then, in a
+        thread while training goes on: the rank uploads its shard and its receipt; rank 0
+        waits for every receipt, uploads the DCP metadata and the small parts, checks the
+        listing and writes COMPLETE."""
+        self.finish_checkpoint()  # one save in flight at most (the controller waits first)
         learner = self._learner()
-        rank = self.spec.rank
+        rank, world_size, step = self.spec.rank, self.spec.world_size, request.step
         # This node's own staging folder (RLX_STAGING_DIR as the node has it), named like
         # the one the controller picked for the save.
         staging = staging_root() / request.run_id / Path(request.folder).name / f"rank-{rank}"
         manager = StoreCheckpointManager(request.root, request.run_id, request.keep)
+        hook = kill_hook_for_save(request.kill_spec, step) if rank == 0 else None
+        entries: dict[str, dict[str, str]] = {}
         try:
             save_learner_state(learner.sharded_state(), staging / LEARNER_STATE)
-            mine = manager.upload(
-                staging / LEARNER_STATE, request.step, LEARNER_STATE, skip=(DCP_METADATA,)
-            )
-            uploaded = [f for files in gather_objects(mine) for f in files]
-            if rank != 0:
-                return None
-            hook = kill_hook_for_save(request.kill_spec, request.step)
-            if hook is not None:
-                hook(f"part:{LEARNER_STATE}")
-            entries = manager.write_parts(staging, self._small_parts(request), hook)
-            if self.model_files is None:
-                self.model_files = model_files_folder(self.spec.policy_path)
-            copy_model_files(self.model_files, staging / HF_FILES)
-            entries[LEARNER_STATE] = {"file": LEARNER_STATE, "format": "dcp"}
-            entries[HF_FILES] = {"file": HF_FILES, "format": "folder"}
-            url = manager.commit(
-                staging,
-                request.step,
-                entries,
-                uploaded,
-                late=(f"{LEARNER_STATE}/{DCP_METADATA}",),
-                _after_phase=hook,
-            )
-            return SavedCheckpoint(url, manager.last_bytes)
-        finally:
-            remove(staging)
-            with contextlib.suppress(OSError):  # the save's folder, once every rank is done
-                staging.parent.rmdir()
+            if rank == 0:
+                if hook is not None:
+                    hook(f"part:{LEARNER_STATE}")
+                entries = manager.write_parts(staging, self._small_parts(request), hook)
+                self._add_model_files(staging, entries)
+        except BaseException:
+            _remove_staging(staging)
+            raise
+
+        def upload() -> SavedCheckpoint | None:
+            try:
+                mine = manager.upload(
+                    staging / LEARNER_STATE, step, LEARNER_STATE, skip=(DCP_METADATA,)
+                )
+                manager.report_upload(step, rank, mine)
+                if rank != 0:
+                    return None
+                url = manager.commit(
+                    staging,
+                    step,
+                    entries,
+                    manager.wait_for_uploads(step, world_size),
+                    late=(f"{LEARNER_STATE}/{DCP_METADATA}",),
+                    _after_phase=hook,
+                )
+                return SavedCheckpoint(url, manager.last_bytes)
+            finally:
+                _remove_staging(staging)
+
+        self._pending_save = Background(upload)
 
     def load_checkpoint(self, path: str) -> LoadReport:
         """Load this rank's share of the checkpoint."""
@@ -536,15 +556,10 @@ class TrainWorker:
                 dist.destroy_process_group()
 
 
-def gather_objects(value: Any) -> list[Any]:
-    """value from every training rank, in rank order (a collective; alone: [value])."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return [value]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
+def _remove_staging(staging: Path) -> None:
+    remove(staging)
+    with contextlib.suppress(OSError):  # the save's folder, once every rank of the node is done
+        staging.parent.rmdir()
 
 
 class RolloutWorker:

@@ -4,21 +4,26 @@
 Object stores have no atomic rename (a "rename" copies every object), so nothing here renames.
 A save goes:
 
-1. every rank writes its DCP shard into a folder on its own node's disk (staging: the node's
-   disks are fast and private; the store is shared and slower), then uploads its own shard
-   files to the step's prefix, never another rank's;
-2. the ranks tell rank 0 which files they uploaded and their sizes (a collective, so rank 0
-   knows every shard is in the store before it goes on);
-3. rank 0 uploads the DCP metadata (after the shards: metadata names every shard) and the
-   small parts, lists the prefix once to check every file is there with its size (S3, GCS
-   and Azure list what was written, strongly consistent), and only then writes COMPLETE.
+1. on the training step's path: every rank writes its DCP shard into a folder on its own
+   node's disk (staging: the node's disks are fast and private; the store is shared and
+   slower), and rank 0 writes the small parts there too;
+2. off it, in a thread of each rank while training goes on: the rank uploads its own shard
+   files to the step's prefix (never another rank's) and then a receipt naming them and
+   their sizes under the prefix's .ranks/;
+3. rank 0's thread waits for every rank's receipt (the store is the rendezvous: no
+   collective runs beside the training step's), uploads the DCP metadata (after the shards:
+   metadata names every shard) and the small parts, lists the prefix once to check every
+   file is there with its size (S3, GCS and Azure list what was written, strongly
+   consistent), removes the receipts and only then writes COMPLETE.
 
-A prefix without the marker is an interrupted save: never loaded, and deleted by the next
-save. Retention deletes a checkpoint's marker first, then its files, so a deletion killed
-halfway leaves a prefix without a marker (cleaned up later), never a marker over missing
-files. Loading reads the marker, downloads the small parts it asks for (checked against their
-sha256), and hands DCP the step's URL: every rank reads only the byte ranges its own shards
-need (torch's fsspec reader), at any rank count.
+The next save (and the end of the run, and a stop that saves first) waits for the upload
+before it begins, so at most one save is in flight and a staged copy never waits on disk for
+long. A prefix without the marker is an interrupted save: never loaded, and deleted by the
+next save. Retention deletes a checkpoint's marker first, then its files, so a deletion
+killed halfway leaves a prefix without a marker (cleaned up later), never a marker over
+missing files. Loading reads the marker, downloads the small parts it asks for (checked
+against their sha256), and hands DCP the step's URL: every rank reads only the byte ranges
+its own shards need (torch's fsspec reader), at any rank count.
 """
 
 from __future__ import annotations
@@ -28,8 +33,9 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +55,9 @@ from rlx.trainer.checkpoint.store import (
 # downloaded to on load); removed once a save or load is done.
 STAGING_ENV = "RLX_STAGING_DIR"
 DCP_METADATA = ".metadata"
+RECEIPTS = ".ranks"  # under a step prefix: one receipt per rank's finished upload
+# How long rank 0 waits for the other ranks' receipts: the slowest shard upload of a save.
+UPLOAD_WAIT_SECONDS = 3600.0
 
 
 def staging_root() -> Path:
@@ -140,6 +149,37 @@ class StoreCheckpointManager:
         targets = [f"{base}/{name}" for name in names]
         self.fs.put(sources, targets)
 
+    def report_upload(self, step: int, rank: int, files: list[dict[str, Any]]) -> None:
+        """Say in the store that rank's shard files (files: their descriptions) are in."""
+        receipt = f"{self._path(self.step_url(step))}/{RECEIPTS}/rank-{rank:05d}.json"
+        self.fs.pipe(receipt, json.dumps(files).encode())
+
+    def wait_for_uploads(
+        self, step: int, world_size: int, timeout: float = UPLOAD_WAIT_SECONDS
+    ) -> list[dict[str, Any]]:
+        """Every rank's uploaded files, once all world_size receipts are in the store."""
+        folder = f"{self._path(self.step_url(step))}/{RECEIPTS}"
+        deadline = time.monotonic() + timeout
+        delay = 0.02
+        while True:
+            self.fs.invalidate_cache(folder)
+            try:
+                receipts = sorted(self.fs.ls(folder, detail=False))
+            except FileNotFoundError:
+                receipts = []
+            if len(receipts) >= world_size:
+                break
+            if time.monotonic() >= deadline:
+                raise RlxError(
+                    f"checkpoint {self.step_url(step)}: {world_size - len(receipts)} of "
+                    f"{world_size} ranks did not finish their upload within {timeout:.0f} s; "
+                    "the save is left incomplete (no COMPLETE marker) and the previous "
+                    "checkpoint stays"
+                )
+            time.sleep(delay)
+            delay = min(delay * 1.5, 1.0)
+        return [f for receipt in receipts for f in json.loads(self.fs.cat_file(receipt))]
+
     def write_parts(
         self, folder: Path, parts: Mapping[str, Any], _after_phase: PhaseHook | None = None
     ) -> dict[str, dict[str, str]]:
@@ -170,6 +210,8 @@ class StoreCheckpointManager:
         self._put(staging, "", [f["name"] for f in last], step)
         files = sorted([*uploaded, *local], key=lambda f: f["name"])
         self._check_listed(step, files)
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(f"{self._path(self.step_url(step))}/{RECEIPTS}", recursive=True)
         hook("written")
 
         marker = new_marker(step, entries, files)
@@ -215,6 +257,34 @@ class StoreCheckpointManager:
         current = [step for step in complete if step <= newest]
         for step in abandoned + current[: -self.keep]:
             self._delete(step)
+
+
+class Background:
+    """One save's upload in a thread of its own; result() waits for it and gives its value,
+    or raises what it raised."""
+
+    def __init__(self, work: Callable[[], Any]):
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(work,), name="rlx-checkpoint-upload", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, work: Callable[[], Any]) -> None:
+        try:
+            self._value = work()
+        except BaseException as exc:  # handed to whoever waits
+            self._error = exc
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 # --------------------------------------------------------------------------- reading
@@ -283,6 +353,7 @@ def remove(folder: Path) -> None:
 
 
 __all__ = [
+    "Background",
     "StoreCheckpointManager",
     "check_listed",
     "fetch_files",
