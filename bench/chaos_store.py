@@ -1,10 +1,11 @@
 """Kill -9 a random rank at random moments of a 3-host FSDP run whose checkpoints live in S3,
 resume each time, and check every resume loaded the newest complete checkpoint.
 
-    python bench/chaos_store.py [--kills 20] [--steps 40] [--seed 0]
+    python bench/chaos_store.py [--kills 20] [--steps 40] [--seed 0] [--store s3|gcs|azure]
 
 Needs root (emulated hosts: Linux network, mount and PID namespaces; tests/support/hosts),
-and moto's S3 server, started here on the hosts' bridge so every host reaches it. The hosts
+and the store's server (moto's S3, gcp-storage-emulator or Azurite), started here on the
+hosts' bridge so every host reaches it. The hosts
 share no state but the store: each stages its shards in its own folder (RLX_STAGING_DIR) and
 the run folder (metrics, log) is in the store too.
 
@@ -167,17 +168,20 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=20)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--store", choices=["s3", "gcs", "azure"], default="s3")
     args = parser.parse_args()
     rng = random.Random(args.seed)
 
+    from tests.support import stores
     from tests.support.hosts.netns import Hosts
-    from tests.support.stores import s3_server
 
     work = Path(os.environ.get("CHAOS_DIR") or f"/tmp/rlx-chaos-{os.getpid()}")
     work.mkdir(parents=True, exist_ok=True)
     (work / "home").mkdir(exist_ok=True)
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; work in {work}")
-    with Hosts.create(3) as hosts, s3_server(hosts.bridge_ip) as s3:
+    server = {"s3": stores.s3_server, "gcs": stores.gcs_server, "azure": stores.azure_server}
+    print(f"store: {args.store}")
+    with Hosts.create(3) as hosts, server[args.store](hosts.bridge_ip) as s3:
         base = host_env(work, s3)
         fs = s3.filesystem()
 

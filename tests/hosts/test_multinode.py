@@ -117,20 +117,6 @@ def test_all_nodes_join_then_the_trainer_runs(make_job) -> None:
     assert_nothing_left(job.hosts)
 
 
-def test_the_trainers_exit_code_is_the_jobs(make_job) -> None:
-    job = make_job()
-    job.control(exit=3)
-    run = job.start()
-    codes = job.wait_all(run)
-    logs = job.all_logs(run)
-    assert codes == {0: 3, 1: 3, 2: 3}, logs
-    if job.backend == "slurm":
-        assert run.job_exit_code == 3, logs
-    for rank in (1, 2):
-        assert "the head finished with exit code 3; leaving" in job.log(run, rank), logs
-    assert_nothing_left(job.hosts)
-
-
 def test_a_node_that_never_starts_is_named(make_job) -> None:
     job = make_job(join_timeout=MISSING_JOIN_TIMEOUT)
     job.control(exit=0)
@@ -216,13 +202,21 @@ def test_a_lost_worker_fails_the_job_fast(make_job) -> None:
 
 @pytest.mark.parametrize("first", ["failed", "killed"])
 def test_a_retried_job_starts_clean(make_job, first: str) -> None:
-    """The run block runs twice on the same hosts: after a failed attempt, and after one
-    killed outright (its Ray daemons left running). The retry forms one fresh cluster."""
+    """The run block runs twice on the same hosts: after a failed attempt (the trainer's
+    exit code is every node's and the job's), and after one killed outright (its Ray daemons
+    left running). The retry forms one fresh cluster."""
     job = make_job()
     if first == "failed":
         job.control(exit=3)
         first_run = job.start()
-        assert job.wait_all(first_run)[0] == 3, job.all_logs(first_run)
+        codes = job.wait_all(first_run)
+        logs = job.all_logs(first_run)
+        assert codes == {0: 3, 1: 3, 2: 3}, logs
+        if job.backend == "slurm":
+            assert first_run.job_exit_code == 3, logs
+        for rank in (1, 2):
+            assert "the head finished with exit code 3; leaving" in job.log(first_run, rank), logs
+        assert_nothing_left(job.hosts)
     else:
         job.control(hold=True)
         first_run = job.start()

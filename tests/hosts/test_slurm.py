@@ -215,8 +215,9 @@ def test_requeue_resumes_after_a_lost_worker_and_the_warning(slurm_cluster, laun
     trainer save and the job requeue again; the last attempt finishes. One log folder per
     attempt."""
     # Enough steps that each attempt is still training when it is interrupted (a step of
-    # the quickstart takes well under a second on these hosts).
-    steps = 120
+    # the quickstart takes well under a second on these hosts, and each interruption comes
+    # within seconds of the attempt's first step).
+    steps = 40
     path = quickstart(tmp_path, "requeue", steps=steps)
     recipe = yaml.safe_load(path.read_text())
     recipe["slurm"] = {"requeue": {"retries": 2, "signal_lead": 60}}

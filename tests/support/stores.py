@@ -107,6 +107,7 @@ def gcs_server(host: str = "127.0.0.1") -> Iterator[StoreServer]:
     The emulator speaks JSON over HTTP only: gcsfs's gRPC bucket-type probe is turned off."""
     from gcp_storage_emulator.server import create_server
 
+    logging.getLogger("gcp_storage_emulator").setLevel(logging.WARNING)  # a line per request
     port = free_port(host)
     server = create_server(host, port, in_memory=True)
     server.start()
