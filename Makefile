@@ -14,7 +14,7 @@ BIN := $(VENV)/bin
 # Test processes side by side: most multi-node and server tests wait (for Ray to form, a
 # join timeout, Slurm's polling) more than they compute. A module's tests run on one worker,
 # in collection order: the host tests, the longest, first (tests/conftest.py has the schedule).
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 4
 
 .PHONY: demo test test-fast lint bench clean
 
