@@ -277,9 +277,6 @@ class Background:
         except BaseException as exc:  # handed to whoever waits
             self._error = exc
 
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
     def result(self) -> Any:
         self._thread.join()
         if self._error is not None:
