@@ -41,6 +41,7 @@ from typing import Any
 
 from rlx.checkpoints import MARKER, STEP_DIR, parse_marker, step_of
 from rlx.errors import RlxError
+from rlx.node.raynode import backoff
 from rlx.storage import filesystem, join, unstrip
 from rlx.trainer.checkpoint.store import (
     PhaseHook,
@@ -160,8 +161,7 @@ class StoreCheckpointManager:
         """Every rank's uploaded files, once all world_size receipts are in the store."""
         folder = f"{self._path(self.step_url(step))}/{RECEIPTS}"
         deadline = time.monotonic() + timeout
-        delay = 0.02
-        while True:
+        for delay in backoff(start=0.02):
             self.fs.invalidate_cache(folder)
             try:
                 receipts = sorted(self.fs.ls(folder, detail=False))
@@ -177,7 +177,6 @@ class StoreCheckpointManager:
                     "checkpoint stays"
                 )
             time.sleep(delay)
-            delay = min(delay * 1.5, 1.0)
         return [f for receipt in receipts for f in json.loads(self.fs.cat_file(receipt))]
 
     def write_parts(
