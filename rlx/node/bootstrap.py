@@ -103,6 +103,7 @@ class Bootstrap:
         # (Ray's default is 30 s) and the next poll tries again; Ray's processes keep theirs.
         os.environ[raynode.GCS_CONNECT_TIMEOUT_ENV] = str(GCS_CONNECT_SECONDS)
         self.address = f"{self.node.head_ip}:{self.recipe.ray.port}"
+        self.slow_head_raylet = False  # the head's `ray start` gave up on its raylet
 
     def say(self, message: str) -> None:
         now = time.time()  # milliseconds: bring-up and failure detection are timed from logs
@@ -199,13 +200,33 @@ class Bootstrap:
         self.wait_for_acks(gcs)
         return code
 
+    def head_started(self, start: raynode.RayStart) -> bool:
+        """True once the head's `ray start` has finished well; raises if it failed. A
+        raylet that did not register within Ray's fixed 30 s is not a failure while it
+        runs: the node then counts as joined once the GCS lists it, within the join timeout
+        like any other node."""
+        try:
+            return start.check()
+        except RlxError as e:
+            if raynode.RAYLET_SLOW not in str(e):
+                raise
+            if not self.slow_head_raylet:
+                if not raynode.raylet_alive(self.address, self.recipe.ray.port):
+                    raise
+                self.slow_head_raylet = True
+                self.say(
+                    "`ray start --head` gave up on the head's raylet after Ray's 30 s; "
+                    "waiting for it until the join timeout"
+                )
+            return True
+
     def open_head_gcs(self, start: raynode.RayStart) -> raynode.Gcs:
         """A client of our GCS once it accepts nodes, while `ray start` still brings up the
         rest of the head."""
         deadline = self.clock() + RAY_START_TIMEOUT
         gcs: raynode.Gcs | None = None
         for delay in raynode.backoff(cap=JOIN_POLL_SECONDS):
-            done = start.check()  # raises if `ray start` failed
+            done = self.head_started(start)  # raises if `ray start` failed
             try:
                 if gcs is None and raynode.port_open(self.node.head_ip, self.recipe.ray.port):
                     gcs = raynode.Gcs(self.address)
@@ -227,7 +248,7 @@ class Bootstrap:
         want_gpus = node.num_nodes * node.gpus_per_node
         last_report = 0
         for delay in raynode.backoff(cap=JOIN_POLL_SECONDS):
-            started = start.check()  # the head's own `ray start` must finish well too
+            started = self.head_started(start)  # the head's own `ray start` must finish well too
             try:
                 states = [s for s in gcs.nodes() if s.alive]
             except Exception:  # a GCS hiccup: the next poll (or the deadline) decides
@@ -405,18 +426,14 @@ class Bootstrap:
     # ------------------------------------------------------------------ worker
 
     def run_worker(self) -> int:
-        node, settings = self.node, self.recipe.ray
+        settings = self.recipe.ray
         # Ray's client library takes a good fraction of a second to import: do it while the
         # head is still starting, not once its GCS is up and every moment counts.
         threading.Thread(target=raynode.preload, daemon=True).start()
         while True:
             gcs, attempt = self.wait_for_head(self.join_deadline)
             self.say(f"joining the head at {self.address}")
-            raynode.run_ray_start(
-                raynode.worker_command(settings, node.head_ip, node.own_ip, node.gpus_per_node),
-                self.ray_env,
-                RAY_START_TIMEOUT,
-            )
+            self.start_worker_ray(gcs)
             outcome = self.follow_head(gcs, attempt)
             if outcome is not None:
                 return outcome
@@ -424,6 +441,46 @@ class Bootstrap:
             # replaced. Leave it and join the new one.
             raynode.stop_own_ray(self.address, settings.port)
             self.say("the head restarted before the job began; joining again")
+
+    def start_worker_ray(self, gcs: raynode.Gcs) -> None:
+        """`ray start` on this worker. Ray's CLI gives a raylet a fixed 30 s to register
+        with the GCS and then fails, though the raylet goes on starting; on a loaded node
+        (or with a busy GCS) that is not enough. The join timeout is ours to keep: wait
+        for the raylet until then, and start once more if it died."""
+        node, settings = self.node, self.recipe.ray
+        argv = raynode.worker_command(settings, node.head_ip, node.own_ip, node.gpus_per_node)
+        for attempt in (1, 2):
+            try:
+                raynode.run_ray_start(argv, self.ray_env, RAY_START_TIMEOUT)
+                return
+            except RlxError as e:
+                if raynode.RAYLET_SLOW not in str(e) or self.clock() >= self.join_deadline:
+                    raise
+                self.say(
+                    "`ray start` gave up on this node's raylet after Ray's 30 s; waiting "
+                    f"for it until the join timeout ({self.recipe.ray.join_timeout} s)"
+                )
+                if self.wait_for_own_raylet(gcs):
+                    return
+                if attempt == 2 or self.clock() >= self.join_deadline:
+                    raise
+                raynode.stop_own_ray(self.address, settings.port)
+                self.say("this node's raylet is gone; starting Ray again")
+
+    def wait_for_own_raylet(self, gcs: raynode.Gcs) -> bool:
+        """True once this node is alive in the GCS; False if its raylet exits first or the
+        join deadline passes."""
+        settings = self.recipe.ray
+        for delay in raynode.backoff(cap=JOIN_POLL_SECONDS * 10):
+            with contextlib.suppress(Exception):  # a GCS hiccup: the next poll decides
+                if any(s.alive and s.ip == self.node.own_ip for s in gcs.nodes()):
+                    return True
+            if not raynode.raylet_alive(self.address, settings.port):
+                return False
+            if self.clock() >= self.join_deadline:
+                return False
+            time.sleep(delay)
+        raise AssertionError("unreachable")
 
     def wait_for_head(self, deadline: float) -> tuple[raynode.Gcs, bytes]:
         """Wait until the head's GCS is up and accepting nodes ("waiting"); the GCS and the

@@ -117,6 +117,11 @@ def _shared_flags(settings: RaySettings, gpus: int) -> list[str]:
     ]
 
 
+# What `ray start` says when a raylet did not register with the GCS within its fixed 30 s
+# (ray/_private/node.py), though the raylet may still be starting.
+RAYLET_SLOW = "timed out during startup"
+
+
 def _ray_start_error(argv: list[str], code: int, output: str) -> RlxError:
     tail = "\n".join(output.strip().splitlines()[-15:])
     return RlxError(f"`{' '.join(argv[:3])}` failed (exit {code}):\n{tail}")
