@@ -60,7 +60,7 @@ def worker(monkeypatch):
     monkeypatch.setenv(raynode.GCS_CONNECT_TIMEOUT_ENV, "30")
     monkeypatch.setattr(bootstrap.time, "sleep", lambda _s: None)
     recipe = parse_recipe(
-        "name: probe\ncommand: [\"true\"]\nray: {auth: none, join_timeout: 60}\n", "p.yaml"
+        'name: probe\ncommand: ["true"]\nray: {auth: none, join_timeout: 60}\n', "p.yaml"
     ).recipe
     node = NodeInfo("sky", 1, (HEAD, WORKER), (HEAD, WORKER), 0, None)
     clock = Clock()
