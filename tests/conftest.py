@@ -38,25 +38,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """`make test`'s schedule (--dist loadfile): a module's tests on one worker, in order, as
-    loadfile does, except that a host test parametrized by backend is split into one unit per
-    backend (the sky, dstack and Slurm halves of a multi-node scenario share no state, and
-    together they are the suite's longest module)."""
+    """`make test`'s schedule (--dist loadfile), longest first (tests/schedule.py)."""
     if config.getoption("dist") != "loadfile":
         return None
-    from xdist.scheduler import LoadFileScheduling
+    from tests.support.schedule import make_scheduler
 
-    from rlx.launchers import BACKENDS
-
-    class ModuleScheduling(LoadFileScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            module, _, test = nodeid.partition("::")
-            backend = test.partition("[")[2].split("-")[0].rstrip("]")
-            if module.startswith("tests/hosts/") and backend in BACKENDS:
-                return f"{module}[{backend}]"
-            return module
-
-    return ModuleScheduling(config, log)
+    return make_scheduler(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -65,6 +52,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if tier not in TIERS:
             raise pytest.UsageError(f"{item.nodeid}: tests live in tests/{{{','.join(TIERS)}}}/")
         item.add_marker(getattr(pytest.mark, tier))
+        if tier == "hosts":
+            # The schedule runs each host test on its own (tests/support/schedule.py).
+            infos = getattr(item, "_fixtureinfo", None)
+            for name, defs in infos.name2fixturedefs.items() if infos else ():
+                if any(d.scope in ("module", "class", "package") for d in defs):
+                    raise pytest.UsageError(
+                        f"{item.nodeid}: fixture {name!r} is {defs[-1].scope}-scoped; host "
+                        "tests are scheduled one by one, so share state per test or session"
+                    )
 
 
 @pytest.fixture

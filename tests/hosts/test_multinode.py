@@ -95,29 +95,6 @@ def test_hosts_run_this_checkouts_rlx(emulated_hosts: Hosts, tmp_path: Path) -> 
     ]
 
 
-def test_all_nodes_join_then_the_trainer_runs(make_job) -> None:
-    job = make_job()
-    job.control(exit=0)
-    run = job.start()
-    codes = job.wait_all(run)
-    logs = job.all_logs(run)
-    assert codes == {0: 0, 1: 0, 2: 0}, logs
-    if job.backend == "slurm":
-        assert run.job_exit_code == 0, logs
-    probe = job.probe(1)
-    # The trainer started once all three nodes were ALIVE, each from its own address.
-    assert alive_ips(probe) == sorted(h.ip for h in job.hosts), probe
-    assert len(probe["nodes"]) == 3, probe
-    assert probe["hostname"] == "node1"
-    assert probe["env"]["RAY_ADDRESS"] == f"{job.hosts[0].ip}:{RAY_PORT}"
-    assert probe["env"]["RLX_NUM_NODES"] == "3"
-    assert probe["env"]["RAY_AUTH_MODE"] == "token" and probe["token_set"], probe
-    assert "all 3 nodes joined" in job.log(run, 0), logs
-    for rank in (1, 2):
-        assert "the head finished with exit code 0; leaving" in job.log(run, rank), logs
-    assert_nothing_left(job.hosts)
-
-
 def test_a_node_that_never_starts_is_named(make_job) -> None:
     job = make_job(join_timeout=MISSING_JOIN_TIMEOUT)
     job.control(exit=0)
@@ -203,9 +180,10 @@ def test_a_lost_worker_fails_the_job_fast(make_job) -> None:
 
 @pytest.mark.parametrize("first", ["failed", "killed"])
 def test_a_retried_job_starts_clean(make_job, first: str) -> None:
-    """The run block runs twice on the same hosts: after a failed attempt (the trainer's
-    exit code is every node's and the job's), and after one killed outright (its Ray daemons
-    left running). The retry forms one fresh cluster."""
+    """The run block runs twice on the same hosts: after a failed attempt (every node joined
+    and the trainer ran, from the head, on all three; its exit code is every node's and the
+    job's), and after one killed outright (its Ray daemons left running). The retry forms
+    one fresh cluster, and its trainer's success is the job's."""
     job = make_job()
     if first == "failed":
         job.control(exit=3)
@@ -215,6 +193,15 @@ def test_a_retried_job_starts_clean(make_job, first: str) -> None:
         assert codes == {0: 3, 1: 3, 2: 3}, logs
         if job.backend == "slurm":
             assert first_run.job_exit_code == 3, logs
+        probe = job.probe(1)
+        # The trainer started once all three nodes were ALIVE, each from its own address.
+        assert alive_ips(probe) == sorted(h.ip for h in job.hosts), probe
+        assert len(probe["nodes"]) == 3, probe
+        assert probe["hostname"] == "node1"
+        assert probe["env"]["RAY_ADDRESS"] == f"{job.hosts[0].ip}:{RAY_PORT}"
+        assert probe["env"]["RLX_NUM_NODES"] == "3"
+        assert probe["env"]["RAY_AUTH_MODE"] == "token" and probe["token_set"], probe
+        assert "all 3 nodes joined" in job.log(first_run, 0), logs
         for rank in (1, 2):
             assert "the head finished with exit code 3; leaving" in job.log(first_run, rank), logs
         assert_nothing_left(job.hosts)
@@ -254,5 +241,10 @@ def test_a_retried_job_starts_clean(make_job, first: str) -> None:
             assert "left by an earlier attempt" in job.log(second, rank), logs
     (job.out / "release").touch()
     codes = job.wait_all(second)
-    assert codes == {0: 0, 1: 0, 2: 0}, job.all_logs(second)
+    logs = job.all_logs(second)
+    assert codes == {0: 0, 1: 0, 2: 0}, logs
+    if job.backend == "slurm":
+        assert second.job_exit_code == 0, logs
+    for rank in (1, 2):
+        assert "the head finished with exit code 0; leaving" in job.log(second, rank), logs
     assert_nothing_left(job.hosts)

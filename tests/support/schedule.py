@@ -1,0 +1,107 @@
+"""The order `make test` runs in (pytest-xdist, `--dist loadfile`), longest first.
+
+A unit of work is a module (its tests run in order on one worker and may share module
+fixtures), except under tests/hosts/, where every test is a unit of its own: host tests
+share no state wider than a test, or the session (conftest refuses a module fixture there).
+Units go out longest first, by the seconds tests/timings.json records for their tests, so
+the longest tests start at once and the last minutes are short tests on every worker, not
+one long test on one; a test the file does not know counts as a long one (it is new, and
+new host tests are rarely short). A worker is given its next unit only when the one it runs
+has one test left: nothing long waits behind a busy worker while another is free.
+
+Refresh the file after adding slow tests: `make test PYTEST_ADDOPTS=--durations=0 | tee
+log`, then `python -m tests.support.schedule log`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+TIMINGS = Path(__file__).resolve().parent.parent / "timings.json"
+UNKNOWN_SECONDS = 60.0
+DURATION = re.compile(r"^\s*([0-9.]+)s (?:setup|call|teardown)\s+(\S+)")
+
+
+def unit_of(nodeid: str) -> str:
+    module = nodeid.partition("::")[0]
+    return nodeid if module.startswith("tests/hosts/") else module
+
+
+def load_timings() -> dict[str, float]:
+    try:
+        return {k: float(v) for k, v in json.loads(TIMINGS.read_text()).items()}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def make_scheduler(config: pytest.Config, log: Any) -> Any:
+    from xdist.scheduler import LoadFileScheduling
+
+    timings = load_timings()
+
+    class LongestFirst(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid)
+
+        def schedule(self) -> None:
+            if self.collection is not None:  # called again: more workers joined
+                for node in self.nodes:
+                    self._reschedule(node)
+                return
+            if not self._check_nodes_have_same_collection():
+                self.log("**Different tests collected, aborting run**")
+                return
+            self.collection = list(next(iter(self.registered_collections.values())))
+            units: dict[str, dict[str, bool]] = {}
+            for nodeid in self.collection:
+                units.setdefault(self._split_scope(nodeid), {})[nodeid] = False
+            for scope, tests in sorted(
+                units.items(),
+                key=lambda unit: -sum(timings.get(t, UNKNOWN_SECONDS) for t in unit[1]),
+            ):
+                self.workqueue[scope] = tests
+            for node in self.nodes:
+                if self.workqueue:
+                    self._assign_work_unit(node)
+            for node in self.nodes:
+                self._reschedule(node)
+
+        def _reschedule(self, node: Any) -> None:
+            if node.shutting_down:
+                return
+            if not self.workqueue:
+                node.shutdown()
+                return
+            # A worker runs a test once it holds the next one too: so it needs a new unit
+            # when one test is left, and not before.
+            if self._pending_of(self.assigned_work[node]) > 1:
+                return
+            self._assign_work_unit(node)
+
+    return LongestFirst(config, log)
+
+
+def timings_from_log(lines: list[str]) -> dict[str, float]:
+    """Each test's setup + call + teardown seconds from a `--durations=0` report."""
+    seconds: dict[str, float] = {}
+    for line in lines:
+        match = DURATION.match(line)
+        if match:
+            nodeid = match.group(2)
+            seconds[nodeid] = round(seconds.get(nodeid, 0.0) + float(match.group(1)), 1)
+    return seconds
+
+
+if __name__ == "__main__":
+    found = timings_from_log(Path(sys.argv[1]).read_text().splitlines())
+    if not found:
+        sys.exit(f"{sys.argv[1]}: no `--durations=0` lines found")
+    kept = {k: v for k, v in sorted(found.items()) if v >= 1.0}
+    TIMINGS.write_text(json.dumps(kept, indent=0, sort_keys=True) + "\n")
+    print(f"{TIMINGS}: {len(kept)} tests of 1 s or more, {sum(kept.values()):.0f} s in all")
