@@ -25,7 +25,7 @@ import pytest
 
 TIMINGS = Path(__file__).resolve().parent.parent / "timings.json"
 UNKNOWN_SECONDS = 60.0
-DURATION = re.compile(r"^\s*([0-9.]+)s (?:setup|call|teardown)\s+(\S+)")
+DURATION = re.compile(r"^\s*([0-9.]+)s (?:setup|call|teardown)\s+(\S.*?)\s*$")
 
 
 def unit_of(nodeid: str) -> str:
