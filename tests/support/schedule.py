@@ -5,9 +5,10 @@ fixtures), except under tests/hosts/, where every test is a unit of its own: hos
 share no state wider than a test, or the session (conftest refuses a module fixture there).
 Units go out longest first, by the seconds tests/timings.json records for their tests, so
 the longest tests start at once and the last minutes are short tests on every worker, not
-one long test on one; a test the file does not know counts as a long one (it is new, and
-new host tests are rarely short). A worker is given its next unit only when the one it runs
-has one test left: nothing long waits behind a busy worker while another is free.
+one long test on one; a test the file does not know counts by its tier (a host test as a
+long one: it is new, and new host tests are rarely short). A worker is given its next unit
+only when the one it runs has one test left: nothing long waits behind a busy worker while
+another is free.
 
 Refresh the file after adding slow tests: `make test PYTEST_ADDOPTS=--durations=0 | tee
 log`, then `python -m tests.support.schedule log`.
@@ -24,13 +25,22 @@ from typing import Any
 import pytest
 
 TIMINGS = Path(__file__).resolve().parent.parent / "timings.json"
-UNKNOWN_SECONDS = 60.0
+# A test the file does not know (a new one), by tier: a host test is rarely short, a unit
+# test always is.
+UNKNOWN_SECONDS = {"hosts": 60.0, "integration": 5.0, "unit": 0.1}
 DURATION = re.compile(r"^\s*([0-9.]+)s (?:setup|call|teardown)\s+(\S.*?)\s*$")
 
 
 def unit_of(nodeid: str) -> str:
     module = nodeid.partition("::")[0]
     return nodeid if module.startswith("tests/hosts/") else module
+
+
+def expected_seconds(timings: dict[str, float], nodeid: str) -> float:
+    if nodeid in timings:
+        return timings[nodeid]
+    tier = nodeid.split("/")[1] if nodeid.startswith("tests/") else ""
+    return UNKNOWN_SECONDS.get(tier, UNKNOWN_SECONDS["integration"])
 
 
 def load_timings() -> dict[str, float]:
@@ -63,7 +73,7 @@ def make_scheduler(config: pytest.Config, log: Any) -> Any:
                 units.setdefault(self._split_scope(nodeid), {})[nodeid] = False
             for scope, tests in sorted(
                 units.items(),
-                key=lambda unit: -sum(timings.get(t, UNKNOWN_SECONDS) for t in unit[1]),
+                key=lambda unit: -sum(expected_seconds(timings, t) for t in unit[1]),
             ):
                 self.workqueue[scope] = tests
             for node in self.nodes:
@@ -102,6 +112,5 @@ if __name__ == "__main__":
     found = timings_from_log(Path(sys.argv[1]).read_text().splitlines())
     if not found:
         sys.exit(f"{sys.argv[1]}: no `--durations=0` lines found")
-    kept = {k: v for k, v in sorted(found.items()) if v >= 1.0}
-    TIMINGS.write_text(json.dumps(kept, indent=0, sort_keys=True) + "\n")
-    print(f"{TIMINGS}: {len(kept)} tests of 1 s or more, {sum(kept.values()):.0f} s in all")
+    TIMINGS.write_text(json.dumps(found, indent=0, sort_keys=True) + "\n")
+    print(f"{TIMINGS}: {len(found)} tests, {sum(found.values()):.0f} s in all")
