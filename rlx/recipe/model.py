@@ -267,6 +267,15 @@ class RolloutSettings(StrictModel):
         description="Weight pushes to the engines travel in buckets of at most this many MiB "
         "(gathered from the shards one parameter at a time): the extra memory a push needs.",
     )
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        le=8,
+        description="How many weight versions a trained sample may lag the policy (layout: "
+        "split only). 0: generate, then train (synchronous). k > 0: the engines generate the "
+        "next k batches while the learners train on this one; every sample carries the "
+        "version that made it and a batch outside [policy - k, policy] stops the run.",
+    )
 
 
 class RewardSettings(StrictModel):
@@ -309,6 +318,13 @@ class AlgorithmSettings(StrictModel):
     norm_adv_by_std: bool = Field(True, description="Divide group advantages by their std (GRPO).")
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
         "token-mean", description="How per-token losses become one number."
+    )
+    behavior_weight_cap: float = Field(
+        2.0,
+        gt=1,
+        description="With rollout.max_staleness > 0 the loss is decoupled PPO: each token is "
+        "weighted by pi_proximal / pi_behaviour (the learner's log-prob before the update "
+        "over the engine's), truncated at this value.",
     )
 
 
