@@ -17,6 +17,7 @@ from typing import Any
 
 # Where every run writes its outputs, inside the run folder.
 METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"  # per step: the prompt rows trained and their versions
 LOG_FILE = "train.log"
 PLOT_FILE = "reward.png"
 RESULT_FILE = "result.json"
@@ -35,6 +36,10 @@ RESPONSE_LENGTH = "response_length/mean"
 TOKENS_PER_S = "tokens_per_s"
 STEP_TIME = "step_time"
 HOST_MEMORY = "host_memory_gib"  # host_memory_bytes() / 2**30
+STALENESS = "staleness/mean"  # weight versions the trained samples lag the policy
+IS_WEIGHT = "offpolicy/weight_mean"  # decoupled PPO's pi_proximal / pi_behaviour
+IS_WEIGHT_STD = "offpolicy/weight_std"
+IS_TRUNCATED = "offpolicy/truncated_frac"  # tokens whose weight hit behavior_weight_cap
 VAL_PASS1 = "val/pass@1"  # greedy answers' mean reward on the held-out prompts
 VAL_REWARD = "val/reward_mean"  # mean reward of validation.n samples per held-out prompt
 

@@ -143,6 +143,21 @@ def check_layout(recipe: Recipe) -> Iterator[Problem]:
         )
 
 
+def check_staleness_layout(recipe: Recipe) -> Iterator[Problem]:
+    """Rollouts can run during the update only on engines of their own."""
+    trainer = recipe.trainer
+    if trainer is None or trainer.rollout.max_staleness == 0 or trainer.layout == "split":
+        return
+    k = trainer.rollout.max_staleness
+    yield Problem(
+        ("trainer", "rollout", "max_staleness"),
+        ERROR,
+        f"max_staleness {k} needs layout: split (colocated engines live in the training "
+        "workers, so nothing can generate while they train); set layout: split with "
+        "rollout_gpus, or max_staleness: 0",
+    )
+
+
 def check_colocated_tensor_parallel(recipe: Recipe) -> Iterator[Problem]:
     trainer = recipe.trainer
     if trainer is None:
@@ -240,6 +255,7 @@ CHECKS: list[Check] = [
     check_rollout_engine,
     check_group_size,
     check_layout,
+    check_staleness_layout,
     check_colocated_tensor_parallel,
     check_trainer_specs,
     check_checkpoint_cadence,

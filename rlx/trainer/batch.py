@@ -25,6 +25,8 @@ class RolloutBatch:
     response_ids are right-padded with pad_token_id; response_mask is True on real tokens,
     the terminating EOS included; logprobs are float32 sampling log-probs, 0 where masked.
     finished is True where the response ended with EOS (False: cut at max_new_tokens).
+    weight_version is the engine's weights version when it sampled them; versions holds it
+    per row once batches of several engines are joined (None: every row is weight_version).
     """
 
     prompt_ids: list[list[int]]
@@ -35,9 +37,17 @@ class RolloutBatch:
     n: int
     pad_token_id: int
     weight_version: int
+    versions: torch.Tensor | None = None  # (N,) long
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def row_versions(self) -> torch.Tensor:
+        """The weights version each row was sampled with: (N,) long."""
+        if self.versions is not None:
+            return self.versions
+        return torch.full((self.response_ids.shape[0],), self.weight_version, dtype=torch.long)
 
     @property
     def response_lengths(self) -> torch.Tensor:
@@ -175,7 +185,7 @@ def concat_rollouts(batches: Sequence[RolloutBatch]) -> RolloutBatch:
     if len(batches) == 1:
         return batches[0]
     first = batches[0]
-    responses, logprobs, finished, prompts = [], [], [], []
+    responses, logprobs, finished, prompts, versions = [], [], [], [], []
     for batch in batches:
         if batch.n != first.n or batch.pad_token_id != first.pad_token_id:
             raise ValueError("rollout batches disagree on n or on the pad token")
@@ -184,6 +194,7 @@ def concat_rollouts(batches: Sequence[RolloutBatch]) -> RolloutBatch:
             responses.append(batch.response_ids[row, :length].tolist())
             logprobs.append(batch.logprobs[row, :length].tolist())
         finished.append(batch.finished)
+        versions.append(batch.row_versions)
         prompts.extend(batch.prompt_ids)
     ids, mask, values = pad_responses(responses, logprobs, first.pad_token_id)
     return RolloutBatch(
@@ -195,6 +206,7 @@ def concat_rollouts(batches: Sequence[RolloutBatch]) -> RolloutBatch:
         n=first.n,
         pad_token_id=first.pad_token_id,
         weight_version=min(batch.weight_version for batch in batches),
+        versions=torch.cat(versions),
     )
 
 

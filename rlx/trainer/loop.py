@@ -22,9 +22,12 @@ import torch
 from rlx.errors import RlxError
 from rlx.runs import (
     HOST_MEMORY,
+    IS_WEIGHT,
+    IS_WEIGHT_STD,
     RESPONSE_LENGTH,
     REWARD_MEAN,
     REWARD_STD,
+    SAMPLES_FILE,
     STEP_TIME,
     TOKENS_PER_S,
     RunPaths,
@@ -51,9 +54,11 @@ from rlx.trainer.checkpoint.training import (
     kill_after_step,
     load_parts,
 )
+from rlx.trainer.inflight import RolloutQueue, check_staleness, staleness_metrics
 from rlx.trainer.job import TrainJob
 from rlx.trainer.learn.learner import (
     ADVANTAGES,
+    BEHAV_LOGP,
     OLD_LOGP,
     REF_LOGP,
     RETURNS,
@@ -62,7 +67,7 @@ from rlx.trainer.learn.learner import (
 )
 from rlx.trainer.learn.sharding import resolve_strategy
 from rlx.trainer.report.console import StopRequest
-from rlx.trainer.report.metrics import MetricsLogger
+from rlx.trainer.report.metrics import MetricsLogger, StepRecords
 from rlx.trainer.report.progress import Progress
 from rlx.trainer.rollout.probe import Probe
 from rlx.trainer.tasks import validation
@@ -117,6 +122,17 @@ class Trainer:
         self.sampler = PromptSampler(
             len(inputs.data), settings.batch.prompts_per_step, settings.seed, settings.data.shuffle
         )
+        self.max_staleness = settings.rollout.max_staleness
+        # Rollouts of the steps ahead, started in step order (inflight.py): at
+        # max_staleness 0 each step's rollout starts after the previous update's push.
+        self.queue = RolloutQueue(
+            self.sampler,
+            inputs.data.prompt_token_ids,
+            lambda prompt_ids, step: cluster.submit_generate(prompt_ids, step),
+            self.max_staleness,
+            settings.steps,
+        )
+        self.samples: StepRecords | None = None  # the prompts and versions each step trained
         self.estimator = algos.get_advantage_estimator(
             estimator_name(settings.algorithm, settings.algo.norm_adv_by_std)
         )
@@ -163,6 +179,7 @@ class Trainer:
             env=self.inputs.env,
             stream=self.out,
         )
+        self.samples = StepRecords(self.inputs.paths.run_dir / SAMPLES_FILE, start + 1)
         self.validation_note()
         try:
             if start == 0 and validation.due(settings, 0):
@@ -194,6 +211,7 @@ class Trainer:
             self.finish_saves()
         finally:
             self.logger.close()
+            self.samples.close()
         self.exported = self.export()
         return max(start, settings.steps)
 
@@ -251,11 +269,15 @@ class Trainer:
         algo, n = settings.algo, settings.rollout.n
         timer = _Timer()
 
-        rows = next(self.sampler)  # prompt indices of this step
-        prompt_ids = [inputs.data.prompt_token_ids[i] for i in rows]
-        rollout = self.cluster.generate(prompt_ids, step, show_progress=True)  # B = P * n
+        self.queue.fill(step)  # this step's rollout and, with max_staleness k, k more
+        rows, rollout = self.queue.take(step, show_progress=True)  # B = P * n
         timer.lap("generate")
         self.stop.check()  # a step stopped here is redone on resume, like any unsaved step
+        policy_version = step - 1  # the weights this step's update starts from
+        versions = rollout.row_versions  # (B,) the weights each sample was made with
+        check_staleness(versions, policy_version, self.max_staleness)
+        if self.samples is not None:
+            self.samples.write(step, prompts=rows, versions=versions.tolist()[:: max(n, 1)])
 
         responses = inputs.tokenizer.batch_decode(
             rollout.response_lists(), skip_special_tokens=True
@@ -294,6 +316,8 @@ class Trainer:
         if settings.algorithm == "ppo":
             advantages = algos.masked_whiten(advantages, mask)  # (B, R)
         batch = self.with_update_fields(batch, extra, advantages, returns)
+        if self.max_staleness > 0:  # decoupled PPO weighs by the engines' own log-probs
+            batch = batch.with_fields(**{BEHAV_LOGP: rollout.logprobs})
 
         prepare_in_update = self.needs_prepare and not self.prepare_first
         update = self.cluster.update(batch, step, prepare=prepare_in_update, probe=inputs.probe)
@@ -322,6 +346,12 @@ class Trainer:
             )
             metrics["value/mean"] = float(algos.masked_mean(extra[VALUES], mask))
         metrics["sync/probe_diff"] = probe_diff
+        if self.max_staleness > 0:
+            metrics.update(staleness_metrics(versions, policy_version, self.max_staleness))
+            square = metrics.pop("offpolicy/weight_sq_mean", None)
+            if square is not None:
+                spread = square - metrics[IS_WEIGHT] ** 2
+                metrics[IS_WEIGHT_STD] = max(spread, 0.0) ** 0.5
         total = timer.total()
         metrics[STEP_TIME] = total
         metrics[TOKENS_PER_S] = response_tokens / max(total, 1e-9)
@@ -363,7 +393,8 @@ class Trainer:
         self.finish_saves()
         state = {
             "step": step,
-            "sampler": self.sampler.state_dict(),
+            # Before the prompts of the steps in flight were drawn: a resume draws them again.
+            "sampler": self.queue.sampler_state_after(step),
             "world_size": self.cluster.plan.train_workers,
             "algorithm": self.settings.algorithm,
         }

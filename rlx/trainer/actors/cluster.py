@@ -307,8 +307,18 @@ class Cluster:
     ) -> RolloutBatch:
         """n samples per prompt, prompts split over the engines, results in prompt order.
         sampling: other settings than the rollout's (validation), seeded from `stream`."""
-        import ray
+        return self.submit_generate(prompt_ids, step, sampling, stream).collect(show_progress)
 
+    def submit_generate(
+        self,
+        prompt_ids: list[list[int]],
+        step: int,
+        sampling: SamplingArgs | None = None,
+        stream: str = "generate",
+    ) -> PendingRollout:
+        """Start `generate` and return at once. Each engine runs its calls in the order they
+        were made, so a weight push made after this call reaches an engine only once it has
+        finished these samples (the push waits for the request boundary)."""
         sampling = sampling or self.sampling
         engines = self.engines
         ranges = split_evenly(len(prompt_ids), len(engines))
@@ -323,17 +333,9 @@ class Cluster:
                 # A training worker without prompts still takes part: a sharded policy's
                 # forwards are collectives of every rank.
                 idle.append(engine.generate.remote([], sampling, 0))
-        pending = list(refs.values())
-        total = len(prompt_ids) * sampling.n
-        with _maybe_progress(show_progress, total, "rollout") as progress:
-            while pending:
-                done, pending = ray.wait(pending, num_returns=1)
-                rows_done = [len(ranges[i]) for i, r in refs.items() if r in done]
-                progress.update(sum(rows_done) * sampling.n)
         what = "rollout worker" if self.rollout.handles else "training worker"
-        batches = gather([refs[i] for i in sorted(refs)], what)
-        gather(idle, what)
-        return concat_rollouts(batches)
+        rows_of = {index: len(ranges[index]) * sampling.n for index in refs}
+        return PendingRollout(refs, rows_of, idle, what)
 
     def sync_weights(self, version: int, probe: Probe, *, push: bool = True) -> float:
         """Bring every engine to the policy's weights `version` and prove it; returns the
@@ -393,6 +395,29 @@ class Cluster:
         reports = [report for report, _ in refreshed]
         policy_logprob = refreshed[0][1]
         return check_engines(reports, version, policy_logprob, probe.tolerance(self.engine_dtype))
+
+
+@dataclass
+class PendingRollout:
+    """A generate call under way on the engines (Cluster.submit_generate)."""
+
+    refs: dict[int, Any]  # engine index -> its call
+    rows_of: dict[int, int]  # engine index -> samples it makes
+    idle: list[Any]  # calls of training workers without prompts (colocated, sharded)
+    what: str
+
+    def collect(self, show_progress: bool = False) -> RolloutBatch:
+        """Wait for every engine's samples; the batch in prompt order."""
+        import ray
+
+        pending = list(self.refs.values())
+        with _maybe_progress(show_progress, sum(self.rows_of.values()), "rollout") as progress:
+            while pending:
+                done, pending = ray.wait(pending, num_returns=1)
+                progress.update(sum(self.rows_of[i] for i, r in self.refs.items() if r in done))
+        batches = gather([self.refs[i] for i in sorted(self.refs)], self.what)
+        gather(self.idle, self.what)
+        return concat_rollouts(batches)
 
 
 class _NoProgress:

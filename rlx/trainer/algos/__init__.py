@@ -31,6 +31,7 @@ from rlx.trainer.algos.kl import (
     kl_penalized_rewards,
 )
 from rlx.trainer.algos.losses import (
+    behavior_weights,
     clipped_value_loss,
     entropy_from_logits,
     logprobs_from_logits,
@@ -52,6 +53,7 @@ __all__ = [
     "AdvantageEstimator",
     "Metrics",
     "aggregate_loss",
+    "behavior_weights",
     "broadcast_to_tokens",
     "clipped_value_loss",
     "compute_gae",

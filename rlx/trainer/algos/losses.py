@@ -16,6 +16,7 @@ def ppo_policy_loss(
     clip_eps_low: float = 0.2,
     clip_eps_high: float | None = None,
     dual_clip_c: float | None = None,
+    behavior_weight: Tensor | None = None,
 ) -> tuple[Tensor, Metrics]:
     """PPO clipped surrogate (Schulman et al. 2017), per token, to be minimised.
 
@@ -23,6 +24,8 @@ def ppo_policy_loss(
     [1 - clip_eps_low, 1 + clip_eps_high] (clip_eps_high defaults to clip_eps_low; a larger one
     is DAPO's clip-higher). dual_clip_c > 1 also caps the loss of negative-advantage tokens at
     -c * A (Ye et al. 2020), which the plain max leaves unbounded as the ratio grows.
+    behavior_weight (B, T), detached: with samples from an older policy than old_logp's
+    (decoupled PPO, see behavior_weights) each token's clipped objective is weighted by it.
     Returns the loss (B, T), zero on padding, and detached masked metrics: clipfrac (share of
     tokens whose gradient the clip removed), approx_kl (mean of (ratio - 1) - logratio, the k3
     estimate of KL(old || new)), ratio_mean, and dual_clipfrac when dual clipping is on.
@@ -50,7 +53,40 @@ def ppo_policy_loss(
         dual_clipped = (advantages < 0) & (loss > cap)  # (B, T)
         loss = torch.where(dual_clipped, cap, loss)  # (B, T)
         metrics["dual_clipfrac"] = masked_mean(dual_clipped.float(), mask)
+    if behavior_weight is not None:
+        loss = behavior_weight * loss  # (B, T)
     return torch.where(mask.bool(), loss, 0.0), metrics
+
+
+def behavior_weights(
+    proximal_logp: Tensor, behavior_logp: Tensor, mask: Tensor, *, cap: float
+) -> tuple[Tensor, Metrics]:
+    """Importance weights of decoupled PPO for samples the engines made with older weights.
+
+    Decoupled PPO (Hilton, Cobbe and Schulman 2022, "Batch size-invariance for policy
+    optimization"; the objective AReaL trains asynchronously with, Fu et al. 2025) separates
+    the policy that sampled a token (behaviour: the engine's log-prob, returned with the
+    sample) from the one the update is clipped around (proximal: the learner's log-prob
+    before this step's update). The clipped objective in ratio pi / pi_proximal is weighted
+    by pi_proximal / pi_behaviour, which corrects for the samples being up to k versions old
+    and for the engine's numerics. The weight is truncated at `cap` (truncated importance
+    sampling, Espeholt et al. 2018, IMPALA): a token the engine found far less likely than
+    the learner does counts at most `cap` times, bounding the update's variance.
+
+    proximal_logp, behavior_logp, mask: (B, T). Returns the weights (B, T), detached, 0 on
+    padding, and metrics: the raw weight's mean and mean square (its spread: std =
+    sqrt(sq_mean - mean^2)) and the share of tokens whose weight was truncated.
+    """
+    with torch.no_grad():
+        logw = (proximal_logp - behavior_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)  # (B, T)
+        raw = logw.exp()  # (B, T)
+        weight = torch.where(mask.bool(), raw.clamp(max=cap), 0.0)  # (B, T)
+        metrics: Metrics = {
+            "offpolicy/weight_mean": masked_mean(raw, mask),
+            "offpolicy/weight_sq_mean": masked_mean(raw.square(), mask),
+            "offpolicy/truncated_frac": masked_mean((raw > cap).float(), mask),
+        }
+    return weight, metrics
 
 
 def clipped_value_loss(

@@ -43,13 +43,15 @@ from rlx.trainer.learn.models import (
 )
 from rlx.trainer.seeding import derive_seed
 
-# Per-token inputs an update may read from SequenceBatch.fields.
-OLD_LOGP, REF_LOGP, VALUES, ADVANTAGES, RETURNS = (
+# Per-token inputs an update may read from SequenceBatch.fields. BEHAV_LOGP: the engines'
+# sampling log-probs, sent only when samples may be older than the policy (max_staleness).
+OLD_LOGP, REF_LOGP, VALUES, ADVANTAGES, RETURNS, BEHAV_LOGP = (
     "old_logp",
     "ref_logp",
     "values",
     "advantages",
     "returns",
+    "behav_logp",
 )
 
 
@@ -60,11 +62,13 @@ def minibatches_per_epoch(settings: TrainerSettings) -> int:
 
 def needs_old_logprobs(settings: TrainerSettings) -> bool:
     """Old log-probs need their own forward only when the policy moves before some samples
-    are used (several epochs or minibatches), or when the KL penalty enters the reward.
-    Otherwise the update's own log-probs, detached, are exactly the old ones."""
+    are used (several epochs or minibatches), when the KL penalty enters the reward, or when
+    samples may be older than the policy (max_staleness > 0: they are decoupled PPO's
+    proximal log-probs). Otherwise the update's own log-probs, detached, are exactly the old
+    ones."""
     several_updates = settings.batch.ppo_epochs > 1 or minibatches_per_epoch(settings) > 1
     kl_in_reward = settings.algo.kl.coef > 0 and settings.algo.kl.mode == "reward"
-    return several_updates or kl_in_reward
+    return several_updates or kl_in_reward or settings.rollout.max_staleness > 0
 
 
 @dataclass
@@ -411,6 +415,11 @@ class Learner:
         scores = self._scores(self.policy_ddp, mb, entropy_grad=algo.entropy_coef > 0)
         logp, entropy = scores.logprobs, scores.entropy  # (b, r) each
         old_logp = mb.fields[OLD_LOGP] if OLD_LOGP in mb.fields else logp.detach()
+        weight, weight_metrics = None, {}
+        if BEHAV_LOGP in mb.fields:  # decoupled PPO: old_logp is the proximal policy's
+            weight, weight_metrics = algos.behavior_weights(
+                old_logp, mb.fields[BEHAV_LOGP], mask, cap=algo.behavior_weight_cap
+            )
         pg_per_token, pieces = algos.ppo_policy_loss(
             logp,
             old_logp,
@@ -419,7 +428,9 @@ class Learner:
             clip_eps_low=algo.clip_eps,
             clip_eps_high=algo.clip_eps_high,
             dual_clip_c=algo.dual_clip,
+            behavior_weight=weight,
         )
+        pieces.update(weight_metrics)
         pg_loss = self._aggregate(pg_per_token, mask, tokens, seqs)
         pieces["loss/policy"] = pg_loss.detach()
         loss = pg_loss

@@ -27,11 +27,15 @@ from rlx.runs import (
     ENTROPY,
     GRAD_NORM,
     HOST_MEMORY,
+    IS_TRUNCATED,
+    IS_WEIGHT,
+    IS_WEIGHT_STD,
     KL,
     METRICS_FILE,
     RESPONSE_LENGTH,
     REWARD_MEAN,
     REWARD_STD,
+    STALENESS,
     STEP_TIME,
     TENSORBOARD_DIR,
     TOKENS_PER_S,
@@ -62,6 +66,9 @@ CONSOLE_COLUMNS: tuple[Column, ...] = (
     Column("kl", KL, ".4f"),
     Column("approx_kl", APPROX_KL, ".4f"),
     Column("clipfrac", CLIPFRAC, ".3f"),
+    Column("stale", STALENESS, ".2f"),
+    Column("isw", IS_WEIGHT, ".2f", spread_key=IS_WEIGHT_STD),
+    Column("trunc", IS_TRUNCATED, ".3f"),
     Column("entropy", ENTROPY, ".3f"),
     Column("grad", GRAD_NORM, ".3g"),
     Column("len", RESPONSE_LENGTH, ".1f"),
@@ -97,9 +104,10 @@ class Sink(Protocol):
     def close(self) -> None: ...
 
 
-class JsonlSink:
-    """One line per step, flushed at once. On resume, lines at or past start_step are dropped
-    first (they are about to be logged again), so the file never holds a step twice."""
+class StepRecords:
+    """A jsonl file of one record per step, flushed at once. On resume, lines at or past
+    start_step are dropped first (they are about to be written again), so the file never holds
+    a step twice and always tells the history of the checkpoints' lineage."""
 
     def __init__(self, path: Path, start_step: int):
         kept = [line for line, record in metric_lines(path) if record["step"] < start_step]
@@ -112,6 +120,17 @@ class JsonlSink:
         temporary.replace(path)
         self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 -- open until close()
 
+    def write(self, step: int, **fields: Any) -> None:
+        self._file.write(json.dumps({"step": step, **fields}, allow_nan=False) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class JsonlSink(StepRecords):
+    """The metrics: {"step", "time", <metrics>} per step; non-finite values as null."""
+
     def log(self, step: int, metrics: Mapping[str, float], wall_time: float) -> None:
         record: dict[str, Any] = {"step": step, "time": round(wall_time, 3)}
         record.update(
@@ -119,9 +138,6 @@ class JsonlSink:
         )
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
-
-    def close(self) -> None:
-        self._file.close()
 
 
 class TensorBoardSink:

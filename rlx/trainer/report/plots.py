@@ -8,9 +8,11 @@ from typing import Any
 
 from rlx.runs import (
     APPROX_KL,
+    ENTROPY,
     KL,
     REWARD_MEAN,
     REWARD_STD,
+    STALENESS,
     STEP_TIME,
     VAL_PASS1,
     VAL_REWARD,
@@ -33,8 +35,8 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
 
 def write_plot(jsonl_path: Path, png_path: Path) -> Path:
     """Two stacked panels: the training reward mean (with a ±std band when logged) and the
-    validation scores when logged; below, the KL to the reference when there is one, else
-    the validation scores, else the update's approx KL (0 on one-update steps)."""
+    validation scores when logged; below, what the upper panel does not show (second_panel):
+    KL or entropy, and the samples' staleness when rollouts run ahead."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -70,11 +72,19 @@ def write_plot(jsonl_path: Path, png_path: Path) -> Path:
     reward_axes.set_ylabel("reward")
     reward_axes.grid(alpha=0.3)
 
-    ylabel, lines = second_panel(records)
+    ylabel, lines, right = second_panel(records)
     for label, line_steps, values in lines:
         kl_axes.plot(line_steps, values, marker="o", markersize=3, label=label)
-    if lines:
-        kl_axes.legend(loc="best")
+    handles, labels = kl_axes.get_legend_handles_labels()
+    if right is not None:
+        lag_axes = kl_axes.twinx()
+        for label, line_steps, values in right[1]:
+            lag_axes.plot(line_steps, values, color="tab:red", drawstyle="steps-mid", label=label)
+        lag_axes.set_ylabel(right[0])
+        more_handles, more_labels = lag_axes.get_legend_handles_labels()
+        handles, labels = handles + more_handles, labels + more_labels
+    if handles:
+        kl_axes.legend(handles, labels, loc="best")
     else:
         _no_data(kl_axes)
     kl_axes.set_ylabel(ylabel)
@@ -89,23 +99,28 @@ def write_plot(jsonl_path: Path, png_path: Path) -> Path:
     return png_path
 
 
-def second_panel(
-    records: list[dict[str, Any]],
-) -> tuple[str, list[tuple[str, list[int], list[float]]]]:
-    """(y label, [(label, steps, values)]) of the lower panel: the KL to the reference when
-    there is one, else the validation scores, else the update's approx KL where it is not
-    all zero (one update per step makes it exactly 0), else nothing."""
+Lines = list[tuple[str, list[int], list[float]]]
+
+
+def second_panel(records: list[dict[str, Any]]) -> tuple[str, Lines, tuple[str, Lines] | None]:
+    """What the lower panel shows that the upper does not: (y label, lines) on the left axis,
+    and (y label, lines) on a right axis or None. Left: the KL to the reference when there is
+    one, else the update's approx KL where it is not all zero (one update per step makes it
+    exactly 0), else the policy's entropy. Right: how many weight versions the trained
+    samples lag the policy, when rollouts run ahead (max_staleness > 0)."""
+    left: tuple[str, Lines] = ("KL", [])
     steps, values = _series(records, KL)
     if steps:
-        return "KL", [("KL to reference", steps, values)]
-    validation = [(label, *_series(records, key)) for key, label in VALIDATION_SERIES]
-    validation = [line for line in validation if line[1]]
-    if validation:
-        return "validation", validation
-    steps, values = _series(records, APPROX_KL)
-    if any(values):
-        return "KL", [("approx KL (policy update)", steps, values)]
-    return "KL", []
+        left = ("KL", [("KL to reference", steps, values)])
+    elif any((approx := _series(records, APPROX_KL))[1]):
+        left = ("KL", [("approx KL (policy update)", *approx)])
+    elif (entropy := _series(records, ENTROPY))[0]:
+        left = ("entropy", [("policy entropy", *entropy)])
+    right = None
+    lag_steps, lags = _series(records, STALENESS)
+    if lag_steps:
+        right = ("staleness (versions)", [("sample staleness, mean", lag_steps, lags)])
+    return left[0], left[1], right
 
 
 def _no_data(axes: Any) -> None:

@@ -75,6 +75,10 @@ def test_split_engines_get_every_update_and_a_stale_one_stops_the_run(tmp_path: 
         ):
             trainer.step(4)
 
+        # Engine 0 still holds version 3: its samples would be refused by the staleness
+        # check of step 5 (test_async.py). A complete push puts every engine back in step.
+        cluster.sync_weights(4, probe)
+
         # A push that never arrives: the next step fails naming the engine.
         ray.get(cluster.rollout.handles[1].skip_next_pushes.remote(1))
         with pytest.raises(

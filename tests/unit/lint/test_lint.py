@@ -443,3 +443,15 @@ def test_micro_batch_above_the_share_is_a_warning(write_recipe):
     findings = [f for f in lint_file(path) if f.field == "trainer.batch.micro_batch_size"]
     assert [f.severity for f in findings] == ["warning"]
     assert "micro-batches hold 8" in findings[0].message
+
+
+def test_staleness_needs_engines_of_their_own(write_recipe):
+    colocated = write_recipe("name: job\n" + TRAINER + "  rollout: {max_staleness: 1}\n")
+    findings = [f for f in lint_file(colocated) if f.severity == "error"]
+    assert [f.field for f in findings] == ["trainer.rollout.max_staleness"]
+    assert "needs layout: split" in findings[0].message
+    split = write_recipe(
+        "name: job\n" + TRAINER + "  layout: split\n  rollout_gpus: 1\n"
+        "  rollout: {max_staleness: 2}\n"
+    )
+    assert [f for f in lint_file(split) if f.severity == "error"] == []

@@ -293,19 +293,22 @@ def test_progress_on_a_terminal_draws_a_bar_instead_of_lines() -> None:
     assert "rollouts: 3/3 in" not in output
 
 
-def test_the_lower_panel_shows_kl_to_the_reference_else_validation() -> None:
+def test_the_lower_panel_shows_what_the_upper_does_not() -> None:
     val = [{"step": 0, "val/reward_mean": 0.1, "val/pass@1": 0.0}]
-    steps = [{"step": s, "reward/mean": 0.2, "approx_kl": 0.0} for s in (1, 2)]
+    steps = [{"step": s, "reward/mean": 0.2, "approx_kl": 0.0, "entropy": 2.5} for s in (1, 2)]
     val.append({"step": 2, "val/reward_mean": 0.4, "val/pass@1": 0.5})
-    label, lines = second_panel(steps + val)
-    assert label == "validation"
-    assert [(name, xs, ys) for name, xs, ys in lines] == [
-        ("validation reward mean", [0, 2], [0.1, 0.4]),
-        ("validation pass@1", [0, 2], [0.0, 0.5]),
-    ]
+    # Validation is in the upper panel: never repeated below. approx_kl all 0: entropy.
+    assert second_panel(steps + val) == ("entropy", [("policy entropy", [1, 2], [2.5, 2.5])], None)
     with_kl = [{**record, "kl": 0.01} for record in steps]
-    assert second_panel(with_kl + val)[1] == [("KL to reference", [1, 2], [0.01, 0.01])]
-    assert second_panel(steps) == ("KL", [])  # approx_kl all 0: nothing worth a line
+    assert second_panel(with_kl + val)[:2] == ("KL", [("KL to reference", [1, 2], [0.01, 0.01])])
+    moved = [{**record, "approx_kl": 0.002} for record in steps]
+    assert second_panel(moved)[1] == [("approx KL (policy update)", [1, 2], [0.002, 0.002])]
+    ahead = [{**record, "staleness/mean": float(s)} for s, record in enumerate(with_kl)]
+    assert second_panel(ahead)[2] == (
+        "staleness (versions)",
+        [("sample staleness, mean", [1, 2], [0.0, 1.0])],
+    )
+    assert second_panel([{"step": 1, "reward/mean": 0.2}]) == ("KL", [], None)
 
 
 def test_summary_has_the_first_and_last_validation(tmp_path: Path) -> None:
