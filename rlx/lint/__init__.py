@@ -2,9 +2,10 @@
 
 Each check is a small function from a recipe to problems (core.Check), kept in a module by
 the kind of thing it checks: trainer.py (the trainer section), memory.py (the memory plan),
-cluster.py (the Ray cluster), secrets.py, storage.py; each backend's own checks live in its
-package (rlx/launchers/<name>/checks.py, named in its BackendSpec). all_checks() lists them
-all; lint_loaded runs them on a loaded file and points every problem at its line.
+cluster.py (the Ray cluster), groups.py (resources.groups), secrets.py, storage.py; each
+backend's own checks live in its package (rlx/launchers/<name>/checks.py, named in its
+BackendSpec). all_checks() lists them all; lint_loaded runs them on a loaded file and points
+every problem at its line.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from rlx.errors import Finding, RecipeError, RlxError
 from rlx.launchers import backend_checks
-from rlx.lint import cluster, memory, secrets, storage, trainer
+from rlx.lint import cluster, groups, memory, secrets, storage, trainer
 from rlx.lint.core import ERROR, WARNING, Check, Problem
 from rlx.recipe import LoadedRecipe, Recipe, load_recipe
 from rlx.recipe.load import dotted
@@ -43,6 +44,9 @@ STARTUP_CHECKS: tuple[Check, ...] = (
     trainer.check_layout,
     trainer.check_colocated_tensor_parallel,
     trainer.check_trainer_specs,
+    groups.check_groups_layout,
+    groups.check_groups_accelerators,
+    groups.check_groups_rollout_gpus,
 )
 
 
@@ -53,6 +57,7 @@ def all_checks() -> list[Check]:
         *trainer.CHECKS,
         *memory.CHECKS,
         *cluster.CHECKS,
+        *groups.CHECKS,
         *secrets.CHECKS,
         *storage.CHECKS,
         *backend_checks(),

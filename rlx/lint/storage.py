@@ -63,8 +63,9 @@ def check_checkpoint_storage(recipe: Recipe) -> Iterator[Problem]:
     if is_store_url(ckpt.dir) or _under(ckpt.dir, _shared_roots(recipe, writable=True)):
         return
     reasons = []
-    if recipe.resources.nodes > 1:
-        reasons.append(f"{recipe.resources.nodes} nodes write shards there")
+    writers = recipe.resources.train_nodes.nodes  # only training nodes hold shards
+    if writers > 1:
+        reasons.append(f"{writers} nodes write shards there")
     if retries:
         reasons.append(f"{retries} may restart the job on another machine")
     if reasons:
@@ -84,18 +85,19 @@ def check_resume_path(recipe: Recipe) -> Iterator[Problem]:
     if is_store_url(trainer.checkpoint.resume):
         return
     readable = _shared_roots(recipe, writable=False)
-    if recipe.resources.nodes > 1 and not _under(trainer.checkpoint.resume, readable):
+    readers = recipe.resources.train_nodes.nodes
+    if readers > 1 and not _under(trainer.checkpoint.resume, readable):
         yield Problem(
             ("trainer", "checkpoint", "resume"),
             ERROR,
-            "every node loads the checkpoint to resume from, but this path is not on shared "
-            "storage; put it under a volume or a file mount",
+            "every training node loads the checkpoint to resume from, but this path is not on "
+            "shared storage; put it under a volume or a file mount",
         )
 
 
 def check_shared_model_and_data(recipe: Recipe) -> Iterator[Problem]:
     trainer = recipe.trainer
-    if trainer is None or recipe.resources.nodes == 1:
+    if trainer is None or recipe.resources.total_nodes == 1:
         return
     readable = _shared_roots(recipe, writable=False)
     models = [("model", trainer.model.path)]

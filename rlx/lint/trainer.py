@@ -78,15 +78,16 @@ def check_batch_divisibility(recipe: Recipe) -> Iterator[Problem]:
 
 
 def check_tensor_parallel(recipe: Recipe) -> Iterator[Problem]:
-    trainer, gpus = recipe.trainer, recipe.resources.gpus_per_node
+    trainer, gpus = recipe.trainer, recipe.resources.engine_gpus_per_node
     if trainer is None:
         return
     tp = trainer.rollout.tensor_parallel_size
+    where = "rollout node (groups.rollout)" if recipe.resources.groups else "node"
     if tp > 1 and (gpus == 0 or gpus % tp):
         yield Problem(
             ("trainer", "rollout", "tensor_parallel_size"),
             ERROR,
-            f"tensor_parallel_size {tp} does not divide the {gpus} GPUs per node; "
+            f"tensor_parallel_size {tp} does not divide the {gpus} GPUs per {where}; "
             "an engine must fit on one node",
         )
 
@@ -122,6 +123,8 @@ def check_layout(recipe: Recipe) -> Iterator[Problem]:
         return
     total = recipe.resources.total_gpus
     tp = trainer.rollout.tensor_parallel_size
+    if recipe.resources.groups is not None:
+        return  # the rollout group decides rollout_gpus: rlx.lint.groups checks it
     if trainer.layout == "split" and total > 0:
         if not 0 < trainer.rollout_gpus < total:
             yield Problem(
@@ -163,10 +166,11 @@ def check_colocated_tensor_parallel(recipe: Recipe) -> Iterator[Problem]:
     if trainer is None:
         return
     tp = trainer.rollout.tensor_parallel_size
-    if tp == 1 or recipe.resources.gpus_per_node == 0:
+    gpus = recipe.resources.engine_gpus_per_node
+    if tp == 1 or gpus == 0:
         return
     where = ("trainer", "rollout", "tensor_parallel_size")
-    if choose_engine(trainer.rollout.engine, recipe.resources.gpus_per_node) == "hf":
+    if choose_engine(trainer.rollout.engine, gpus) == "hf":
         yield Problem(
             where,
             ERROR,

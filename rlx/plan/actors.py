@@ -5,6 +5,10 @@ Training workers: one per GPU (minus the split layout's rollout GPUs), or one pe
 CPU-only jobs (strictly spread, so every node trains). Rollout workers (layout: split): one
 per tensor-parallel group of rollout GPUs; on CPU-only jobs rollout_gpus counts engines
 (at least one), a way to exercise the split layout without GPUs. Pure: no Ray, no torch.
+
+With resources.groups the training ranks fill the train group's GPUs (one per train node on
+CPU) and the engines the rollout group's (one per rollout node on CPU, strictly spread), and
+each kind is placed only on nodes labelled with its group.
 """
 
 from __future__ import annotations
@@ -24,6 +28,10 @@ class ActorPlan:
     rollout_workers: int  # layout: split only
     rollout_gpus: int  # per rollout worker: its tensor-parallel size, 0 on CPU
     spread_training: bool  # one training worker per node (CPU-only jobs)
+    # resources.groups: the group (a node label) each kind of actor is placed in
+    train_group: str | None = None
+    rollout_group: str | None = None
+    spread_rollout: bool = False  # one engine per rollout node (CPU-only groups)
 
     @property
     def bundles(self) -> int:
@@ -34,6 +42,8 @@ def plan_actors(recipe: Recipe) -> ActorPlan:
     trainer = recipe.trainer
     assert trainer is not None
     resources = recipe.resources
+    if resources.groups is not None:
+        return _plan_groups(recipe)
     total_gpus = resources.total_gpus
     split = trainer.layout == "split"
     tp = trainer.rollout.tensor_parallel_size
@@ -48,6 +58,38 @@ def plan_actors(recipe: Recipe) -> ActorPlan:
             f"{total_gpus - 1} rollout GPUs, a multiple of tensor_parallel_size {tp}"
         )
     return ActorPlan(total_gpus - trainer.rollout_gpus, 1, trainer.rollout_gpus // tp, tp, False)
+
+
+def group_engines(recipe: Recipe) -> int:
+    """The engines a job with groups runs: one per tensor-parallel set of the rollout
+    group's GPUs, or one per rollout node on CPU-only nodes."""
+    trainer, rollout = recipe.trainer, recipe.resources.rollout_nodes
+    assert trainer is not None and rollout is not None
+    if rollout.gpus_per_node == 0:
+        return rollout.nodes
+    return rollout.nodes * rollout.gpus_per_node // trainer.rollout.tensor_parallel_size
+
+
+def _plan_groups(recipe: Recipe) -> ActorPlan:
+    trainer, resources = recipe.trainer, recipe.resources
+    assert trainer is not None
+    train, rollout = resources.train_nodes, resources.rollout_nodes
+    assert rollout is not None
+    tp = trainer.rollout.tensor_parallel_size
+    if trainer.layout != "split" or bool(train.gpus_per_node) != bool(rollout.gpus_per_node):
+        raise RlxError(
+            "resources.groups: needs trainer.layout: split and accelerators on both groups or "
+            "on neither (`rlx lint` says which)"
+        )
+    if rollout.gpus_per_node % tp:
+        raise RlxError(
+            f"trainer.rollout.tensor_parallel_size {tp} does not divide the rollout group's "
+            f"{rollout.gpus_per_node} GPUs per node"
+        )
+    engines = group_engines(recipe)
+    if not train.gpus_per_node:
+        return ActorPlan(train.nodes, 0, engines, 0, True, "train", "rollout", True)
+    return ActorPlan(train.nodes * train.gpus_per_node, 1, engines, tp, False, "train", "rollout")
 
 
 def bundle_resources(cpus: float, gpus: int) -> dict[str, float]:

@@ -18,7 +18,7 @@ from typing import Any
 from rlx.errors import RlxError
 from rlx.plan import memory as mem
 from rlx.plan.shapes import ModelShape, PlanError, find_shape
-from rlx.recipe.model import Recipe, TrainerSettings, effective_strategy
+from rlx.recipe.model import NodeGroup, Recipe, TrainerSettings, effective_strategy
 from rlx.storage import is_store_url
 from rlx.trainer.rollout import choose_engine
 
@@ -148,8 +148,16 @@ def layout_of(recipe: Recipe) -> Layout:
     trainer = recipe.trainer
     assert trainer is not None
     actors = plan_actors(recipe)
-    gpn, nodes = recipe.resources.gpus_per_node, recipe.resources.nodes
     tp = trainer.rollout.tensor_parallel_size
+    rollout = recipe.resources.rollout_nodes
+    if rollout is not None:
+        # resources.groups: ranks fill the train nodes, engines the rollout nodes
+        train = recipe.resources.train_nodes
+        per_train = -(-actors.train_workers // train.nodes)
+        per_rollout = -(-actors.rollout_workers // rollout.nodes)
+        kinds = ((per_train, 0, train.nodes), (0, per_rollout, rollout.nodes))
+        return Layout(actors.train_workers, actors.rollout_workers, tp or 1, kinds)
+    gpn, nodes = recipe.resources.gpus_per_node, recipe.resources.nodes
     if gpn == 0:
         return Layout(actors.train_workers, actors.rollout_workers, 1, ((1, 0, nodes),))
     free = [gpn] * nodes
@@ -220,20 +228,22 @@ def plan_recipe(
         critic_shape = find_shape((trainer.critic_model or trainer.model).path, env)
     resources = recipe.resources
     gpu = resources.gpus_per_node > 0
-    capacity = None
-    if gpu:
-        name = resources.accelerator_type or ""
-        size = mem.accelerator_gib(name)
-        if size is None:
-            known = ", ".join(mem.ACCELERATOR_GIB)
-            raise PlanError(f"accelerator {name!r} has no memory size in the plan's table: {known}")
-        capacity = int(size * GIB)
+    capacity = _gpu_capacity(resources.train_nodes) if gpu else None
+    rollout_nodes = resources.rollout_nodes
+    # resources.groups: the engines run on the rollout group's GPUs, of their own size
+    rollout_capacity = capacity if rollout_nodes is None else _gpu_capacity(rollout_nodes)
+    accelerator = resources.accelerators
+    if rollout_nodes is not None:
+        accelerator = (
+            f"train {resources.train_nodes.nodes} x {resources.train_nodes.accelerators or 'CPU'}"
+            f", rollout {rollout_nodes.nodes} x {rollout_nodes.accelerators or 'CPU'}"
+        )
     layout = layout_of(recipe)
     strategy = effective_strategy(trainer.parallel.strategy, layout.train_ranks)
     plan = MemoryPlan(
         recipe=recipe.name,
         model=f"{trainer.model.path}: {shape.describe()}",
-        accelerator=resources.accelerators,
+        accelerator=accelerator,
         strategy=strategy,
         train_ranks=layout.train_ranks,
         gpus=[],
@@ -247,7 +257,7 @@ def plan_recipe(
     if gpu:
         plan.gpus.append(training)
         if trainer.layout == "split" and layout.engines:
-            plan.gpus.append(_rollout_budget(trainer, shape, layout, capacity or 0))
+            plan.gpus.append(_rollout_budget(trainer, shape, layout, rollout_capacity or 0))
     plan.hosts = _host_budgets(recipe, shape, critic_shape, layout, strategy, training, gpu)
     critic_params = critic_shape.critic_params if critic_shape else 0
     plan.checkpoint_bytes = mem.checkpoint_bytes(shape.params, critic_params, param_dtype=master)
@@ -263,7 +273,7 @@ def plan_recipe(
         most_ranks = max((ranks for ranks, _, _ in layout.node_kinds), default=1)
         share = plan.checkpoint_bytes // max(layout.train_ranks, 1)
         plan.staging_bytes = most_ranks * share
-        disk = recipe.resources.disk_size
+        disk = recipe.resources.train_nodes.disk_size  # only training nodes stage shards
         if disk is not None and plan.staging_bytes > int(disk) * GIB:
             plan.problems.append(
                 f"checkpoint staging: {gib(plan.staging_bytes)} GiB of shards per node before "
@@ -271,6 +281,19 @@ def plan_recipe(
             )
     _verdict(plan, recipe, env, advise)
     return plan
+
+
+def _gpu_capacity(group: NodeGroup) -> int | None:
+    """Bytes of one of the group's GPUs (None for CPU-only nodes); PlanError when its type
+    is not in the table."""
+    if not group.gpus_per_node:
+        return None
+    name = group.accelerator_type or ""
+    size = mem.accelerator_gib(name)
+    if size is None:
+        known = ", ".join(mem.ACCELERATOR_GIB)
+        raise PlanError(f"accelerator {name!r} has no memory size in the plan's table: {known}")
+    return int(size * GIB)
 
 
 def _training_budget(
@@ -455,8 +478,14 @@ def _host_budgets(
 ) -> list[Budget]:
     trainer = recipe.trainer
     assert trainer is not None
-    memory = recipe.resources.memory
-    capacity = None if memory is None else int(float(memory.rstrip("+")) * 1e9)
+    resources = recipe.resources
+
+    def host_capacity(ranks: int) -> int | None:
+        # resources.groups: training nodes hold ranks, rollout nodes only engines
+        group = resources.train_nodes if ranks or resources.groups is None else None
+        memory = (group or resources.rollout_nodes or resources).memory
+        return None if memory is None else int(float(memory.rstrip("+")) * 1e9)
+
     compute, master, _ = _dtypes(trainer, gpu, strategy)
     engine_dtype = compute if gpu else "bfloat16"
     engine_copy = mem.engine_weight_bytes(shape, dtype=engine_dtype)
@@ -476,7 +505,7 @@ def _host_budgets(
         title = f"host RAM per node (x{count}: {ranks} rank(s)" + (
             f", {engines} engine(s))" if engines else ")"
         )
-        budget = Budget(title, count, capacity)
+        budget = Budget(title, count, host_capacity(ranks))
         items = budget.items
         if index == 0:
             items.append(Item("controller", int(HOST_PROCESS_GIB * GIB), "head node"))
@@ -621,7 +650,7 @@ def _advice(recipe: Recipe, budget: Budget, env: Mapping[str, str] | None) -> st
     else:
         tp = trainer.rollout.tensor_parallel_size
         for bigger in (2, 4, 8):
-            if bigger > tp and recipe.resources.gpus_per_node % bigger == 0:
+            if bigger > tp and recipe.resources.engine_gpus_per_node % bigger == 0:
                 tries.append(
                     (
                         f"rollout.tensor_parallel_size: {bigger}",

@@ -9,7 +9,16 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 RECIPE_NAME = re.compile(r"[a-z][a-z0-9-]{0,38}[a-z0-9]")
@@ -57,10 +66,22 @@ class StrictModel(BaseModel):
 # --------------------------------------------------------------------------- resources
 
 
-class Resources(StrictModel):
-    """What every node of the job needs."""
+def _check_accelerators(value: str | None) -> str | None:
+    if value is not None and not ACCELERATORS.fullmatch(value):
+        raise ValueError(f"{value!r} is not TYPE or TYPE:COUNT; write e.g. 'H100:8'")
+    return value
 
-    nodes: int = Field(1, ge=1, le=4096, description="Number of nodes (machines) in the job.")
+
+def _check_amount(value: str | None) -> str | None:
+    if value is not None and not AMOUNT.fullmatch(value):
+        raise ValueError(f"{value!r} is not a number; write e.g. '8' or '8+' (at least 8)")
+    return value
+
+
+class _NodeShape(StrictModel):
+    """How many nodes, and what each looks like: its accelerators, CPUs, memory and disk."""
+
+    nodes: int = Field(1, ge=1, le=4096, description="Number of nodes (machines).")
     accelerators: Str | None = Field(
         None,
         description="Accelerators per node as TYPE:COUNT, e.g. 'H100:8' or 'L4' (count 1). "
@@ -73,44 +94,16 @@ class Resources(StrictModel):
         None, description="Memory per node in GB: '64' for exactly 64, '64+' for at least 64."
     )
     disk_size: int | None = Field(None, ge=1, description="Boot disk size per node in GB.")
-    image: Str | None = Field(
-        None,
-        description="Container image every node runs in (SkyPilot docker image, dstack image). "
-        "For Slurm, set slurm.container.",
-    )
-    spot: bool = Field(False, description="Use spot/preemptible instances where supported.")
-    ports: list[int | Str] = Field(
-        default_factory=list,
-        description="Ports to open to the internet (SkyPilot) or publish (dstack), e.g. 8000 "
-        "or '9000-9010'. Never list Ray's ports here.",
-    )
 
     @field_validator("accelerators")
     @classmethod
     def _accelerators(cls, value: str | None) -> str | None:
-        if value is not None and not ACCELERATORS.fullmatch(value):
-            raise ValueError(f"{value!r} is not TYPE or TYPE:COUNT; write e.g. 'H100:8'")
-        return value
+        return _check_accelerators(value)
 
     @field_validator("cpus", "memory")
     @classmethod
     def _amount(cls, value: str | None) -> str | None:
-        if value is not None and not AMOUNT.fullmatch(value):
-            raise ValueError(f"{value!r} is not a number; write e.g. '8' or '8+' (at least 8)")
-        return value
-
-    @field_validator("ports")
-    @classmethod
-    def _ports(cls, value: list[int | str]) -> list[int | str]:
-        for port in value:
-            low, _, high = str(port).partition("-")
-            if not (low.isdigit() and (not high or high.isdigit())):
-                raise ValueError(
-                    f"{port!r} is not a port or a range; write e.g. 8000 or '9000-9010'"
-                )
-            if not 1 <= int(low) <= int(high or low) <= 65535:
-                raise ValueError(f"{port!r} is outside 1-65535")
-        return value
+        return _check_amount(value)
 
     @property
     def accelerator_type(self) -> str | None:
@@ -128,9 +121,160 @@ class Resources(StrictModel):
         assert match is not None
         return int(match["count"] or 1)
 
+
+# The two kinds of node a job with resources.groups has, in the order their nodes are ranked:
+# the head (rank 0) is the first training node.
+GROUP_NAMES = ("train", "rollout")
+
+
+class NodeGroup(_NodeShape):
+    """One kind of node in a job with `resources.groups`. cpus, memory and disk_size left
+    out here take the job-wide value of `resources`."""
+
+    nodes: int = Field(1, ge=1, le=4096, description="Number of nodes of this kind.")
+
+
+class NodeGroups(StrictModel):
+    """A job whose rollout engines run on machines of their own kind (layout: split)."""
+
+    train: NodeGroup = Field(
+        description="The training nodes: the Ray head runs on the first, and training ranks "
+        "only on these."
+    )
+    rollout: NodeGroup = Field(
+        description="The rollout nodes: the split layout's engines run only on these "
+        "(trainer.rollout_gpus is all of their GPUs)."
+    )
+
+
+class Resources(_NodeShape):
+    """What every node of the job needs; with `groups`, what each kind of node needs."""
+
+    nodes: int = Field(1, ge=1, le=4096, description="Number of nodes (machines) in the job.")
+    image: Str | None = Field(
+        None,
+        description="Container image every node runs in (SkyPilot docker image, dstack image). "
+        "For Slurm, set slurm.container.",
+    )
+    spot: bool = Field(False, description="Use spot/preemptible instances where supported.")
+    ports: list[int | Str] = Field(
+        default_factory=list,
+        description="Ports to open to the internet (SkyPilot) or publish (dstack), e.g. 8000 "
+        "or '9000-9010'. Never list Ray's ports here.",
+    )
+    groups: NodeGroups | None = Field(
+        None,
+        description="Two kinds of node in one job, e.g. train: {nodes: 1, accelerators: "
+        "'H100:8'} and rollout: {nodes: 2, accelerators: 'L4:4'}: one Ray cluster across both, "
+        "training ranks on train nodes and rollout engines on rollout nodes (layout: split). "
+        "nodes and accelerators are then set per group; cpus, memory and disk_size here are "
+        "the groups' default; image, spot and ports stay job-wide.",
+    )
+
+    @model_validator(mode="after")
+    def _per_group_fields(self) -> Resources:
+        if self.groups is not None:
+            both = [f for f in ("nodes", "accelerators") if f in self.model_fields_set]
+            if both:
+                raise ValueError(
+                    f"{' and '.join(both)} cannot be set with groups: each group has its own; "
+                    "move them under groups.train and groups.rollout (e.g. train: {nodes: 1, "
+                    "accelerators: 'H100:8'})"
+                )
+        return self
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # The dump is read back on the nodes (RLX_RECIPE_JSON): a job with groups carries no
+        # job-wide nodes or accelerators (the validator above would refuse them), and one
+        # without carries no `groups: null`.
+        data = handler(self)
+        if self.groups is None:
+            data.pop("groups", None)
+        else:
+            data.pop("nodes", None)
+            data.pop("accelerators", None)
+        return data
+
+    @field_validator("ports")
+    @classmethod
+    def _ports(cls, value: list[int | str]) -> list[int | str]:
+        for port in value:
+            low, _, high = str(port).partition("-")
+            if not (low.isdigit() and (not high or high.isdigit())):
+                raise ValueError(
+                    f"{port!r} is not a port or a range; write e.g. 8000 or '9000-9010'"
+                )
+            if not 1 <= int(low) <= int(high or low) <= 65535:
+                raise ValueError(f"{port!r} is outside 1-65535")
+        return value
+
+    def group(self, name: str) -> NodeGroup:
+        """Group `name` with the job-wide cpus, memory and disk_size filled in where it sets
+        none; without groups, the whole job as the one group "train" (KeyError for
+        "rollout")."""
+        if self.groups is None:
+            if name != "train":
+                raise KeyError(name)
+            return NodeGroup(
+                nodes=self.nodes,
+                accelerators=self.accelerators,
+                cpus=self.cpus,
+                memory=self.memory,
+                disk_size=self.disk_size,
+            )
+        group: NodeGroup = getattr(self.groups, name)
+        defaults = {
+            field: getattr(self, field)
+            for field in ("cpus", "memory", "disk_size")
+            if getattr(group, field) is None
+        }
+        return group.model_copy(update=defaults)
+
+    def node_groups(self) -> list[tuple[str, NodeGroup]]:
+        """(name, group) in rank order, train first; [] for a job without groups."""
+        if self.groups is None:
+            return []
+        return [(name, self.group(name)) for name in GROUP_NAMES]
+
+    @property
+    def train_nodes(self) -> NodeGroup:
+        """The nodes training ranks run on: the train group, or every node."""
+        return self.group("train")
+
+    @property
+    def rollout_nodes(self) -> NodeGroup | None:
+        """The rollout group; None without groups (engines share the training nodes)."""
+        return None if self.groups is None else self.group("rollout")
+
+    @property
+    def total_nodes(self) -> int:
+        """Every node of the job, all groups together."""
+        if self.groups is None:
+            return self.nodes
+        return self.groups.train.nodes + self.groups.rollout.nodes
+
+    @property
+    def accelerator_type(self) -> str | None:
+        """The training nodes' accelerator type."""
+        return _NodeShape.accelerator_type.fget(self.train_nodes)  # type: ignore[attr-defined]
+
+    @property
+    def gpus_per_node(self) -> int:
+        """GPUs per training node (with groups, the train group's)."""
+        return _NodeShape.gpus_per_node.fget(self.train_nodes)  # type: ignore[attr-defined]
+
+    @property
+    def engine_gpus_per_node(self) -> int:
+        """GPUs per node where the rollout engines run: the rollout group's, or every node's."""
+        rollout = self.rollout_nodes
+        return self.gpus_per_node if rollout is None else rollout.gpus_per_node
+
     @property
     def total_gpus(self) -> int:
-        return self.nodes * self.gpus_per_node
+        if self.groups is None:
+            return self.nodes * self.gpus_per_node
+        return sum(group.nodes * group.gpus_per_node for _, group in self.node_groups())
 
     def expanded_ports(self) -> list[int]:
         """Every port `ports` opens, ranges expanded."""

@@ -35,7 +35,7 @@ class TrainJob:
                 "`rlx train` to run; add one (see recipes/quickstart.yaml)"
             )
         refuse_at_startup(recipe)
-        engine = choose_engine(settings.rollout.engine, recipe.resources.gpus_per_node)
+        engine = choose_engine(settings.rollout.engine, recipe.resources.engine_gpus_per_node)
         return cls(recipe, settings, plan_actors(recipe), engine)
 
     @property

@@ -22,12 +22,12 @@ def check_dstack(recipe: Recipe) -> Iterator[Problem]:
     if dstack is None:
         return
     for i, volume in enumerate(recipe.volumes):
-        if volume.name and recipe.resources.nodes > 1 and not per_node(volume.name):
+        if volume.name and recipe.resources.total_nodes > 1 and not per_node(volume.name):
             yield Problem(
                 ("volumes", i, "name"),
                 ERROR,
                 f"a dstack network volume attaches to one node, and this job has "
-                f"{recipe.resources.nodes}; for state every node shares use a bucket "
+                f"{recipe.resources.total_nodes}; for state every node shares use a bucket "
                 "(trainer.checkpoint.dir: s3://BUCKET/checkpoints), for node-local data name "
                 f"one volume per node: {volume.name}-{NODE_RANK}",
             )
@@ -38,7 +38,7 @@ def check_dstack(recipe: Recipe) -> Iterator[Problem]:
             "a network volume lives in one region, and this run may start in any of "
             f"{', '.join(dstack.regions)}; keep one region, or keep state in a bucket",
         )
-    if recipe.resources.nodes > 1 and not dstack.fleets:
+    if recipe.resources.total_nodes > 1 and not dstack.fleets:
         yield Problem(
             ("dstack", "fleets"),
             WARNING,

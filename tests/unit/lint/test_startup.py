@@ -55,6 +55,14 @@ def _all(*changes: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]
 
 GPUS = _set("resources.accelerators", "H100:8")
 
+
+def _groups(train: dict[str, Any], rollout: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
+    """resources.groups in place of resources.nodes."""
+    return _set("resources", {"groups": {"train": train, "rollout": rollout}})
+
+
+SPLIT = _set("trainer.layout", "split")
+
 # Per start-up check: recipes it refuses (a change to BASE) and the field it names.
 BROKEN: dict[str, list[tuple[Callable[[dict[str, Any]], None], str]]] = {
     "check_batch_divisibility": [
@@ -90,6 +98,27 @@ BROKEN: dict[str, list[tuple[Callable[[dict[str, Any]], None], str]]] = {
                 _set("trainer.rollout.tensor_parallel_size", 2),
             ),
             "trainer.rollout.tensor_parallel_size",
+        ),
+    ],
+    "check_groups_layout": [(_groups({"nodes": 1}, {"nodes": 1}), "trainer.layout")],
+    "check_groups_accelerators": [
+        (
+            _all(_groups({"accelerators": "H100:8"}, {"nodes": 2}), SPLIT),
+            "resources.groups.rollout",
+        )
+    ],
+    "check_groups_rollout_gpus": [
+        (
+            _all(
+                _groups({"accelerators": "H100:1"}, {"nodes": 2, "accelerators": "L4:2"}),
+                SPLIT,
+                _set("trainer.rollout_gpus", 2),
+            ),
+            "trainer.rollout_gpus",
+        ),
+        (
+            _all(_groups({}, {"nodes": 2}), SPLIT, _set("trainer.rollout_gpus", 1)),
+            "trainer.rollout_gpus",
         ),
     ],
     "check_trainer_specs": [
