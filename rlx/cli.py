@@ -448,7 +448,7 @@ def node(
 
     check_node_version(os.environ)
     loaded = _recipe_from(recipe)
-    info = node_env.node_info(backend.value, os.environ, loaded.resources.gpus_per_node)
+    info = node_env.job_node_info(backend.value, os.environ, loaded.resources)
     raise typer.Exit(bootstrap.main(loaded, info, os.environ))
 
 

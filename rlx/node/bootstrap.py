@@ -173,13 +173,14 @@ class Bootstrap:
 
     def run_head(self) -> int:
         node, settings = self.node, self.recipe.ray
-        self.say(
-            f"starting the Ray head on {node.head_ip}:{settings.port} "
-            f"({node.num_nodes} nodes, {node.gpus_per_node} GPUs each)"
+        sizes = (
+            f"{node.num_nodes} nodes, {node.gpus_per_node} GPUs each"
+            if not node.groups
+            else f"{node.num_nodes} nodes: " + _group_sizes(node)
         )
-        start = raynode.RayStart(
-            raynode.head_command(settings, node.head_ip, node.gpus_per_node), self.ray_env
-        )
+        self.say(f"starting the Ray head on {node.head_ip}:{settings.port} ({sizes})")
+        argv = raynode.head_command(settings, node.head_ip, node.gpus_per_node, node.own_group)
+        start = raynode.RayStart(argv, self.ray_env)
         # Import Ray's client while the GCS starts, so the workers hear of it at once.
         threading.Thread(target=raynode.preload, daemon=True).start()
         try:
@@ -245,7 +246,7 @@ class Bootstrap:
 
     def wait_for_nodes(self, gcs: raynode.Gcs, start: raynode.RayStart) -> set[str]:
         node = self.node
-        want_gpus = node.num_nodes * node.gpus_per_node
+        want_gpus = node.expected_gpus
         last_report = 0
         for delay in raynode.backoff(cap=JOIN_POLL_SECONDS):
             started = self.head_started(start)  # the head's own `ray start` must finish well too
@@ -262,6 +263,8 @@ class Bootstrap:
                     f"cluster formed: {len(alive)}/{node.num_nodes} nodes online, "
                     f"{gpus:.0f}/{want_gpus} GPUs, {cpus:.0f} CPUs"
                 )
+                if node.groups:
+                    self.check_groups(states)
                 return alive
             joined = len(alive & set(node.node_ips))
             if joined != last_report:
@@ -283,6 +286,28 @@ class Bootstrap:
                 )
             time.sleep(delay)
         raise AssertionError("unreachable")
+
+    def check_groups(self, states: list[raynode.NodeState]) -> None:
+        """Every node carries its group's label (placement selects by it): say which nodes
+        each group has, as Ray's node table sees it, and fail on a node labelled otherwise."""
+        node = self.node
+        labelled = {s.ip: s.group for s in states}
+        wrong = [
+            f"{node.describe(r)} is labelled {labelled.get(ip)!r}"
+            for r, ip in enumerate(node.node_ips)
+            if labelled.get(ip) != node.groups[r]
+        ]
+        if wrong:
+            raise ClusterError(
+                f"nodes joined with another group's label: {'; '.join(wrong)} (the trainer "
+                "was not started)"
+            )
+        members = zip(node.node_ips, node.groups, strict=True)
+        by_group: dict[str, list[str]] = {}
+        for ip, name in members:
+            by_group.setdefault(name, []).append(ip)
+        listed = "; ".join(f"{name}: {', '.join(ips)}" for name, ips in by_group.items())
+        self.say(f"node groups (Ray label {raynode.NODE_GROUP_LABEL}): {listed}")
 
     def head_command_env(self) -> dict[str, str]:
         node = self.node
@@ -448,7 +473,9 @@ class Bootstrap:
         (or with a busy GCS) that is not enough. The join timeout is ours to keep: wait
         for the raylet until then, and start once more if it died."""
         node, settings = self.node, self.recipe.ray
-        argv = raynode.worker_command(settings, node.head_ip, node.own_ip, node.gpus_per_node)
+        argv = raynode.worker_command(
+            settings, node.head_ip, node.own_ip, node.gpus_per_node, node.own_group
+        )
         for attempt in (1, 2):
             try:
                 raynode.run_ray_start(argv, self.ray_env, RAY_START_TIMEOUT)
@@ -577,6 +604,15 @@ def adopt_orphans() -> bool:
         return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+def _group_sizes(node: NodeInfo) -> str:
+    """'train 1 x 8 GPUs, rollout 2 x 4 GPUs'."""
+    parts = []
+    for name in dict.fromkeys(node.groups):
+        ranks = [r for r, g in enumerate(node.groups) if g == name]
+        parts.append(f"{name} {len(ranks)} x {node.node_gpus[ranks[0]]} GPUs")
+    return ", ".join(parts)
 
 
 def main(recipe: Recipe, node: NodeInfo, env: Mapping[str, str]) -> int:

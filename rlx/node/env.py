@@ -8,6 +8,16 @@ Exact variable names (checked against each project's source):
 - Slurm: RLX_NODE_HOSTS (the job's hostnames, head first, set by the rendered sbatch script
   from `scontrol show hostnames`), SLURMD_NODENAME, SLURM_JOB_ID.
 
+With resources.groups (training and rollout nodes of their own kinds) every node's rank is
+its place in the whole job, training nodes first, so the head is the first training node:
+- SkyPilot runs each group as a job of a job group (its own cluster): SKYPILOT_NODE_RANK,
+  SKYPILOT_NODE_IPS and SKYPILOT_NUM_NODES are the group's own, RLX_NODE_GROUP (set by the
+  rendered job) names the group, and the other group's nodes are found by the hostnames
+  SkyPilot gives every node of a job group, `<job>-<i>.<SKYPILOT_JOBGROUP_NAME>`.
+- dstack numbers the nodes of all its node groups in order: DSTACK_NODE_RANK and
+  DSTACK_NODES_IPS are the whole job's, DSTACK_GPUS_PER_NODE this node's.
+- Slurm: the batch script lists the heterogeneous job's train component's hosts first.
+
 This module is also the one home of the variables rlx itself sets on the nodes (renderers
 write them, `rlx node` and `rlx train` read them), and of the recipe's form on the nodes:
 the whole validated recipe as one line of JSON, so nodes need no copy of the recipe file.
@@ -17,14 +27,15 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from rlx.errors import RlxError
 
 if TYPE_CHECKING:
-    from rlx.recipe.model import Recipe
+    from rlx.recipe.model import Recipe, Resources
 
 # Set by every rendered job on every node.
 RECIPE_ENV = "RLX_RECIPE_JSON"  # the recipe (recipe_json)
@@ -35,6 +46,14 @@ NODE_HOSTS_ENV = "RLX_NODE_HOSTS"  # the job's hostnames, head first, one per li
 JOB_DIR_ENV = "RLX_JOB_DIR"  # the job's own folder on the shared filesystem (absolute)
 # Chosen by the user (or a launcher) to name the run, so a relaunch continues it.
 RUN_ID_ENV = "RLX_RUN_ID"
+# resources.groups: the group a node belongs to (set per job of a SkyPilot job group), and
+# the Ray node label every node of such a job carries, which placement selects by.
+NODE_GROUP_ENV = "RLX_NODE_GROUP"
+NODE_GROUP_LABEL = "rlx-node-group"
+SKY_JOB_GROUP_ENV = "SKYPILOT_JOBGROUP_NAME"
+# How long a node waits for the other group's hostnames to resolve (SkyPilot fills them in
+# as its job group's nodes come up; on Kubernetes a background updater writes them).
+RESOLVE_SECONDS = 300.0
 
 
 def recipe_json(recipe: Recipe) -> str:
@@ -80,12 +99,24 @@ class NodeInfo:
     rank: int
     node_ips: tuple[str, ...]  # head first
     node_names: tuple[str, ...]  # for messages: hostnames where known, else the IPs
-    gpus_per_node: int
+    gpus_per_node: int  # this node's
     run_id: str | None
+    # resources.groups: each node's group and GPUs, head first; () for a job without groups
+    groups: tuple[str, ...] = ()
+    node_gpus: tuple[int, ...] = ()
 
     @property
     def num_nodes(self) -> int:
         return len(self.node_ips)
+
+    @property
+    def expected_gpus(self) -> int:
+        """Every GPU of the job."""
+        return sum(self.node_gpus) if self.node_gpus else self.num_nodes * self.gpus_per_node
+
+    @property
+    def own_group(self) -> str | None:
+        return self.groups[self.rank] if self.groups else None
 
     @property
     def head_ip(self) -> str:
@@ -101,7 +132,9 @@ class NodeInfo:
 
     def describe(self, rank: int) -> str:
         name, ip = self.node_names[rank], self.node_ips[rank]
-        return f"node {rank} ({name})" if name == ip else f"node {rank} ({name}, {ip})"
+        where = name if name == ip else f"{name}, {ip}"
+        group = f"{self.groups[rank]}, " if self.groups else ""
+        return f"node {rank} ({group}{where})"
 
 
 def detect_backend(env: Mapping[str, str]) -> str:
@@ -234,6 +267,99 @@ READERS: dict[str, Callable[[Mapping[str, str], int], NodeInfo]] = {
     "slurm": lambda env, gpus: from_slurm(env, gpus),
     "local": lambda env, gpus: from_local(gpus),
 }
+
+
+def resolve_waiting(
+    host: str,
+    seconds: float = RESOLVE_SECONDS,
+    resolve: Callable[[str], str] = socket.gethostbyname,
+    sleep: Callable[[float], None] = time.sleep,
+) -> str:
+    """The address of `host`, asking again for up to `seconds` while it does not resolve."""
+    waited, delay = 0.0, 0.5
+    while True:
+        try:
+            return resolve(host)
+        except OSError:
+            if waited >= seconds:
+                raise RlxError(
+                    f"cannot resolve node {host!r} to an address within {seconds:.0f} s; "
+                    "check the cluster's DNS or /etc/hosts"
+                ) from None
+        sleep(delay)
+        waited += delay
+        delay = min(delay * 2, 5.0)
+
+
+def _grouped(info: NodeInfo, resources: Resources, rank_gpus: int | None = None) -> NodeInfo:
+    """`info` (ranks over the whole job, training nodes first) with each node's group and
+    GPUs from the recipe; rank_gpus: this node's GPUs where the backend says."""
+    groups = [(name, group) for name, group in resources.node_groups()]
+    names = tuple(name for name, group in groups for _ in range(group.nodes))
+    gpus = tuple(group.gpus_per_node for _, group in groups for _ in range(group.nodes))
+    if len(names) != info.num_nodes:
+        raise RlxError(
+            f"{info.backend}: the recipe's groups have {len(names)} nodes but the job has "
+            f"{info.num_nodes}; render and launch the job again from the recipe"
+        )
+    own = gpus[info.rank] if rank_gpus is None else rank_gpus
+    return replace(info, gpus_per_node=own, groups=names, node_gpus=gpus)
+
+
+def sky_group_info(
+    env: Mapping[str, str],
+    resources: Resources,
+    resolve: Callable[[str], str] = resolve_waiting,
+) -> NodeInfo:
+    """A node of a SkyPilot job group: its own job's nodes from SkyPilot's variables, the
+    other group's by the hostnames SkyPilot gives the job group's nodes."""
+    group = _need(env, NODE_GROUP_ENV, "sky")
+    job_group = _need(env, SKY_JOB_GROUP_ENV, "sky")
+    own = from_sky(env)
+    ips: list[str] = []
+    names: list[str] = []
+    offset = None
+    for name, spec in resources.node_groups():
+        hosts = [f"{name}-{i}.{job_group}" for i in range(spec.nodes)]
+        if name == group:
+            if own.num_nodes != spec.nodes:
+                raise RlxError(
+                    f"sky: job {name} has {own.num_nodes} nodes but the recipe's "
+                    f"groups.{name} has {spec.nodes}; render and launch the job again"
+                )
+            offset = len(ips)
+            ips += own.node_ips
+        else:
+            ips += [resolve(host) for host in hosts]
+        names += hosts
+    if offset is None:
+        raise RlxError(
+            f"{NODE_GROUP_ENV}={group!r} names no group of the recipe; write one of "
+            f"{', '.join(name for name, _ in resources.node_groups())}"
+        )
+    info = NodeInfo("sky", offset + own.rank, tuple(ips), tuple(names), 0, own.run_id)
+    return _grouped(info, resources, own.gpus_per_node)
+
+
+def job_node_info(backend: str, env: Mapping[str, str], resources: Resources) -> NodeInfo:
+    """This node, for a job of `resources`: node_info, and with resources.groups each
+    node's group (the local backend has one machine and refuses groups)."""
+    if resources.groups is None:
+        return node_info(backend, env, resources.gpus_per_node)
+    if backend == "auto":
+        backend = detect_backend(env)
+    if backend == "sky":
+        return sky_group_info(env, resources)
+    if backend == "dstack":
+        info = from_dstack(env)
+        return _grouped(info, resources, info.gpus_per_node)
+    if backend == "slurm":
+        return _grouped(from_slurm(env, 0), resources)
+    raise RlxError(
+        f"resources.groups asks for training and rollout machines of their own, and the "
+        f"{backend} backend has one machine; launch with --backend sky, dstack or slurm, or "
+        "drop groups (resources.nodes, resources.accelerators) to run here"
+    )
 
 
 def node_info(backend: str, env: Mapping[str, str], gpus_per_node: int) -> NodeInfo:

@@ -20,6 +20,7 @@ from typing import Any
 
 from rlx import procfs
 from rlx.errors import RlxError
+from rlx.node.env import NODE_GROUP_LABEL
 from rlx.recipe.model import RaySettings
 
 NAMESPACE = b"rlx"
@@ -48,6 +49,7 @@ class NodeState:
     alive: bool
     gpus: float
     cpus: float = 0.0
+    group: str | None = None  # its NODE_GROUP_LABEL (resources.groups)
 
 
 # Ray's debugger switches (ray.debug), set on every node's Ray, so every worker inherits them.
@@ -79,7 +81,7 @@ def ray_env(base: Mapping[str, str], token: str | None, debug: str = "off") -> d
     return env
 
 
-def head_command(settings: RaySettings, ip: str, gpus: int) -> list[str]:
+def head_command(settings: RaySettings, ip: str, gpus: int, group: str | None = None) -> list[str]:
     return [
         "ray",
         "start",
@@ -89,22 +91,26 @@ def head_command(settings: RaySettings, ip: str, gpus: int) -> list[str]:
         f"--dashboard-host={settings.dashboard_host}",
         f"--dashboard-port={settings.dashboard_port}",
         f"--ray-client-server-port={settings.client_server_port}",
-        *_shared_flags(settings, gpus),
+        *_shared_flags(settings, gpus, group),
     ]
 
 
-def worker_command(settings: RaySettings, head_ip: str, ip: str, gpus: int) -> list[str]:
+def worker_command(
+    settings: RaySettings, head_ip: str, ip: str, gpus: int, group: str | None = None
+) -> list[str]:
     return [
         "ray",
         "start",
         f"--address={head_ip}:{settings.port}",
         f"--node-ip-address={ip}",
-        *_shared_flags(settings, gpus),
+        *_shared_flags(settings, gpus, group),
     ]
 
 
-def _shared_flags(settings: RaySettings, gpus: int) -> list[str]:
+def _shared_flags(settings: RaySettings, gpus: int, group: str | None) -> list[str]:
     return [
+        # resources.groups: the node's group as a Ray label, which placement selects by
+        *([f"--labels={NODE_GROUP_LABEL}={group}"] if group else []),
         f"--dashboard-agent-listen-port={settings.dashboard_agent_port}",
         f"--object-manager-port={settings.object_manager_port}",
         f"--node-manager-port={settings.node_manager_port}",
@@ -251,6 +257,7 @@ class Gcs:
                 node.state == 0,  # 0 is ALIVE
                 float(node.resources_total.get("GPU", 0.0)),
                 float(node.resources_total.get("CPU", 0.0)),
+                dict(node.labels).get(NODE_GROUP_LABEL),
             )
             for node in info.values()
         ]

@@ -57,6 +57,12 @@ def launch(request: LaunchRequest) -> Job:
     from rlx.trainer.resolve import run_paths
 
     recipe = request.recipe
+    if recipe.resources.groups is not None:
+        raise RlxError(
+            "resources.groups asks for training and rollout machines of their own, and the "
+            "local backend is this one machine; launch with --backend sky, dstack or slurm, "
+            "or drop groups (set resources.nodes and accelerators) to run here"
+        )
     run_id = run_id_for(request.name, os.environ)
     values = {**recipe.env, **request.secrets, RUN_ID_ENV: run_id}
     job = request.job(BACKEND.name, str(os.getpid()), run_id=run_id)
@@ -90,11 +96,11 @@ def _train(recipe: Recipe, run_dir: Path) -> int:
 def _run_command(recipe: Recipe, values: Mapping[str, str], job: Job, workdir: Path) -> int:
     """A recipe whose head runs its own `command`: the node bootstrap, on this one node."""
     from rlx.node import bootstrap
-    from rlx.node.env import node_info
+    from rlx.node.env import job_node_info
 
     remember(job, workdir)
     env = {**os.environ, **values}
-    return bootstrap.main(recipe, node_info(BACKEND.name, env, recipe.resources.gpus_per_node), env)
+    return bootstrap.main(recipe, job_node_info(BACKEND.name, env, recipe.resources), env)
 
 
 def _shown(path: str | None) -> str:
