@@ -110,7 +110,8 @@ def view(run: Any) -> RunView:
         run.run_spec.run_name,
         _value(run.status),
         _value(run.termination_reason),
-        int(getattr(conf, "nodes", 1) or 1),
+        # node groups (resources.groups) leave `nodes` unset: nodes_num counts them all
+        int(getattr(conf, "nodes_num", None) or getattr(conf, "nodes", 1) or 1),
         tuple(_ref(f) for f in getattr(conf, "fleets", None) or ()),
         tuple(sorted(jobs, key=lambda j: j.node)),
         _retries_on_no_capacity(conf),

@@ -1,4 +1,6 @@
-"""dstack: a task YAML that dstack's `parse_run_configuration` accepts."""
+"""dstack: a task YAML that dstack's `parse_run_configuration` accepts; with resources.groups,
+one node group per recipe group (train first: dstack ranks the nodes of its groups in order,
+so the master node, rank 0, is the first training node), each with its own resources."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from rlx.launchers.common import (
 from rlx.launchers.dstack import BACKEND
 from rlx.node.env import RECIPE_ENV, recipe_json
 from rlx.recipe import Recipe
-from rlx.recipe.model import is_bucket
+from rlx.recipe.model import NodeGroup, Resources, is_bucket
 
 
 def escape(value: str) -> str:
@@ -31,8 +33,7 @@ def _amount(value: str | None, unit: str) -> str | None:
     return value[:-1] + unit + ".." if value.endswith("+") else value + unit
 
 
-def _resources(recipe: Recipe) -> dict[str, Any]:
-    res = recipe.resources
+def _resources(res: Resources | NodeGroup) -> dict[str, Any]:
     return drop_empty(
         {
             "gpu": res.accelerators,
@@ -64,6 +65,17 @@ def run_config(recipe: Recipe) -> dict[str, Any]:
         for dst, src in recipe.file_mounts.items()
         if not is_bucket(src)
     ]
+    commands = [setup_script(recipe) + node_command(BACKEND.name)]
+    groups = [
+        # Each group its own resources (dstack's groups inherit none from the top level).
+        {
+            "name": name,
+            "nodes": group.nodes,
+            "resources": _resources(group),
+            "commands": [*commands],
+        }
+        for name, group in recipe.resources.node_groups()
+    ]
     retry = None
     if settings and settings.retry:
         retry = {"on_events": list(settings.retry.on_events), "duration": settings.retry.duration}
@@ -71,7 +83,8 @@ def run_config(recipe: Recipe) -> dict[str, Any]:
         {
             "type": "task",
             "name": recipe.name,
-            "nodes": recipe.resources.nodes,
+            "nodes": None if groups else recipe.resources.nodes,
+            "groups": groups,
             "image": recipe.resources.image,
             "shell": "bash",
             "env": env,
@@ -80,8 +93,8 @@ def run_config(recipe: Recipe) -> dict[str, Any]:
                 drop_empty({"name": v.name, "path": v.path}) for v in recipe.volumes if v.name
             ],
             # Workers block in `rlx node` until the head is done, so dstack keeps them up.
-            "commands": [setup_script(recipe) + node_command(BACKEND.name)],
-            "resources": _resources(recipe),
+            "commands": None if groups else commands,
+            "resources": None if groups else _resources(recipe.resources),
             "spot_policy": "spot" if recipe.resources.spot else None,
             "fleets": list(settings.fleets) if settings else [],
             "backends": list(settings.backends) if settings else [],

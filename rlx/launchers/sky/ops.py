@@ -47,23 +47,55 @@ def _sky() -> Any:
 def launch_config(request: LaunchRequest) -> dict[str, Any]:
     """The rendered task as a dict, with local paths made absolute against the launch
     folder (the rendered file keeps them as the recipe wrote them)."""
-    config = yaml.safe_load(request.rendered)
+    return _for_launch(
+        yaml.safe_load(request.rendered), request, build_wheel(wheel_dir(os.environ))
+    )
+
+
+def _for_launch(config: dict[str, Any], request: LaunchRequest, wheel: Any) -> dict[str, Any]:
     if isinstance(config.get("workdir"), str):
         config["workdir"] = absolute_local(config["workdir"], request.workdir)
     for remote, source in dict(config.get("file_mounts") or {}).items():
         if isinstance(source, str) and not is_bucket(source):
             config["file_mounts"][remote] = absolute_local(source, request.workdir)
     # rlx ships itself: the node installs this wheel when its own rlx differs.
-    wheel = build_wheel(wheel_dir(os.environ))
     remote = f"~/.rlx/wheels/{wheel.name}"
     config.setdefault("file_mounts", {})[remote] = str(wheel)
     config.setdefault("envs", {})[WHEEL_ENV] = remote
     return config
 
 
+def job_group_text(request: LaunchRequest) -> str:
+    """The rendered job group (resources.groups) with each job prepared as launch_config
+    prepares a task: the text SkyPilot's job-group loader reads."""
+    header, *jobs = yaml.safe_load_all(request.rendered)
+    wheel = build_wheel(wheel_dir(os.environ))
+    prepared = [_for_launch(job, request, wheel) for job in jobs]
+    return yaml.safe_dump_all([header, *prepared], sort_keys=False)
+
+
+def _launch_job_group(sky: Any, request: LaunchRequest, rendered_file: str) -> Job:
+    """SkyPilot runs a job group only as a managed job: one cluster per group."""
+    from sky.utils import dag_utils
+
+    target = Target(request.name, managed=True)
+    with ERRORS.around(target):
+        dag = dag_utils.load_job_group_from_yaml_str(
+            job_group_text(request), secrets_overrides=list(request.secrets.items())
+        )
+        job_ids, _ = sky.stream_and_get(sky.jobs.launch(dag, name=request.name))
+    if not job_ids:
+        raise RlxError(f"SkyPilot accepted {request.name} but returned no managed job id")
+    job = request.job(BACKEND.name, str(job_ids[0]), rendered_file)
+    job.extra[MANAGED] = "1"
+    return job
+
+
 def launch(request: LaunchRequest) -> Job:
     sky = _sky()
     rendered_file = save_rendered(request, BACKEND.suffix)
+    if request.recipe.resources.groups is not None:
+        return _launch_job_group(sky, request, str(rendered_file))
     target = Target(request.name, managed=request.managed)
     with ERRORS.around(target):
         # Values are merged in before the task is built: a secret left without a value

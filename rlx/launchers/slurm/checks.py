@@ -49,4 +49,20 @@ def check_slurm(recipe: Recipe) -> Iterator[Problem]:
         )
 
 
-CHECKS: list[Check] = [check_slurm]
+def check_slurm_groups(recipe: Recipe) -> Iterator[Problem]:
+    """resources.groups is a heterogeneous job; a docker or podman container per node is
+    started by one step across the whole allocation, which a heterogeneous job has not."""
+    slurm = recipe.slurm
+    if slurm is None or recipe.resources.groups is None or slurm.container is None:
+        return
+    runtime = slurm.container.runtime
+    if runtime in ("docker", "podman"):
+        yield Problem(
+            ("slurm", "container", "runtime"),
+            ERROR,
+            f"{runtime} containers are not run in a heterogeneous job (resources.groups); "
+            "use runtime: pyxis or apptainer, or drop groups",
+        )
+
+
+CHECKS: list[Check] = [check_slurm, check_slurm_groups]

@@ -1,5 +1,9 @@
 """Slurm: one sbatch script; head and workers start with srun, each with its own log. Pure:
-the script's text from the recipe (containers.py adds the container runtimes' parts)."""
+the script's text from the recipe (containers.py adds the container runtimes' parts).
+
+With resources.groups the script is a heterogeneous job: component 0 the training nodes,
+component 1 (after `#SBATCH hetjob`) the rollout nodes, each with its own resources; the
+head is the first training node and each step runs in its component (`srun --het-group`)."""
 
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from rlx.node.env import (
     recipe_json,
 )
 from rlx.recipe import Recipe
+from rlx.recipe.model import NodeGroup, Resources
 
 # Once the head (or every worker) is done, the other step follows within seconds; past this
 # grace period the driver stops it, so a stalled node cannot hold the allocation.
@@ -51,24 +56,28 @@ def _mem(value: str) -> str:
     return f"{int(gb)}G" if gb.is_integer() else f"{math.ceil(gb * 1024)}M"
 
 
-def directives(recipe: Recipe) -> list[str]:
-    res, slurm = recipe.resources, recipe.slurm
-    lines = [
-        f"--job-name={recipe.name}",
-        f"--nodes={res.nodes}",
-        "--ntasks-per-node=1",
-    ]
-    if res.gpus_per_node:
+def _node_lines(recipe: Recipe, shape: Resources | NodeGroup, nodes: int) -> list[str]:
+    """What one kind of node asks for: how many, their GPUs, CPUs and memory."""
+    slurm = recipe.slurm
+    lines = [f"--nodes={nodes}", "--ntasks-per-node=1"]
+    if shape.gpus_per_node:
         flag = slurm.gpu_flag if slurm else "gpus-per-node"
         lines.append(
-            f"--gres=gpu:{res.gpus_per_node}"
+            f"--gres=gpu:{shape.gpus_per_node}"
             if flag == "gres"
-            else f"--gpus-per-node={res.gpus_per_node}"
+            else f"--gpus-per-node={shape.gpus_per_node}"
         )
-    if res.cpus:
-        lines.append(f"--cpus-per-task={math.ceil(float(res.cpus.rstrip('+')))}")
-    if res.memory:
-        lines.append(f"--mem={_mem(res.memory)}")
+    if shape.cpus:
+        lines.append(f"--cpus-per-task={math.ceil(float(shape.cpus.rstrip('+')))}")
+    if shape.memory:
+        lines.append(f"--mem={_mem(shape.memory)}")
+    return lines
+
+
+def directives(recipe: Recipe) -> list[str]:
+    res, slurm = recipe.resources, recipe.slurm
+    train = res.train_nodes
+    lines = [f"--job-name={recipe.name}", *_node_lines(recipe, train, train.nodes)]
     if slurm:
         for field in ("partition", "account", "qos", "time", "constraint"):
             value = getattr(slurm, field)
@@ -81,7 +90,23 @@ def directives(recipe: Recipe) -> list[str]:
             lines += ["--requeue", f"--signal=B:USR1@{slurm.requeue.signal_lead}"]
             lines.append("--open-mode=append")  # every attempt adds to the same .out file
     lines.append(f"--output={log_dir(recipe)}/%x-%j.out")
-    return [f"#SBATCH {line}" for line in lines]
+    out = [f"#SBATCH {line}" for line in lines]
+    rollout = res.rollout_nodes
+    if rollout is not None:
+        # The second component: the rollout nodes. Where their nodes live and who pays is
+        # the job's (said again, as Slurm does not carry every option over); the constraint
+        # stays the training nodes'.
+        more = _node_lines(recipe, rollout, rollout.nodes)
+        if slurm:
+            more += [
+                f"--{field}={getattr(slurm, field)}"
+                for field in ("partition", "account", "qos", "time")
+                if getattr(slurm, field) is not None
+            ]
+            if slurm.exclusive:
+                more.append("--exclusive")
+        out += ["#SBATCH hetjob", *(f"#SBATCH {line}" for line in more)]
+    return out
 
 
 def log_dir(recipe: Recipe) -> str:
@@ -133,7 +158,7 @@ exec rlx node --backend slurm
 def script(recipe: Recipe) -> list[str]:
     """The body of the batch script (after the #SBATCH lines)."""
     q = shlex.quote
-    nodes = recipe.resources.nodes
+    nodes = recipe.resources.total_nodes
     out = [
         "set -euo pipefail",
         "",
@@ -181,8 +206,18 @@ def script(recipe: Recipe) -> list[str]:
             f"export {RAY_TOKEN_SECRET}",
             "",
         ]
+    grouped = recipe.resources.groups is not None
+    if grouped:
+        out += [
+            "# A heterogeneous job: component 0 the training nodes, 1 the rollout nodes.",
+            'mapfile -t train_nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST_HET_GROUP_0")',
+            "mapfile -t rollout_nodes < <(scontrol show hostnames "
+            '"$SLURM_JOB_NODELIST_HET_GROUP_1")',
+            'nodes=("${train_nodes[@]}" "${rollout_nodes[@]}")',
+        ]
+    else:
+        out.append('mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")')
     out += [
-        'mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
         f"{NODE_HOSTS_ENV}=$(printf '%s\\n' \"${{nodes[@]}}\")",
         f"export {NODE_HOSTS_ENV}",
         "head_node=${nodes[0]}",
@@ -222,12 +257,13 @@ def script(recipe: Recipe) -> list[str]:
         step = "srun --overlap --ntasks-per-node=1"
     setup = setup_script(recipe)
     if setup:
-        out += [
-            f"export RLX_SETUP={q(setup)}",
-            f'{step} --nodes={nodes} --ntasks={nodes} --output="$job_logs/setup-%N.log" '
-            + in_container(recipe, 'bash -c "$RLX_SETUP"'),
-            "",
-        ]
+        out.append(f"export RLX_SETUP={q(setup)}")
+        for component, count in _components(recipe):
+            out.append(
+                f"{step}{component} --nodes={count} --ntasks={count} "
+                '--output="$job_logs/setup-%N.log" ' + in_container(recipe, 'bash -c "$RLX_SETUP"')
+            )
+        out.append("")
     out += [
         "# Every node: the shipped rlx when RLX_WHEEL names one, then rlx node.",
         "# shellcheck disable=SC2016  # expanded on each node, not here",
@@ -235,13 +271,16 @@ def script(recipe: Recipe) -> list[str]:
     ]
     node_cmd = in_container(recipe, 'bash -c "$RLX_NODE"')
     requeue = recipe.slurm.requeue if recipe.slurm else None
+    head_component = " --het-group=0" if grouped else ""
     out += [
-        f'{step} --nodes=1 --ntasks=1 --nodelist="$head_node" '
+        f'{step}{head_component} --nodes=1 --ntasks=1 --nodelist="$head_node" '
         f'--output="$job_logs/head.log" {node_cmd} &',
         "head_pid=$!",
         *(_warning_trap(nodes) if requeue else []),
     ]
-    if nodes > 1:
+    if grouped:
+        out += _group_workers(recipe, step, node_cmd)
+    elif nodes > 1:
         out += [
             'workers=$(IFS=,; echo "${nodes[*]:1}")',
             f'{step} --nodes={nodes - 1} --ntasks={nodes - 1} --nodelist="$workers" '
@@ -261,6 +300,47 @@ def script(recipe: Recipe) -> list[str]:
         out += _requeue(requeue.retries)
     out.append('exit "$rc"')
     return out
+
+
+def _components(recipe: Recipe) -> list[tuple[str, int]]:
+    """(srun's component flag, nodes) per component of the job: one without groups."""
+    groups = recipe.resources.node_groups()
+    if not groups:
+        return [("", recipe.resources.nodes)]
+    return [(f" --het-group={i}", group.nodes) for i, (_, group) in enumerate(groups)]
+
+
+def _group_workers(recipe: Recipe, step: str, node_cmd: str) -> list[str]:
+    """The workers of a heterogeneous job: the training nodes after the head (component 0)
+    and every rollout node (component 1), a step each, waited for as one."""
+    train, rollout = recipe.resources.train_nodes.nodes, recipe.resources.total_nodes
+    rollout -= train
+    output = '--output="$job_logs/worker-%N.log"'
+    rollout_step = (
+        f"{step} --het-group=1 --nodes={rollout} --ntasks={rollout} {output} {node_cmd} &"
+    )
+    if train == 1:
+        return [rollout_step, "workers_pid=$!"]
+    return [
+        "# Both components' workers, waited for as one step.",
+        "run_workers() {",
+        "  local pids=() rc=0",
+        '  workers=$(IFS=,; echo "${train_nodes[*]:1}")',
+        f'  {step} --het-group=0 --nodes={train - 1} --ntasks={train - 1} --nodelist="$workers" '
+        f"{output} {node_cmd} &",
+        "  pids+=($!)",
+        f"  {rollout_step}",
+        "  pids+=($!)",
+        "  # shellcheck disable=SC2317,SC2329  # called by the trap",
+        "  trap 'kill -TERM \"${pids[@]}\" 2>/dev/null || true' TERM",
+        '  for pid in "${pids[@]}"; do',
+        '    wait "$pid" || rc=$?',
+        "  done",
+        '  return "$rc"',
+        "}",
+        "run_workers &",
+        "workers_pid=$!",
+    ]
 
 
 def _warning_trap(nodes: int) -> list[str]:
