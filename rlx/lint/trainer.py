@@ -26,7 +26,8 @@ def _dp_ranks(recipe: Recipe) -> int:
     try:
         return plan_actors(recipe).train_workers
     except RlxError:  # an impossible split layout; check_layout reports it
-        return max(recipe.resources.total_gpus, 1)
+        train = recipe.resources.train_nodes
+        return max(train.nodes * train.gpus_per_node, 1)
 
 
 def check_has_work(recipe: Recipe) -> Iterator[Problem]:

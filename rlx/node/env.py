@@ -222,8 +222,9 @@ def from_dstack(env: Mapping[str, str]) -> NodeInfo:
 
 
 def from_slurm(
-    env: Mapping[str, str], gpus_per_node: int, resolve: Callable[[str], str] = socket.gethostbyname
+    env: Mapping[str, str], gpus_per_node: int, resolve: Callable[[str], str] | None = None
 ) -> NodeInfo:
+    resolve = resolve or socket.gethostbyname
     hosts = _lines(_need(env, NODE_HOSTS_ENV, "slurm"))
     own = env.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
     if own not in hosts:
