@@ -32,6 +32,26 @@ def test_slurm_script_passes_bash_and_shellcheck(recipe: Path, tmp_path: Path):
     shellcheck(script)
 
 
+def test_heterogeneous_job_with_two_training_nodes_passes_shellcheck(tmp_path: Path):
+    """resources.groups with training workers besides the head: both components' worker
+    steps, waited for as one, and setup in each component."""
+    from rlx.recipe.load import parse_recipe
+
+    text = (
+        "name: hetero\nsetup: [echo ready]\nresources:\n  groups:\n"
+        "    train: {nodes: 2, accelerators: 'H100:8'}\n"
+        "    rollout: {nodes: 3, accelerators: 'L4:4', memory: '64'}\n"
+        "slurm: {requeue: {retries: 2}}\n"
+        "trainer:\n  model: {path: m}\n  data: {train: d.jsonl}\n  layout: split\n"
+    )
+    script = render("slurm", parse_recipe(text).recipe, "hetero.yaml")
+    assert "--het-group=0 --nodes=1 --ntasks=1" in script
+    assert '--het-group=0 --nodes=1 --ntasks=1 --nodelist="$workers"' in script
+    assert "--het-group=1 --nodes=3 --ntasks=3" in script
+    (tmp_path / "job.sbatch").write_text(script)
+    shellcheck(tmp_path / "job.sbatch")
+
+
 @pytest.mark.parametrize("runtime", RUNTIMES)
 def test_each_runtime_passes_shellcheck(runtime: str, tmp_path: Path) -> None:
     text = render("slurm", recipe_for(runtime), "boxed.yaml")

@@ -52,7 +52,11 @@ def test_render_is_deterministic():
         assert rendered(recipe, backend) == rendered(recipe, backend)
 
 
-@pytest.mark.parametrize("recipe", RECIPE_FILES, ids=lambda p: p.stem)
+GROUPED = [r for r in RECIPE_FILES if load_recipe(r).recipe.resources.groups is not None]
+SINGLE = [r for r in RECIPE_FILES if r not in GROUPED]
+
+
+@pytest.mark.parametrize("recipe", SINGLE, ids=lambda p: p.stem)
 def test_skypilot_accepts(recipe: Path):
     sky = pytest.importorskip("sky")
     config = yaml.safe_load(rendered(recipe, "sky"))
@@ -68,6 +72,32 @@ def test_skypilot_accepts(recipe: Path):
         assert not set(map(int, res.ports or [])) & {6379, 8265, 52366}
 
 
+@pytest.mark.parametrize("recipe", GROUPED, ids=lambda p: p.stem)
+def test_skypilot_job_group_loader_accepts(recipe: Path):
+    """resources.groups: SkyPilot's own job-group loader reads the rendering as a job group
+    of one job per group, the training job primary, each job's nodes and accelerators the
+    group's, and each job told its group."""
+    pytest.importorskip("sky")
+    from sky.utils import dag_utils
+
+    text = rendered(recipe, "sky")
+    assert dag_utils.is_job_group_yaml_str(text)
+    dag = dag_utils.load_job_group_from_yaml_str(text)
+    loaded = load_recipe(recipe).recipe
+    groups = loaded.resources.node_groups()
+    assert dag.name == loaded.name and dag.execution.value == "parallel"
+    assert dag.primary_tasks == ["train"]
+    assert [task.name for task in dag.tasks] == [name for name, _ in groups]
+    for task, (name, group) in zip(dag.tasks, groups, strict=True):
+        assert task.num_nodes == group.nodes
+        [resources] = list(task.resources)
+        assert resources.accelerators == {group.accelerator_type: group.gpus_per_node}
+        assert task.envs["RLX_NODE_GROUP"] == name
+        assert "rlx node --backend sky" in task.run
+    for job in list(yaml.safe_load_all(text))[1:]:  # secrets by name on every job
+        assert job["secrets"] == dict.fromkeys([*loaded.secrets, "RLX_RAY_TOKEN"])
+
+
 @pytest.mark.parametrize("recipe", RECIPE_FILES, ids=lambda p: p.stem)
 def test_dstack_accepts(recipe: Path):
     pytest.importorskip("dstack")
@@ -75,9 +105,39 @@ def test_dstack_accepts(recipe: Path):
 
     config = parse_run_configuration(yaml.safe_load(rendered(recipe, "dstack")))
     loaded = load_recipe(recipe).recipe
-    assert config.nodes == loaded.resources.nodes
+    assert config.nodes_num == loaded.resources.total_nodes
     assert str(config.stop_criteria.value) == "master-done"
-    assert "rlx node --backend dstack" in config.commands[-1]
+    groups = loaded.resources.node_groups()
+    if not groups:
+        assert config.nodes == loaded.resources.nodes
+        assert "rlx node --backend dstack" in config.commands[-1]
+        return
+    # node groups, train first: dstack ranks their nodes in order, the master is rank 0
+    assert config.nodes is None
+    assert [(g.name, g.nodes) for g in config.groups] == [(n, g.nodes) for n, g in groups]
+    for node_group, (_, group) in zip(config.groups, groups, strict=True):
+        assert node_group.resources.gpu.name == [group.accelerator_type]
+        assert node_group.resources.gpu.count.min == group.gpus_per_node
+        assert "rlx node --backend dstack" in node_group.commands[-1]
+
+
+@pytest.mark.parametrize("recipe", GROUPED, ids=lambda p: p.stem)
+def test_slurm_heterogeneous_job(recipe: Path):
+    """resources.groups: one component per group after `#SBATCH hetjob`, each with its own
+    GPUs; the head in component 0, the rollout nodes' step in component 1."""
+    text = rendered(recipe, "slurm")
+    loaded = load_recipe(recipe).recipe
+    directives = [line for line in text.splitlines() if line.startswith("#SBATCH")]
+    split = directives.index("#SBATCH hetjob")
+    for part, (_, group) in zip(
+        (directives[:split], directives[split + 1 :]), loaded.resources.node_groups(), strict=True
+    ):
+        assert f"#SBATCH --nodes={group.nodes}" in part
+        assert f"#SBATCH --gpus-per-node={group.gpus_per_node}" in part
+    assert directives.count("#SBATCH hetjob") == 1
+    assert "$SLURM_JOB_NODELIST_HET_GROUP_1" in text
+    assert '--het-group=0 --nodes=1 --ntasks=1 --nodelist="$head_node"' in text
+    assert "--het-group=1" in text
 
 
 def test_slurm_container_and_gpus():
@@ -101,7 +161,7 @@ def test_header_names_version_and_recipe():
 
 def test_ray_token_is_a_secret_by_name():
     for recipe in RECIPE_FILES:
-        sky = yaml.safe_load(rendered(recipe, "sky"))
+        *_, sky = yaml.safe_load_all(rendered(recipe, "sky"))  # a job group's last job
         assert sky["secrets"]["RLX_RAY_TOKEN"] is None
         dstack = yaml.safe_load(rendered(recipe, "dstack"))
         assert "RLX_RAY_TOKEN" in dstack["env"]
