@@ -18,6 +18,7 @@ import yaml
 from tests.conftest import RECIPES
 from tests.support.cli import run_rlx
 from tests.support.hosts.rendered import node_base_env
+from tests.support.slurm_jobs import launch_and_wait
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(1200)]
 
@@ -328,3 +329,37 @@ def start_requeued_now(job_id: str, env: dict[str, str], ready) -> None:
 
 def _read(path: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
+
+
+def test_node_groups_run_as_a_heterogeneous_job(slurm_cluster, launch_env, tmp_path):
+    """resources.groups on the real Slurm: a heterogeneous job (1 training node, 2 rollout
+    nodes) runs to its end; one Ray cluster spans both components, every node labelled with
+    its group as Ray's node table shows, the training rank on the training node and one
+    engine on each rollout node, never on the training node."""
+    path = quickstart(tmp_path, "groups", steps=2)
+    recipe = yaml.safe_load(path.read_text())
+    recipe["resources"] = {"groups": {"train": {"nodes": 1}, "rollout": {"nodes": 2}}}
+    trainer = recipe["trainer"]
+    trainer["layout"] = "split"  # engines: one per rollout node (CPU-only groups)
+    trainer["batch"]["prompts_per_step"] = 2
+    trainer["validation"] = None
+    trainer["checkpoint"] = {}
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    argv = [sys.executable, "-m", "rlx", "launch", str(path), "--backend", "slurm"]
+    run = launch_and_wait(slurm_cluster, argv, tmp_path, launch_env, "groups", timeout=600)
+    print(f"\n[slurm-groups] launch to the job's end: {run.seconds:.1f} s")
+    assert run.job.state == "COMPLETED" and run.job.exit_code == 0, run.report()
+    train_ip, *rollout_ips = [host.ip for host in slurm_cluster.hosts]
+    head = run.logs["head.log"]
+    assert "all 3 nodes joined" in head, run.report()
+    # Ray's own node table: each node carries its group's label.
+    assert (
+        f"node groups (Ray label rlx-node-group): train: {train_ip}; "
+        f"rollout: {', '.join(rollout_ips)}" in head
+    ), head
+    ranks = re.search(r"training workers: (.*)", head)
+    engines = re.search(r"rollout workers: (.*)", head)
+    assert ranks and engines, head
+    assert ranks.group(1) == f"rank 0 on {train_ip}"
+    placed = sorted(part.split(" on ")[1] for part in engines.group(1).split(", "))
+    assert placed == sorted(rollout_ips), engines.group(1)

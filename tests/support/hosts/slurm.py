@@ -416,8 +416,11 @@ class SlurmCluster:
         return "\n".join(_tail(path, 15) for path in logs)
 
     def active_jobs(self) -> list[int]:
+        """Queued and running jobs; a heterogeneous job (listed per component, "5+0",
+        "5+1") once, by its id."""
         done = self.command(["squeue", "-h", "-o", "%i"])
-        return [int(job) for job in done.stdout.split()]
+        ids = [int(job.split("+")[0]) for job in done.stdout.split()]
+        return list(dict.fromkeys(ids))
 
     def cancel_all(self, timeout: float = 60.0) -> None:
         """scancel every job and wait until the queue is empty."""
