@@ -23,6 +23,7 @@ from rlx import procfs
 from rlx.errors import RlxError
 from rlx.launchers.base import Job, JobStatus, LaunchRequest, remember
 from rlx.launchers.local import BACKEND
+from rlx.launchers.local.render import refuse_groups
 from rlx.node.env import RUN_ID_ENV
 from rlx.recipe import Recipe
 
@@ -57,12 +58,7 @@ def launch(request: LaunchRequest) -> Job:
     from rlx.trainer.resolve import run_paths
 
     recipe = request.recipe
-    if recipe.resources.groups is not None:
-        raise RlxError(
-            "resources.groups asks for training and rollout machines of their own, and the "
-            "local backend is this one machine; launch with --backend sky, dstack or slurm, "
-            "or drop groups (set resources.nodes and accelerators) to run here"
-        )
+    refuse_groups(recipe)
     run_id = run_id_for(request.name, os.environ)
     values = {**recipe.env, **request.secrets, RUN_ID_ENV: run_id}
     job = request.job(BACKEND.name, str(os.getpid()), run_id=run_id)

@@ -5,11 +5,25 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rlx.errors import RlxError
 from rlx.recipe import Recipe
+
+# This machine is one node: running both groups on it would hide what the recipe asks for.
+NO_GROUPS = (
+    "resources.groups asks for training and rollout machines of their own, and the local "
+    "backend is this one machine; launch with --backend sky, dstack or slurm, or drop groups "
+    "(set resources.nodes and accelerators) to run here"
+)
+
+
+def refuse_groups(recipe: Recipe) -> None:
+    if recipe.resources.groups is not None:
+        raise RlxError(NO_GROUPS)
 
 
 def render(recipe: Recipe, source: str) -> str:
     """What `rlx launch --dry-run` prints for the local backend."""
+    refuse_groups(recipe)
     trainer = recipe.trainer
     lines = [f"# rlx launch {source}: local backend (this machine, a private Ray)"]
     if trainer is None or recipe.command is not None:

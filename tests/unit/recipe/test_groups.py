@@ -220,3 +220,31 @@ def test_the_local_backend_refuses_groups():
         match="the local backend has one machine; launch with --backend sky, dstack or slurm",
     ):
         job_node_info("local", {}, grouped().resources)
+
+
+def test_local_launch_and_dry_run_refuse_groups_in_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from rlx.cli import app
+
+    path = tmp_path / "grouped.yaml"
+    path.write_text(GROUPED)
+    for extra in ([], ["--dry-run"]):
+        out = CliRunner().invoke(app, ["launch", str(path), "-b", "local", *extra])
+        assert out.exit_code == 1
+        assert "the local backend is this one machine; launch with --backend sky" in out.output
+        assert "Traceback" not in out.output
+
+
+def test_every_node_starts_ray_with_its_groups_label():
+    from ray._private.label_utils import parse_node_labels_string
+
+    from rlx.node import raynode
+    from rlx.recipe.model import RaySettings
+
+    worker = raynode.worker_command(RaySettings(), "10.0.0.1", "10.0.0.2", 4, "rollout")
+    [flag] = [arg for arg in worker if arg.startswith("--labels=")]
+    assert parse_node_labels_string(flag.removeprefix("--labels=")) == {"rlx-node-group": "rollout"}
+    head = raynode.head_command(RaySettings(), "10.0.0.1", 8, "train")
+    assert "--labels=rlx-node-group=train" in head
+    assert not [a for a in raynode.head_command(RaySettings(), "10.0.0.1", 8) if "labels" in a]
