@@ -141,18 +141,29 @@ class Cluster:
                         f"tensor-parallel rollout engine {index}",
                         nodes,
                         bundles=tensor_parallel_bundles(plan.rollout_gpus),
+                        node_group=plan.rollout_group,
                     )
                     groups.append(group)
                     rollout_slots.append((group, 0))
                     rollout_ips.append(ips[0])
             strategy = "STRICT_SPREAD" if plan.spread_training else "PACK"
             train_group, train_ips = reserve(
-                plan.train_workers, plan.train_gpus, strategy, "training workers", nodes
+                plan.train_workers,
+                plan.train_gpus,
+                strategy,
+                "training workers",
+                nodes,
+                node_group=plan.train_group,
             )
             groups.append(train_group)
             if plan.rollout_workers and plan.rollout_gpus <= 1:
                 rollout_group, rollout_ips = reserve(
-                    plan.rollout_workers, plan.rollout_gpus, "PACK", "rollout workers", nodes
+                    plan.rollout_workers,
+                    plan.rollout_gpus,
+                    "STRICT_SPREAD" if plan.spread_rollout else "PACK",
+                    "rollout workers",
+                    nodes,
+                    node_group=plan.rollout_group,
                 )
                 groups.append(rollout_group)
                 rollout_slots = [(rollout_group, i) for i in range(plan.rollout_workers)]
