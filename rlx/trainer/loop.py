@@ -208,6 +208,7 @@ class Trainer:
                     ):
                         self.save(step)
                     kill_after_step(os.environ.get(KILL_HOOK_ENV), step)
+            self.cluster.finish_pushes()  # the last push proven, like every other
             self.finish_saves()
         finally:
             self.logger.close()
@@ -345,7 +346,8 @@ class Trainer:
                 algos.explained_variance(extra[VALUES], returns, mask)
             )
             metrics["value/mean"] = float(algos.masked_mean(extra[VALUES], mask))
-        metrics["sync/probe_diff"] = probe_diff
+        if probe_diff is not None:  # with rollouts ahead: the previous step's push's proof
+            metrics["sync/probe_diff"] = probe_diff
         if self.max_staleness > 0:
             metrics.update(staleness_metrics(versions, policy_version, self.max_staleness))
             square = metrics.pop("offpolicy/weight_sq_mean", None)

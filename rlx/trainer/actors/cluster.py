@@ -82,7 +82,7 @@ class StepUpdate:
     and in bringing the engines up to date (already included in the update call's time)."""
 
     metrics: dict[str, float]
-    probe_diff: float
+    probe_diff: float | None  # None: no push was proven in this step (one is still queued)
     prepare_seconds: float
     sync_seconds: float
 
@@ -107,6 +107,7 @@ class Cluster:
         self.engine_dtype = engine_dtype
         self.bucket_bytes = self.settings.rollout.weight_sync_bucket_mb * 2**20
         self.sampling = SamplingArgs.from_settings(self.settings)
+        self._queued: QueuedPush | None = None  # a push the engines take after their rollouts
         self.notes: list[str] = []  # what the workers said at start-up, for the run's log
 
     # ------------------------------------------------------------------ start and stop
@@ -282,7 +283,10 @@ class Cluster:
         prepare_seconds = max(outcome.prepare_seconds for outcome in outcomes)
         if not colocated:
             started = time.perf_counter()
-            probe_diff = self.sync_weights(step, probe)
+            if self.settings.rollout.max_staleness > 0:
+                probe_diff = self.queue_weights(step, probe)
+            else:
+                probe_diff = self.sync_weights(step, probe)
             return StepUpdate(metrics, probe_diff, prepare_seconds, time.perf_counter() - started)
         refreshed = [outcome.refresh for outcome in outcomes if outcome.refresh is not None]
         if len(refreshed) != len(outcomes):
@@ -369,6 +373,51 @@ class Cluster:
         policy_logprob = gather(policy_refs, "training worker")[0]
         return check_engines(reports, version, policy_logprob, probe.tolerance(self.engine_dtype))
 
+    def queue_weights(self, version: int, probe: Probe) -> float | None:
+        """Split engines with rollouts under way (max_staleness > 0): hand them the push of
+        `version` without waiting. The training ranks put every bucket into Ray's object store
+        now (their next update is queued behind these calls, so the buckets hold exactly this
+        version) and each engine takes them after the rollouts it was given earlier: at a
+        request boundary, never in the middle of one. Meanwhile the learners go on. The push
+        is proven like any other (version + probe, check_engines) before the next one is
+        queued, or at the run's end (finish_pushes). Returns the largest probe difference of
+        the push checked now (the previous one), None when there was none.
+
+        Cost: up to one copy of the weights (in the engines' dtype) waits in the object store
+        until the engines take it."""
+        checked = self.finish_pushes()
+        train = self.train.handles
+        engines = self.rollout.handles
+        policy_refs = [w.policy_probe.remote(probe) for w in train]
+        plans = gather(
+            [w.open_weight_stream.remote(self.engine_dtype, self.bucket_bytes) for w in train],
+            "training worker",
+        )
+        plan = plans[0]
+        for engine in engines:
+            engine.begin_push.remote(version, sum(len(names) for names in plan))
+        parts, loads = [], []
+        for index in range(len(plan)):
+            bucket = [w.weight_bucket.remote(index) for w in train]
+            parts.extend(bucket)
+            loads.extend(engine.push_bucket.remote(bucket[0]) for engine in engines)
+        finished = [engine.finish_push.remote(probe) for engine in engines]
+        self._queued = QueuedPush(version, policy_refs, parts, loads, finished, probe)
+        return checked
+
+    def finish_pushes(self) -> float | None:
+        """Wait for the queued push (if any) to land on every engine and prove it: the
+        check sync_weights makes, for a push made earlier. None when none was queued."""
+        queued, self._queued = self._queued, None
+        if queued is None:
+            return None
+        gather(queued.parts, "training worker")
+        gather(queued.loads, "rollout worker")
+        reports = gather(queued.finished, "rollout worker")
+        policy_logprob = gather(queued.policy_refs, "training worker")[0]
+        tolerance = queued.probe.tolerance(self.engine_dtype)
+        return check_engines(reports, queued.version, policy_logprob, tolerance)
+
     def _stream_weights(self, version: int) -> None:
         """The policy's parameters to every split engine, bucket by bucket: rank 0's bucket
         goes once into Ray's object store and each engine reads it from there. At most two
@@ -406,6 +455,18 @@ class Cluster:
         reports = [report for report, _ in refreshed]
         policy_logprob = refreshed[0][1]
         return check_engines(reports, version, policy_logprob, probe.tolerance(self.engine_dtype))
+
+
+@dataclass(frozen=True)
+class QueuedPush:
+    """A weight push handed to the engines without waiting (Cluster.queue_weights)."""
+
+    version: int
+    policy_refs: list[Any]  # every rank's policy probe, taken right after the update
+    parts: list[Any]  # the training ranks' bucket calls
+    loads: list[Any]  # the engines' push_bucket calls
+    finished: list[Any]  # the engines' finish_push reports
+    probe: Probe
 
 
 @dataclass
