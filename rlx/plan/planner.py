@@ -532,11 +532,18 @@ def _host_budgets(
                     Item("vLLM weights asleep", ranks * engine_copy, "sleep mode keeps them here")
                 )
         # A split push streams buckets: at most two are under way (in the object store of
-        # the sender's node and of each engine's), and an engine loads one at a time.
+        # the sender's node and of each engine's), and an engine loads one at a time. With
+        # rollouts ahead (max_staleness > 0) a push is queued whole behind the engines'
+        # rollouts: up to one copy of the weights waits in the object store.
         if trainer.layout == "split" and (engines or index == 0):
-            items.append(
-                Item("weight push", 2 * bucket, f"2 buckets of {gib(bucket)} GiB in flight")
-            )
+            if trainer.rollout.max_staleness > 0:
+                items.append(
+                    Item("weight push", engine_copy, "one queued copy (max_staleness > 0)")
+                )
+            else:
+                items.append(
+                    Item("weight push", 2 * bucket, f"2 buckets of {gib(bucket)} GiB in flight")
+                )
         if engines:
             items.append(Item("rollout engine processes", engines * int(HOST_ENGINE_GIB * GIB)))
             items.append(Item("engines' received bucket", engines * bucket, "deserialised"))

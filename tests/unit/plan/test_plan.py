@@ -292,6 +292,13 @@ def test_a_split_push_holds_two_buckets_not_the_model(tmp_path: Path) -> None:
         items = {i.name: i.bytes for budget in plan.hosts for i in budget.items}
         assert items["weight push"] == 2 * bucket
         assert items["engines' received bucket"] == 4 * bucket  # 4 engines on their node
+    # With rollouts ahead a push waits whole behind the engines' rollouts: one bf16 copy.
+    ahead = _variant(tmp_path, "ppo-7b.yaml", trainer__rollout__max_staleness=1)
+    recipe = load_recipe(ahead).recipe
+    plan = plan_recipe(recipe, {})
+    pushes = [i for budget in plan.hosts for i in budget.items if i.name == "weight push"]
+    copy = mem.engine_weight_bytes(find_shape(recipe.trainer.model.path), dtype="bfloat16")
+    assert pushes and all(i.bytes == copy and "queued" in i.note for i in pushes)
 
 
 def test_cpu_kv_cache_is_sized_per_token_as_the_plan_counts(tmp_path: Path) -> None:
