@@ -93,7 +93,9 @@ def seat(ray, group, rollout_gpus: int, tensor_parallel: int) -> dict:
     actor = ray.remote(EngineSeat).options(**rollout_actor_options(rollout_gpus, group, 0))
     handle = actor.remote()
     try:
-        return ray.get(handle.what_vllm_sees.remote(tensor_parallel), timeout=120)
+        # A hang bound, not a speed check: the actor imports vLLM in a fresh worker, which
+        # took 25 s alone and over 120 s beside two other test workers on 2 cores.
+        return ray.get(handle.what_vllm_sees.remote(tensor_parallel), timeout=600)
     finally:
         ray.kill(handle)
 
