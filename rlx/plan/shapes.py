@@ -19,6 +19,8 @@ from rlx.recipe.specs import TINY_HEAD_DIM, TINY_VOCAB, tiny_model
 # tiny:<arch>-h<hidden>-l<layers>, as rlx.trainer.resolve builds them (rlx.trainer.learn.tiny).
 # Architectures whose q/k/v projections carry a bias.
 QKV_BIAS_TYPES = ("qwen2",)
+# build_tiny_model's max_position_embeddings (a test holds the two equal).
+TINY_MAX_POSITIONS = 2048
 
 
 class PlanError(RlxError):
@@ -39,6 +41,7 @@ class ModelShape:
     head_dim: int
     qkv_bias: bool = False
     source: str = ""
+    max_positions: int | None = None  # max_position_embeddings; None when the config has none
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], source: str = "config") -> ModelShape:
@@ -65,6 +68,11 @@ class ModelShape:
                     config.get("attention_bias", config.get("model_type") in QKV_BIAS_TYPES)
                 ),
                 source=source,
+                max_positions=(
+                    int(config["max_position_embeddings"])
+                    if config.get("max_position_embeddings")
+                    else None
+                ),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise PlanError(
@@ -120,24 +128,25 @@ class ModelShape:
         )
 
 
-# Public config.json numbers: (hidden, layers, heads, kv heads, intermediate, vocab, tied).
+# Public config.json numbers: (hidden, layers, heads, kv heads, intermediate, vocab, tied,
+# max_position_embeddings).
 _QWEN25 = {
-    "0.5b": (896, 24, 14, 2, 4864, 151936, True),
-    "1.5b": (1536, 28, 12, 2, 8960, 151936, True),
-    "3b": (2048, 36, 16, 2, 11008, 151936, True),
-    "7b": (3584, 28, 28, 4, 18944, 152064, False),
-    "14b": (5120, 48, 40, 8, 13824, 152064, False),
-    "32b": (5120, 64, 40, 8, 27648, 152064, False),
-    "72b": (8192, 80, 64, 8, 29568, 152064, False),
+    "0.5b": (896, 24, 14, 2, 4864, 151936, True, 32768),
+    "1.5b": (1536, 28, 12, 2, 8960, 151936, True, 32768),
+    "3b": (2048, 36, 16, 2, 11008, 151936, True, 32768),
+    "7b": (3584, 28, 28, 4, 18944, 152064, False, 32768),
+    "14b": (5120, 48, 40, 8, 13824, 152064, False, 32768),
+    "32b": (5120, 64, 40, 8, 27648, 152064, False, 32768),
+    "72b": (8192, 80, 64, 8, 29568, 152064, False, 32768),
 }
 _LLAMA3 = {
-    "llama-3-8b": (4096, 32, 32, 8, 14336, 128256, False),
-    "llama-3.1-8b": (4096, 32, 32, 8, 14336, 128256, False),
-    "llama-3-70b": (8192, 80, 64, 8, 28672, 128256, False),
-    "llama-3.1-70b": (8192, 80, 64, 8, 28672, 128256, False),
-    "llama-3.3-70b": (8192, 80, 64, 8, 28672, 128256, False),
-    "llama-3.2-1b": (2048, 16, 32, 8, 8192, 128256, True),
-    "llama-3.2-3b": (3072, 28, 24, 8, 8192, 128256, True),
+    "llama-3-8b": (4096, 32, 32, 8, 14336, 128256, False, 8192),
+    "llama-3.1-8b": (4096, 32, 32, 8, 14336, 128256, False, 131072),
+    "llama-3-70b": (8192, 80, 64, 8, 28672, 128256, False, 8192),
+    "llama-3.1-70b": (8192, 80, 64, 8, 28672, 128256, False, 131072),
+    "llama-3.3-70b": (8192, 80, 64, 8, 28672, 128256, False, 131072),
+    "llama-3.2-1b": (2048, 16, 32, 8, 8192, 128256, True, 131072),
+    "llama-3.2-3b": (3072, 28, 24, 8, 8192, 128256, True, 131072),
 }
 
 
@@ -146,7 +155,7 @@ def builtin_configs() -> dict[str, dict[str, Any]]:
     table: dict[str, dict[str, Any]] = {}
     rows = [(f"qwen2.5-{size}", "qwen2", row) for size, row in _QWEN25.items()]
     rows += [(name, "llama", row) for name, row in _LLAMA3.items()]
-    for name, model_type, (hidden, layers, heads, kv, inter, vocab, tied) in rows:
+    for name, model_type, (hidden, layers, heads, kv, inter, vocab, tied, positions) in rows:
         table[name] = {
             "model_type": model_type,
             "hidden_size": hidden,
@@ -156,6 +165,7 @@ def builtin_configs() -> dict[str, dict[str, Any]]:
             "intermediate_size": inter,
             "vocab_size": vocab,
             "tie_word_embeddings": tied,
+            "max_position_embeddings": positions,
         }
     return table
 
@@ -213,6 +223,7 @@ def tiny_shape(spec: str) -> ModelShape | None:
         head_dim=TINY_HEAD_DIM,
         qkv_bias=model.arch in QKV_BIAS_TYPES,
         source="tiny spec",
+        max_positions=TINY_MAX_POSITIONS,
     )
 
 

@@ -125,6 +125,24 @@ def test_model_shapes_from_folder_cache_and_table(tmp_path: Path) -> None:
         find_shape("acme/unknown-9b", {"HF_HOME": str(tmp_path / "none")})
 
 
+def test_shapes_know_the_models_positions() -> None:
+    # What lint checks an episode against (the built tiny model's: the test below).
+    assert find_shape("tiny:qwen2-h64-l2", {}).max_positions == 2048
+    assert find_shape("Qwen/Qwen2.5-0.5B-Instruct", {}).max_positions == 32768
+    assert find_shape("meta-llama/Meta-Llama-3-8B-Instruct", {}).max_positions == 8192
+    assert find_shape("meta-llama/Llama-3.1-8B-Instruct", {}).max_positions == 131072
+    config = {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 128,
+        "vocab_size": 100,
+    }
+    assert ModelShape.from_config(config).max_positions is None
+    positions = ModelShape.from_config({**config, "max_position_embeddings": 4096})
+    assert positions.max_positions == 4096
+
+
 def test_tiny_shape_matches_the_built_tiny_model(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     from rlx.trainer.resolve import resolve_model_path
