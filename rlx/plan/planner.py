@@ -18,7 +18,13 @@ from typing import Any
 from rlx.errors import RlxError
 from rlx.plan import memory as mem
 from rlx.plan.shapes import ModelShape, PlanError, find_shape
-from rlx.recipe.model import NodeGroup, Recipe, TrainerSettings, effective_strategy
+from rlx.recipe.model import (
+    NodeGroup,
+    Recipe,
+    TrainerSettings,
+    effective_strategy,
+    episode_token_budget,
+)
 from rlx.storage import is_store_url
 from rlx.trainer.rollout import choose_engine
 
@@ -84,6 +90,8 @@ class MemoryPlan:
     export_bytes: int
     staging_bytes: int = 0  # per node: the shards staged on local disk before an upload
     checkpoints_in_store: bool = False  # checkpoints_on_disk counts the store's copies
+    episode_turns: int | None = None  # with an environment: model turns per episode at most
+    episode_tokens: int = 0  # tokens after the prompt a rollout may hold (episode_token_budget)
     problems: list[str] = field(default_factory=list)  # does not fit: what to change
     warnings: list[str] = field(default_factory=list)  # fits, but tightly
 
@@ -116,6 +124,8 @@ class MemoryPlan:
             "checkpoints_on_disk_bytes": self.checkpoints_on_disk,
             "export_bytes": self.export_bytes,
             "staging_bytes_per_node": self.staging_bytes,
+            "episode_turns": self.episode_turns,
+            "episode_tokens": self.episode_tokens,
             "fits": self.fits,
             "problems": self.problems,
             "warnings": self.warnings,
@@ -199,11 +209,18 @@ def _dtypes(trainer: TrainerSettings, gpu: bool, strategy: str) -> tuple[str, st
     return compute, "float32", residual
 
 
+def sequence_tokens(trainer: TrainerSettings) -> int:
+    """The longest sequence a rollout holds: a prompt and its response, or with an
+    environment its longest episode (every turn and observation after the prompt)."""
+    return trainer.data.max_prompt_length + episode_token_budget(trainer)
+
+
 def micro_batch_tokens(trainer: TrainerSettings, ranks: int) -> tuple[int, int]:
     """(tokens, response tokens) of the largest micro-batch: max_tokens_per_micro_batch, or
-    min(micro_batch_size, a rank's share of a minibatch) sequences of prompt + response."""
+    min(micro_batch_size, a rank's share of a minibatch) sequences of prompt + response (with
+    an environment, the longest episode: every turn and observation after the prompt)."""
     batch = trainer.batch
-    prompt, response = trainer.data.max_prompt_length, trainer.rollout.max_new_tokens
+    prompt, response = trainer.data.max_prompt_length, episode_token_budget(trainer)
     if batch.max_tokens_per_micro_batch is not None:
         budget = max(batch.max_tokens_per_micro_batch, prompt + response)
         return budget, budget  # responses may fill the budget: the logits' worst case
@@ -251,6 +268,8 @@ def plan_recipe(
         checkpoint_bytes=0,
         checkpoints_on_disk=0,
         export_bytes=0,
+        episode_turns=None if trainer.environment is None else trainer.environment.max_turns,
+        episode_tokens=episode_token_budget(trainer),
     )
     compute, master, _ = _dtypes(trainer, gpu, strategy)
     training = _training_budget(trainer, shape, critic_shape, layout, strategy, gpu, capacity)
@@ -414,7 +433,7 @@ def _training_budget(
         engine = int(util * (capacity or 0))
         weights = mem.engine_weight_bytes(shape, dtype=compute)
         kv = max(engine - weights - int(VLLM_RESERVE_GIB * GIB), 0)  # its budget, as split
-        seq = trainer.data.max_prompt_length + trainer.rollout.max_new_tokens
+        seq = sequence_tokens(trainer)
         budget.engine_sequences = kv // mem.kv_bytes_per_token(shape, dtype=compute) // seq
         items.append(Item("vLLM weights (colocated)", weights, "in the budget below", ""))
         items.append(Item("vLLM KV cache (colocated)", kv, "in the budget below", ""))
@@ -453,7 +472,7 @@ def _rollout_budget(
     kv = max(engine - weights - reserve, 0)
     per_token = mem.kv_bytes_per_token(shape, dtype=compute, tensor_parallel=tp)
     tokens = kv // per_token
-    seq = trainer.data.max_prompt_length + trainer.rollout.max_new_tokens
+    seq = sequence_tokens(trainer)
     # vLLM sizes its KV cache so that everything it holds, CUDA context included, stays
     # within gpu_memory_utilization of the GPU: its budget is the GPU's peak.
     budget.items += [
@@ -579,7 +598,7 @@ def _verdict(plan: MemoryPlan, recipe: Recipe, env: Mapping[str, str] | None, ad
                 f"cache of one {_sequence(recipe)}-token sequence ({_engine_items(budget)}); "
                 + (
                     "raise rollout.gpu_memory_utilization or tensor_parallel_size (layout: "
-                    "split), or shorten max_new_tokens"
+                    f"split), or shorten {_longest_setting(recipe)}"
                 )
             )
 
@@ -587,7 +606,18 @@ def _verdict(plan: MemoryPlan, recipe: Recipe, env: Mapping[str, str] | None, ad
 def _sequence(recipe: Recipe) -> int:
     trainer = recipe.trainer
     assert trainer is not None
-    return trainer.data.max_prompt_length + trainer.rollout.max_new_tokens
+    return sequence_tokens(trainer)
+
+
+def _longest_setting(recipe: Recipe) -> str:
+    """The setting that bounds a sequence after its prompt."""
+    trainer = recipe.trainer
+    assert trainer is not None
+    if trainer.environment is None:
+        return "max_new_tokens"
+    return "environment.max_tokens" + (
+        " (unset: max_turns x 2 x max_new_tokens)" if trainer.environment.max_tokens is None else ""
+    )
 
 
 def _engine_items(budget: Budget) -> str:

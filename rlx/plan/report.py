@@ -24,6 +24,15 @@ def verdict(plan: MemoryPlan) -> str:
     return f"fits with {tightest:.0%} headroom"
 
 
+def episodes_line(plan: MemoryPlan) -> str:
+    """What the plan sizes an episode by (a run with an environment)."""
+    turns = plan.episode_turns
+    return (
+        f"episodes: up to {turns} turn{'' if turns == 1 else 's'}, {plan.episode_tokens} "
+        "tokens after the prompt"
+    )
+
+
 def _table(budget: Budget) -> Any:
     from rich.table import Table
 
@@ -56,6 +65,8 @@ def print_plan(plan: MemoryPlan) -> None:
         f"{plan.accelerator or 'CPU only'}, {plan.train_ranks} training rank(s), "
         f"strategy {plan.strategy}"
     )
+    if plan.episode_turns is not None:
+        console.print(episodes_line(plan))
     for budget in [*plan.gpus, *plan.hosts]:
         console.print()
         console.print(_table(budget))
