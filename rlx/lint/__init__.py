@@ -1,11 +1,11 @@
 """`rlx lint`: what a seasoned user checks before paying for GPUs.
 
 Each check is a small function from a recipe to problems (core.Check), kept in a module by
-the kind of thing it checks: trainer.py (the trainer section), memory.py (the memory plan),
-cluster.py (the Ray cluster), groups.py (resources.groups), secrets.py, storage.py; each
-backend's own checks live in its package (rlx/launchers/<name>/checks.py, named in its
-BackendSpec). all_checks() lists them all; lint_loaded runs them on a loaded file and points
-every problem at its line.
+the kind of thing it checks: trainer.py (the trainer section), environment.py
+(trainer.environment), memory.py (the memory plan), cluster.py (the Ray cluster), groups.py
+(resources.groups), secrets.py, storage.py; each backend's own checks live in its package
+(rlx/launchers/<name>/checks.py, named in its BackendSpec). all_checks() lists them all;
+lint_loaded runs them on a loaded file and points every problem at its line.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from rlx.errors import Finding, RecipeError, RlxError
 from rlx.launchers import backend_checks
-from rlx.lint import cluster, groups, memory, secrets, storage, trainer
+from rlx.lint import cluster, environment, groups, memory, secrets, storage, trainer
 from rlx.lint.core import ERROR, WARNING, Check, Problem
 from rlx.recipe import LoadedRecipe, Recipe, load_recipe
 from rlx.recipe.load import dotted
@@ -55,6 +55,7 @@ def all_checks() -> list[Check]:
     module imports lint.core, so nothing is gathered while this package loads)."""
     return [
         *trainer.CHECKS,
+        *environment.CHECKS,
         *memory.CHECKS,
         *cluster.CHECKS,
         *groups.CHECKS,
