@@ -437,6 +437,46 @@ class RewardSettings(StrictModel):
     )
 
 
+class EnvironmentSettings(StrictModel):
+    function: Str = Field(
+        description="The environment episodes run in: a built-in name (tool_lookup, "
+        "calculator) or a class as 'package.module:Class' or 'path/to/file.py:Class' (see "
+        "docs/environments.md). Its reward replaces trainer.reward.",
+    )
+    max_turns: int = Field(
+        4, ge=1, le=64, description="Model turns per episode at most (each a generate call)."
+    )
+    max_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Tokens after the prompt per episode at most, the model's and the "
+        "environment's together (unset: max_turns * 2 * rollout.max_new_tokens). An episode "
+        "that would pass it ends there, truncated.",
+    )
+    step_timeout_s: float = Field(
+        30.0, gt=0, description="Seconds a reset or step may take before its episode fails."
+    )
+    max_failed_fraction: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="Share of a step's episodes that may fail (the environment raised, hung "
+        "or returned something unusable) before the run stops; a failed episode trains nothing.",
+    )
+
+
+def episode_token_budget(settings: TrainerSettings) -> int:
+    """Tokens after the prompt an episode may hold (the model's and the environment's):
+    what the engines' context, the planner and lint count. Without an environment, the
+    longest response."""
+    environment = settings.environment
+    if environment is None:
+        return settings.rollout.max_new_tokens
+    if environment.max_tokens is not None:
+        return environment.max_tokens
+    return environment.max_turns * 2 * settings.rollout.max_new_tokens
+
+
 class KLSettings(StrictModel):
     coef: float = Field(0.001, ge=0, description="KL weight; 0 turns the reference model off.")
     estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator.")
@@ -593,6 +633,12 @@ class TrainerSettings(StrictModel):
     data: DataSettings = Field(description="Prompt dataset.")
     rollout: RolloutSettings = Field(default_factory=RolloutSettings, description="Generation.")
     reward: RewardSettings = Field(default_factory=RewardSettings, description="Reward.")
+    environment: EnvironmentSettings | None = Field(
+        None,
+        description="Multi-turn episodes: the model acts, an environment (a tool, a game) "
+        "answers, for up to max_turns turns; the environment gives the reward. Unset: one "
+        "response per prompt, scored by trainer.reward.",
+    )
     algo: AlgorithmSettings = Field(default_factory=AlgorithmSettings, description="Losses.")
     optim: OptimSettings = Field(default_factory=OptimSettings, description="Optimiser.")
     batch: BatchSettings = Field(default_factory=BatchSettings, description="Batch sizes.")
@@ -616,6 +662,14 @@ class TrainerSettings(StrictModel):
         default_factory=CheckpointSettings, description="Checkpointing and resume."
     )
     logging: LoggingSettings = Field(default_factory=LoggingSettings, description="Metrics.")
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Single-turn jobs carry no `environment: null` in their dump (RLX_RECIPE_JSON).
+        data = handler(self)
+        if self.environment is None:
+            data.pop("environment", None)
+        return data
 
 
 # --------------------------------------------------------------------------- backends

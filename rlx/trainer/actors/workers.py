@@ -177,8 +177,11 @@ def _vllm_options(
 
 def max_model_len(settings: TrainerSettings) -> int:
     """The longest sequence an engine is asked for: a prompt and the longest response
-    (rollout or validation), plus the one token the probe's request generates."""
-    longest = settings.rollout.max_new_tokens
+    (rollout or validation) or the longest episode (prompt, every turn and every
+    observation), plus the one token the probe's request generates."""
+    from rlx.recipe.model import episode_token_budget
+
+    longest = episode_token_budget(settings)
     validation = settings.validation
     if validation is not None and validation.max_new_tokens is not None:
         longest = max(longest, validation.max_new_tokens)
@@ -219,6 +222,7 @@ def cpu_kv_cache_bytes(settings: TrainerSettings, model_path: str) -> int:
 
     from rlx.plan.memory import kv_bytes_per_token
     from rlx.plan.shapes import ModelShape
+    from rlx.recipe.model import episode_token_budget
 
     config = AutoConfig.from_pretrained(
         model_path, trust_remote_code=settings.model.trust_remote_code
@@ -229,7 +233,7 @@ def cpu_kv_cache_bytes(settings: TrainerSettings, model_path: str) -> int:
     tokens = (
         settings.batch.prompts_per_step
         * rollout.n
-        * (settings.data.max_prompt_length + rollout.max_new_tokens)
+        * (settings.data.max_prompt_length + episode_token_budget(settings))
     )
     return max(2 * tokens * per_token, 64 * 2**20)
 
