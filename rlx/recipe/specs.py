@@ -27,6 +27,7 @@ SYNTHETIC_PREFIX = "synthetic:"
 SYNTHETIC_TASKS = {
     "letters_or_digits": "rlx.trainer.tasks.synthetic:write_synthetic_dataset",
     "arithmetic": "rlx.trainer.tasks.synthetic:write_arithmetic_dataset",
+    "tool_lookup": "rlx.trainer.tasks.tools:write_tool_lookup_dataset",
 }
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -27,6 +28,12 @@ class RolloutBatch:
     finished is True where the response ended with EOS (False: cut at max_new_tokens).
     weight_version is the engine's weights version when it sampled them; versions holds it
     per row once batches of several engines are joined (None: every row is weight_version).
+
+    Multi-turn episodes (episodes/runner.py) fill three more: the response is the whole
+    trajectory after the prompt, the model's turns and the environment's tokens in order;
+    loss_mask is True on the model's own (sampled) tokens only, the environment's being
+    context; token_rewards holds each turn's reward on its last sampled token; episodes the
+    per-row records (turn boundaries, counts, failures).
     """
 
     prompt_ids: list[list[int]]
@@ -38,6 +45,9 @@ class RolloutBatch:
     pad_token_id: int
     weight_version: int
     versions: torch.Tensor | None = None  # (N,) long
+    loss_mask: torch.Tensor | None = None  # (N, R) bool, None: response_mask
+    token_rewards: torch.Tensor | None = None  # (N, R) float32
+    episodes: Sequence[Any] | None = None
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -211,7 +221,9 @@ def concat_rollouts(batches: Sequence[RolloutBatch]) -> RolloutBatch:
 
 
 def pack_rollout(batch: RolloutBatch) -> SequenceBatch:
-    """Prompt and response rows side by side: prompts left-padded, responses as generated."""
+    """Prompt and response rows side by side: prompts left-padded, responses as generated.
+    Every real token is attended to; the loss counts the model's own tokens only (for an
+    episode the environment's tokens are context)."""
     rows = len(batch)
     width = max(len(ids) for ids in batch.prompt_ids)
     prompt_ids = torch.full((rows, width), batch.pad_token_id, dtype=torch.long)  # (B, P)
@@ -222,7 +234,7 @@ def pack_rollout(batch: RolloutBatch) -> SequenceBatch:
     return SequenceBatch(
         input_ids=torch.cat([prompt_ids, batch.response_ids], dim=1),  # (B, P + R)
         attention_mask=torch.cat([prompt_mask, batch.response_mask.long()], dim=1),
-        response_mask=batch.response_mask,
+        response_mask=batch.response_mask if batch.loss_mask is None else batch.loss_mask,
         prompt_width=width,
     )
 

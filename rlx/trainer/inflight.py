@@ -74,19 +74,17 @@ class Submitted:
 class RolloutQueue:
     """The rollouts of the steps ahead, started in step order.
 
-    submit(prompt_ids, step) starts one step's generation and returns a handle with
-    collect(show_progress) -> RolloutBatch (Cluster.submit_generate)."""
+    submit(rows, step) starts one step's rollout of those prompt rows and returns a handle
+    with collect(show_progress) -> RolloutBatch (Trainer.submit_rollout)."""
 
     def __init__(
         self,
         sampler: PromptSampler,
-        prompt_ids: list[list[int]],
-        submit: Callable[[list[list[int]], int], Any],
+        submit: Callable[[list[int], int], Any],
         max_staleness: int,
         last_step: int,
     ):
         self.sampler = sampler
-        self.prompt_ids = prompt_ids
         self.submit = submit
         self.max_staleness = max_staleness
         self.last_step = last_step
@@ -102,7 +100,7 @@ class RolloutQueue:
             at = self.next_step
             self.sampler_before[at] = self.sampler.state_dict()
             rows = next(self.sampler)
-            self.steps[at] = Submitted(rows, self.submit([self.prompt_ids[i] for i in rows], at))
+            self.steps[at] = Submitted(rows, self.submit(rows, at))
             self.next_step += 1
 
     def take(self, step: int, show_progress: bool) -> tuple[list[int], RolloutBatch]:

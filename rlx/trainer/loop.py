@@ -9,6 +9,7 @@ One step:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -54,6 +55,8 @@ from rlx.trainer.checkpoint.training import (
     kill_after_step,
     load_parts,
 )
+from rlx.trainer.episodes.runner import EpisodeRunner, episode_metrics
+from rlx.trainer.episodes.trajectory import check_trajectories
 from rlx.trainer.inflight import RolloutQueue, check_staleness, staleness_metrics
 from rlx.trainer.job import TrainJob
 from rlx.trainer.learn.learner import (
@@ -98,6 +101,7 @@ class RunInputs:
     env: dict[str, str]
     validation: PromptDataset | None = None  # held-out prompts (trainer.validation)
     validation_overlap: int = 0  # held-out prompts dropped as also in the training data
+    environment: Callable[[], Any] | None = None  # the episodes' environment class, if any
 
 
 class Trainer:
@@ -123,14 +127,15 @@ class Trainer:
             len(inputs.data), settings.batch.prompts_per_step, settings.seed, settings.data.shuffle
         )
         self.max_staleness = settings.rollout.max_staleness
+        self.episodes: EpisodeRunner | None = None
+        if inputs.environment is not None:  # multi-turn episodes (episodes/runner.py)
+            self.episodes = EpisodeRunner(
+                settings, inputs.environment, inputs.tokenizer, inputs.data, self.say
+            )
         # Rollouts of the steps ahead, started in step order (inflight.py): at
         # max_staleness 0 each step's rollout starts after the previous update's push.
         self.queue = RolloutQueue(
-            self.sampler,
-            inputs.data.prompt_token_ids,
-            lambda prompt_ids, step: cluster.submit_generate(prompt_ids, step),
-            self.max_staleness,
-            settings.steps,
+            self.sampler, self.submit_rollout, self.max_staleness, settings.steps
         )
         self.samples: StepRecords | None = None  # the prompts and versions each step trained
         self.estimator = algos.get_advantage_estimator(
@@ -159,6 +164,21 @@ class Trainer:
 
     def say(self, message: str) -> None:
         print(message, file=self.out, flush=True)
+
+    def submit_rollout(self, rows: list[int], step: int) -> Any:
+        """Start step `step`'s rollout of these prompt rows: one generate call, or the first
+        turn of the step's episodes (the later turns run when it is collected)."""
+        cluster = self.cluster
+        if self.episodes is None:
+            prompt_ids = [self.inputs.data.prompt_token_ids[i] for i in rows]
+            return cluster.submit_generate(prompt_ids, step)
+
+        def submit(prompt_ids: list[list[int]], n: int, max_new: int, stream: str) -> Any:
+            sampling = dataclasses.replace(cluster.sampling, n=n, max_new_tokens=max_new)
+            return cluster.submit_generate(prompt_ids, step, sampling, stream)
+
+        rollout = self.settings.rollout
+        return self.episodes.start(rows, step, submit, rollout.n, rollout.max_new_tokens)
 
     # ------------------------------------------------------------------ the run
 
@@ -234,7 +254,13 @@ class Trainer:
         assert inputs.validation is not None
         started = time.perf_counter()
         scores = validation.validate(
-            self.cluster, inputs.validation, inputs.reward_fn, inputs.tokenizer, self.settings, step
+            self.cluster,
+            inputs.validation,
+            inputs.reward_fn,
+            inputs.tokenizer,
+            self.settings,
+            step,
+            self.episodes,
         )
         return {**scores, "time/validate": time.perf_counter() - started}
 
@@ -280,14 +306,25 @@ class Trainer:
         if self.samples is not None:
             self.samples.write(step, prompts=rows, versions=versions.tolist()[:: max(n, 1)])
 
-        responses = inputs.tokenizer.batch_decode(
-            rollout.response_lists(), skip_special_tokens=True
-        )
-        prompts = [inputs.data.prompts[i] for i in rows for _ in range(n)]
-        answers = [inputs.data.answers[i] for i in rows for _ in range(n)]
-        scores = torch.tensor(score(inputs.reward_fn, prompts, responses, answers))  # (B,)
         batch = pack_rollout(rollout)
-        mask = batch.response_mask  # (B, R)
+        mask = batch.response_mask  # (B, R) the tokens that train: the model's own
+        episodes = rollout.episodes
+        if episodes is None:
+            responses = inputs.tokenizer.batch_decode(
+                rollout.response_lists(), skip_special_tokens=True
+            )
+            prompts = [inputs.data.prompts[i] for i in rows for _ in range(n)]
+            answers = [inputs.data.answers[i] for i in rows for _ in range(n)]
+            scores = torch.tensor(score(inputs.reward_fn, prompts, responses, answers))  # (B,)
+            token_rewards = outcome_token_rewards(scores, mask)  # (B, R)
+            trains = None
+        else:
+            # What trains is what was sampled, id for id, at every sampled position.
+            checked = check_trajectories(batch, episodes, step)
+            token_rewards = rollout.token_rewards  # (B, R) each turn's on its last token
+            assert token_rewards is not None
+            scores = token_rewards.sum(dim=1)  # (B,) each episode's reward
+            trains = torch.tensor([e.failure is None for e in episodes])  # (B,)
         timer.lap("reward")
 
         extra = {}
@@ -295,7 +332,6 @@ class Trainer:
             extra = self.cluster.prepare(batch, self.old_logprobs)
         timer.lap("prepare")
 
-        token_rewards = outcome_token_rewards(scores, mask)  # (B, R)
         kl_reward = None
         if algo.kl.coef > 0 and algo.kl.mode == "reward":
             token_rewards, kl_reward = algos.kl_penalized_rewards(
@@ -313,6 +349,7 @@ class Trainer:
             group_size=n,
             gamma=algo.gamma,
             gae_lambda=algo.gae_lambda,
+            row_valid=trains,
         )  # (B, R) each
         if settings.algorithm == "ppo":
             advantages = algos.masked_whiten(advantages, mask)  # (B, R)
@@ -329,16 +366,20 @@ class Trainer:
         timer.move("update", "sync", update.sync_seconds)
         stats, probe_diff = update.metrics, update.probe_diff
 
-        lengths = mask.sum(dim=1).float()  # (B,)
+        lengths = mask.sum(dim=1).float()  # (B,) the model's tokens
         response_tokens = float(lengths.sum())
+        scored = scores if trains is None else scores[trains]  # failed episodes have none
         metrics: dict[str, float] = {
-            REWARD_MEAN: float(scores.mean()),
-            REWARD_STD: float(scores.std()) if len(scores) > 1 else 0.0,
+            REWARD_MEAN: float(scored.mean()) if len(scored) else 0.0,
+            REWARD_STD: float(scored.std()) if len(scored) > 1 else 0.0,
             RESPONSE_LENGTH: float(lengths.mean()),
             "response_length/max": float(lengths.max()),
             "response/finished": float(rollout.finished.float().mean()),
             **stats,
         }
+        if episodes is not None:
+            metrics.update(episode_metrics(rollout))
+            metrics["episode/checked_tokens"] = float(checked)
         if kl_reward is not None:
             metrics["kl"] = float(algos.masked_mean(kl_reward, mask))
         if settings.algorithm == "ppo":

@@ -80,6 +80,11 @@ def resolve_inputs(job: TrainJob, env: Mapping[str, str], paths: RunPaths) -> An
     settings = job.settings
     quiet_transformers()
     reward_fn = resolve_reward_fn(settings)
+    environment = None
+    if settings.environment is not None:
+        from rlx.trainer.episodes.env import resolve_environment
+
+        environment = resolve_environment(settings.environment.function)
     cache = model_cache_dir(paths)
     policy_path = resolve_model_path(settings.model.path, cache, settings.seed)
     critic_path = None
@@ -109,6 +114,7 @@ def resolve_inputs(job: TrainJob, env: Mapping[str, str], paths: RunPaths) -> An
         dict(env),
         validation=None if held_out is None else held_out[0],
         validation_overlap=0 if held_out is None else held_out[1],
+        environment=environment,
     )
     return inputs, policy_path, critic_path
 

@@ -76,6 +76,17 @@ def rloo_advantages(scores: Tensor, group_size: int) -> Tensor:
     return (grouped - baseline).reshape(-1)  # (B,)
 
 
+def impute_invalid(scores: Tensor, valid: Tensor, group_size: int) -> Tensor:
+    """Scores with each invalid row's replaced by the mean of its group's valid rows (0 in
+    a group with none): the group's mean, and so every valid row's baseline, stays what the
+    valid rows alone give. (B,), (B,) bool -> (B,)."""
+    grouped = scores.reshape(-1, group_size)  # (P, G)
+    ok = valid.reshape(-1, group_size)  # (P, G)
+    count = ok.sum(dim=1, keepdim=True)  # (P, 1)
+    mean = torch.where(ok, grouped, 0.0).sum(dim=1, keepdim=True) / count.clamp(min=1)
+    return torch.where(ok, grouped, mean).reshape(-1)  # (B,)
+
+
 def broadcast_to_tokens(seq_values: Tensor, mask: Tensor) -> Tensor:
     """Give every valid token its sequence's value: (B,) x mask (B, T) -> (B, T)."""
     return torch.where(mask.bool(), seq_values.unsqueeze(-1), 0.0)  # (B, T)
@@ -85,6 +96,8 @@ class AdvantageEstimator(Protocol):
     """Common signature of ADVANTAGE_ESTIMATORS entries; each ignores what it does not need.
 
     token_rewards, mask, values: (B, T). Returns (advantages, returns), each (B, T).
+    row_valid (B,) bool, None for all: rows that are not (a failed episode) train nothing
+    and must not move the others' baseline.
     """
 
     def __call__(
@@ -96,6 +109,7 @@ class AdvantageEstimator(Protocol):
         group_size: int = 1,
         gamma: float = 1.0,
         gae_lambda: float = 1.0,
+        row_valid: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]: ...
 
 
@@ -107,8 +121,9 @@ def _gae_estimator(
     group_size: int = 1,
     gamma: float = 1.0,
     gae_lambda: float = 1.0,
+    row_valid: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    del group_size  # the critic is the baseline
+    del group_size, row_valid  # the critic is the baseline; an invalid row has no mask
     if values is None:
         raise ValueError("the 'gae' advantage estimator needs critic values (values=...)")
     return compute_gae(token_rewards, values, mask, gamma, gae_lambda)
@@ -123,9 +138,12 @@ def _outcome_estimator(seq_advantages: Callable[[Tensor, int], Tensor]) -> Advan
         group_size: int = 1,
         gamma: float = 1.0,
         gae_lambda: float = 1.0,
+        row_valid: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         del values, gamma, gae_lambda  # one score per response: no critic, no discounting
         scores = masked_sum(token_rewards.detach(), mask, dim=-1)  # (B,)
+        if row_valid is not None:
+            scores = impute_invalid(scores, row_valid, group_size)
         advantages = broadcast_to_tokens(seq_advantages(scores, group_size), mask)  # (B, T)
         return advantages, advantages  # without a critic the returns are never regressed on
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -143,6 +143,7 @@ class PromptDataset:
     row_indices: list[int]
     n_filtered: int = 0
     n_truncated: int = 0
+    columns: list[Mapping[str, Any]] = field(default_factory=list)  # each prompt's whole row
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -269,6 +270,7 @@ def load_prompt_dataset(
         row_indices=kept_rows,
         n_filtered=n_filtered,
         n_truncated=n_truncated,
+        columns=[rows[i] for i in kept_rows],
     )
     if n_filtered or n_truncated:
         logger.warning("%s", dataset.summary())

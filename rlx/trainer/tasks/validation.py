@@ -58,6 +58,7 @@ def load_validation_set(
         prompt_token_ids=[data.prompt_token_ids[i] for i in keep],
         answers=[data.answers[i] for i in keep],
         row_indices=[data.row_indices[i] for i in keep],
+        columns=[data.columns[i] for i in keep] if data.columns else [],
     )
     return held_out, overlap
 
@@ -69,8 +70,11 @@ def validate(
     tokenizer: Any,
     settings: TrainerSettings,
     step: int,
+    episodes: Any = None,
 ) -> Mapping[str, float]:
-    """val/pass@1 and val/reward_mean of the policy the engines hold now."""
+    """val/pass@1 and val/reward_mean of the policy the engines hold now. With an
+    environment (`episodes`, an EpisodeRunner) each sample is a whole episode, scored by
+    the environment; failed episodes are left out."""
     from rlx.trainer.rollout.base import SamplingArgs
     from rlx.trainer.tasks.rewards import score
 
@@ -84,6 +88,9 @@ def validate(
     )
     results = {}
     for name, sampling in ((VAL_PASS1, greedy), (VAL_REWARD, sampled)):
+        if episodes is not None:
+            results[name] = _episode_mean(cluster, episodes, data, sampling, step)
+            continue
         batch = cluster.generate(
             data.prompt_token_ids, step, show_progress=False, sampling=sampling, stream="validate"
         )
@@ -94,3 +101,16 @@ def validate(
         scores = score(reward_fn, prompts, responses, answers)
         results[name] = sum(scores) / len(scores)
     return results
+
+
+def _episode_mean(cluster: Any, episodes: Any, data: PromptDataset, sampling: Any, step: int):
+    from rlx.trainer.episodes.runner import episode_scores
+
+    def submit(prompt_ids: list[list[int]], n: int, max_new: int, stream: str) -> Any:
+        args = dataclasses.replace(sampling, n=n, max_new_tokens=max_new)
+        return cluster.submit_generate(prompt_ids, step, args, f"validate/{stream}")
+
+    rows = list(range(len(data)))
+    pending = episodes.start(rows, step, submit, sampling.n, sampling.max_new_tokens, data)
+    scores = episode_scores(pending.collect())
+    return sum(scores) / max(len(scores), 1)

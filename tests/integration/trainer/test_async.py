@@ -57,8 +57,6 @@ def test_batches_stay_within_the_bound_and_a_staler_one_stops_the_run(tmp_path, 
         assert "stale 2.00" in out.getvalue()  # the console shows it too
 
         # One sample older than the bound allows: the step stops with one line.
-        cluster = trainer.cluster
-
         class Older:
             def __init__(self, pending):
                 self.pending = pending
@@ -70,11 +68,7 @@ def test_batches_stay_within_the_bound_and_a_staler_one_stops_the_run(tmp_path, 
                 return dataclasses.replace(batch, versions=versions)
 
         trainer.queue = RolloutQueue(
-            trainer.sampler,
-            trainer.inputs.data.prompt_token_ids,
-            lambda ids, step: Older(cluster.submit_generate(ids, step)),
-            2,
-            5,
+            trainer.sampler, lambda rows, step: Older(trainer.submit_rollout(rows, step)), 2, 5
         )
         with pytest.raises(StalenessError) as caught:
             trainer.step(5)

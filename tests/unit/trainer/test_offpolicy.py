@@ -74,11 +74,11 @@ def run_queue(k: int, steps: int, start: int = 1, state=None):
         sampler.load_state_dict(state)
     events: list[str] = []
 
-    def submit(prompt_ids, step):
+    def submit(rows, step):
         events.append(f"gen {step}")
-        return Done(step, prompt_ids)
+        return Done(step, [[i] for i in rows])
 
-    queue = RolloutQueue(sampler, [[i] for i in range(10)], submit, k, steps)
+    queue = RolloutQueue(sampler, submit, k, steps)
     trained, saved = {}, {}
     for step in range(start, steps + 1):
         queue.fill(step)
