@@ -92,6 +92,8 @@ def resolve_inputs(job: TrainJob, env: Mapping[str, str], paths: RunPaths) -> An
         critic = settings.critic_model or settings.model
         critic_path = resolve_model_path(critic.path, cache, settings.seed, "critic_model")
     tokenizer = load_tokenizer(policy_path, settings.model.trust_remote_code)
+    if settings.environment is not None:
+        check_environment_at_start(settings, policy_path)
     data_file = resolve_data_path(settings.data.train, paths.run_dir, settings.seed)
     data = load_recipe_prompts(data_file, tokenizer, settings.data)
     if len(data) < settings.batch.prompts_per_step:
@@ -117,6 +119,23 @@ def resolve_inputs(job: TrainJob, env: Mapping[str, str], paths: RunPaths) -> An
         environment=environment,
     )
     return inputs, policy_path, critic_path
+
+
+def check_environment_at_start(settings: Any, policy_path: Any) -> None:
+    """Lint's rule for trainer.environment, against the model as loaded: the first problem
+    as one line."""
+    import json
+    from pathlib import Path
+
+    from rlx.lint.environment import environment_problems
+    from rlx.recipe.load import dotted
+
+    config = Path(policy_path) / "config.json"
+    positions = None
+    if config.is_file():
+        positions = json.loads(config.read_text()).get("max_position_embeddings")
+    for problem in environment_problems(settings, Path.cwd(), positions):
+        raise RlxError(f"{dotted(problem.field)}: {problem.message}")
 
 
 def vllm_cpu_build() -> bool:
