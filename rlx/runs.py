@@ -40,6 +40,10 @@ STALENESS = "staleness/mean"  # weight versions the trained samples lag the poli
 IS_WEIGHT = "offpolicy/weight_mean"  # decoupled PPO's pi_proximal / pi_behaviour
 IS_WEIGHT_STD = "offpolicy/weight_std"
 IS_TRUNCATED = "offpolicy/truncated_frac"  # tokens whose weight hit behavior_weight_cap
+EPISODE_TURNS = "episode/turns"  # model turns per episode (trainer.environment)
+EPISODE_TOOL_CALLS = "episode/tool_calls"  # per episode
+EPISODE_TOOL_ERRORS = "episode/tool_errors"  # per episode
+EPISODE_LENGTH = "episode/length"  # tokens after the prompt, the model's and the environment's
 VAL_PASS1 = "val/pass@1"  # greedy answers' mean reward on the held-out prompts
 VAL_REWARD = "val/reward_mean"  # mean reward of validation.n samples per held-out prompt
 

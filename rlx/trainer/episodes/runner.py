@@ -25,6 +25,7 @@ import torch
 
 from rlx.errors import RlxError
 from rlx.recipe.model import TrainerSettings, episode_token_budget
+from rlx.runs import EPISODE_LENGTH, EPISODE_TOOL_CALLS, EPISODE_TOOL_ERRORS, EPISODE_TURNS
 from rlx.trainer.batch import RolloutBatch
 from rlx.trainer.episodes.env import (
     EpisodeFailure,
@@ -306,10 +307,10 @@ def episode_metrics(batch: RolloutBatch) -> dict[str, float]:
     episodes = batch.episodes or []
     count = max(len(episodes), 1)
     return {
-        "episode/turns": sum(len(e.turns) for e in episodes) / count,
-        "episode/tool_calls": sum(e.tool_calls for e in episodes) / count,
-        "episode/tool_errors": sum(len(e.tool_errors) for e in episodes) / count,
-        "episode/length": sum(len(e.ids) for e in episodes) / count,
+        EPISODE_TURNS: sum(len(e.turns) for e in episodes) / count,
+        EPISODE_TOOL_CALLS: sum(e.tool_calls for e in episodes) / count,
+        EPISODE_TOOL_ERRORS: sum(len(e.tool_errors) for e in episodes) / count,
+        EPISODE_LENGTH: sum(len(e.ids) for e in episodes) / count,
         "episode/length_max": float(max((len(e.ids) for e in episodes), default=0)),
         "episode/failed": float(sum(e.failure is not None for e in episodes)),
         "episode/truncated": sum(e.truncated for e in episodes) / count,
