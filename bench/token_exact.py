@@ -63,7 +63,7 @@ def main() -> int:
             distributed_executor_backend="uni",
         )
         policy = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-        totals = dict.fromkeys(("episodes", "turns", "checked", "rebuilt"), 0)
+        totals = dict.fromkeys(("episodes", "turns", "checked", "rebuilt", "rebuilt_episodes"), 0)
         worst_episode = worst_token = 0.0
         worst_ratio = 0.0
         started = time.perf_counter()
@@ -91,10 +91,12 @@ def main() -> int:
             worst_episode = max(worst_episode, float(gaps.max()))
             worst_token = max(worst_token, float((gaps / tokens.clamp(min=1)).max()))
             worst_ratio = max(worst_ratio, float((gaps / tolerance).max()))
-            totals["rebuilt"] += sum(
+            wrong = [
                 count_mismatches(e, rebuild_from_text(e, data.prompts[e.row], tokenizer))
                 for e in episodes
-            )
+            ]
+            totals["rebuilt"] += sum(wrong)
+            totals["rebuilt_episodes"] += sum(w > 0 for w in wrong)
             print(f"  {totals['episodes']} episodes ...", flush=True)
         seconds = time.perf_counter() - started
         engine.close()
@@ -107,6 +109,7 @@ def main() -> int:
         ("learner vs engine, worst per token", f"{worst_token:.2e} nats"),
         ("worst episode / probe tolerance", f"{worst_ratio:.3f}"),
         ("decode -> encode rebuild: mismatched ids", f"{totals['rebuilt']}"),
+        ("decode -> encode rebuild: episodes with one", f"{totals['rebuilt_episodes']}"),
         ("seconds (episodes + checks)", f"{seconds:.1f}"),
     ]
     width = max(len(name) for name, _ in rows)
