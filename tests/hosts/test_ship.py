@@ -27,7 +27,9 @@ SITE = (
 
 
 def clean_env(root: Path) -> Path:
-    """A virtualenv with every package of this one but rlx (which it must install itself)."""
+    """A virtualenv with every package of this one but rlx (which it must install itself).
+    Made without pip of its own: this one's pip comes through deps like every other package
+    (ensurepip would cost about 7 CPU-s a virtualenv, one per host)."""
     deps = root / "deps"
     deps.mkdir(parents=True)
     for entry in SITE.iterdir():
@@ -35,7 +37,9 @@ def clean_env(root: Path) -> Path:
             continue
         (deps / entry.name).symlink_to(entry)
     venv = root / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120
+    )
     site = next((venv / "lib").glob("python3*/site-packages"))
     (site / "deps.pth").write_text(str(deps) + "\n")
     ray = venv / "bin" / "ray"
