@@ -205,9 +205,10 @@ def test_requeue_resumes_after_a_lost_worker_and_the_warning(slurm_cluster, laun
     trainer save and the job requeue again; the last attempt finishes. One log folder per
     attempt."""
     # Enough steps that each attempt is still training when it is interrupted (a step of
-    # the quickstart takes well under a second on these hosts, and each interruption comes
-    # within seconds of the attempt's first step).
-    steps = 40
+    # the quickstart takes 1.5-3 s on these hosts with its save, and each interruption comes
+    # within seconds of the attempt's first step: the first after step 2, the second a step
+    # or two after the resume). The last attempt trains the rest: each step more costs it.
+    steps = 20
     path = quickstart(tmp_path, "requeue", steps=steps)
     recipe = yaml.safe_load(path.read_text())
     recipe["slurm"] = {"requeue": {"retries": 2, "signal_lead": 60}}
