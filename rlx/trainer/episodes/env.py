@@ -13,8 +13,9 @@ per episode with no arguments:
 `step` gets the model's turn (its text and the exact ids sampled) and returns a Step: the
 observation to append (a chat message {"role": ..., "content": ...} wrapped by the chat
 template, plain text, or token ids; None for nothing), a reward (summed over the turns),
-whether the episode is done, and, for the metrics, how many tool calls the turn made and the
-error of a malformed or failing one. A dict with Step's field names works too.
+whether the episode is done, and, for the metrics, how many tool calls the turn made, the
+error of a malformed or failing one and any numbers of its own (`metrics`, logged per step as
+`env/<name>`, the mean over the turns that gave one). A dict with Step's field names works too.
 
 Each call has `trainer.environment.step_timeout_s`; an environment that raises, hangs or
 returns something unusable fails its episode (one line, the run goes on); failed episodes
@@ -79,6 +80,7 @@ class Step:
     done: bool = False
     tool_calls: int = 0
     tool_error: str | None = None
+    metrics: Mapping[str, float] = field(default_factory=dict)  # logged as env/<name>
 
 
 # ------------------------------------------------------------------------------- specs
@@ -196,12 +198,17 @@ def as_step(value: Any) -> Step:
                 )
         elif not all(isinstance(t, int) and t >= 0 for t in observation):
             raise EpisodeFailure("step() returned observation ids that are not token ids")
+    try:
+        metrics = {str(k): float(v) for k, v in dict(value.metrics).items()}
+    except (TypeError, ValueError):
+        raise EpisodeFailure("step() returned metrics that are not names -> numbers") from None
     return Step(
         observation=observation,
         reward=reward,
         done=bool(value.done),
         tool_calls=int(value.tool_calls),
         tool_error=None if value.tool_error is None else str(value.tool_error),
+        metrics=metrics,
     )
 
 

@@ -181,6 +181,7 @@ class EpisodeRunner:
         episode.tool_calls += step.tool_calls
         if step.tool_error is not None:
             episode.tool_errors.append(step.tool_error)
+        episode.metrics.extend(step.metrics.items())
         if step.done:
             episode.done = True
             return
@@ -303,10 +304,17 @@ def episode_scores(batch: RolloutBatch) -> list[float]:
 
 def episode_metrics(batch: RolloutBatch) -> dict[str, float]:
     """Turns, tool calls and errors per episode, episode length (tokens after the prompt,
-    the model's and the environment's), and how many failed or were truncated."""
+    the model's and the environment's), how many failed or were truncated, and the
+    environment's own metrics (env/<name>: the mean over the turns that gave one)."""
     episodes = batch.episodes or []
     count = max(len(episodes), 1)
+    own: dict[str, list[float]] = {}
+    for episode in episodes:
+        if episode.failure is None:
+            for name, value in episode.metrics:
+                own.setdefault(f"env/{name}", []).append(value)
     return {
+        **{name: sum(values) / len(values) for name, values in own.items()},
         EPISODE_TURNS: sum(len(e.turns) for e in episodes) / count,
         EPISODE_TOOL_CALLS: sum(e.tool_calls for e in episodes) / count,
         EPISODE_TOOL_ERRORS: sum(len(e.tool_errors) for e in episodes) / count,

@@ -52,6 +52,7 @@ class Episode:
     truncated: bool = False  # ended by max_turns or the token budget, not by the environment
     tool_calls: int = 0
     tool_errors: list[str] = field(default_factory=list)
+    metrics: list[tuple[str, float]] = field(default_factory=list)  # the environment's own
     failure: str | None = None  # why the episode failed (it then trains nothing)
 
     def add_turn(

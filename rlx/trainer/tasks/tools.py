@@ -2,14 +2,18 @@
 
 `tool_lookup` (synthetic:tool_lookup, runs on CPU in minutes): the prompt asks for the
 code of a box; the code is a digit the prompt does not contain, so only the tool knows it.
-The model calls the tool with a turn that starts with `?`, the tool answers with the code as
-a `tool` chat message, and the model answers with the code. The first call earns
-CALL_REWARD, less a share for each character after the `?` (at most half); an answer that
-starts with the code earns ANSWER_REWARD, less the same way. Box names are letters: the
-tool's message holds the only digit of the episode.
-A random policy scores about 0; one that learned to call and then guesses a digit scores at
-most CALL_REWARD + ANSWER_REWARD / 10 = 0.325, so a mean above that needs answers read from
-the tool's message.
+The model calls the tool with a turn that holds a `?`, the tool answers with the code (the
+digit written CODE_REPEATS times) as a `tool` chat message, and the model's next turn is
+its answer. The call earns CALL_REWARD,
+less a share for each character besides the `?` (at most half); an answer that
+starts with the code earns ANSWER_REWARD, less the same way, and one that starts with another
+digit DIGIT_REWARD. Box names are letters: the tool's message holds the only digit of the
+episode.
+A random policy scores about 0. The protocol alone (a clean call, then a digit) is worth
+CALL_REWARD + (ANSWER_REWARD + 9 * DIGIT_REWARD) / 10 = 0.45 to a policy that guesses the
+digit; above that the answers must come from the tool's message. The environment reports
+`env/answered_code` (the share of answers that are the code; 0.1 for a guess) and
+`env/used_tool` (the share of episodes that called the tool first).
 
 `calculator` (gsm8k with a Python calculator): a turn that holds `<calc>EXPR</calc>` asks
 for the value of an arithmetic expression (numbers, + - * / // % **, parentheses; evaluated
@@ -32,8 +36,10 @@ from typing import Any
 from rlx.trainer.episodes.env import Row, Step, Turn
 
 CALL = "?"
-CALL_REWARD = 0.25
-ANSWER_REWARD = 0.75
+CALL_REWARD = 0.3
+ANSWER_REWARD = 0.6
+DIGIT_REWARD = 0.1  # an answer that is a digit, the wrong one
+CODE_REPEATS = 8  # the tool writes the code this many times: a tiny model reads it sooner
 EXTRA_COST = 0.1  # a call or an answer that starts right loses this share per extra char...
 MOST_LOST = 0.5  # ...up to this share
 
@@ -53,16 +59,20 @@ class LookupTool:
 
     def step(self, turn: Turn) -> Step:
         text = turn.text.strip()
-        if text.startswith(CALL):
-            first = not self.called  # only the first call pays, less for what follows '?'
+        if CALL in text and not self.called:
+            # The call pays, less for each other character; the turn after it is the answer.
             self.called = True
             return Step(
-                observation={"role": "tool", "content": self.code},
-                reward=_share(len(text) - 1) * CALL_REWARD if first else 0.0,
+                observation={"role": "tool", "content": self.code * CODE_REPEATS},
+                reward=_share(len(text) - 1) * CALL_REWARD,
                 tool_calls=1,
             )
-        right = text[:1] == self.code
-        return Step(reward=_share(len(text) - 1) * ANSWER_REWARD if right else 0.0, done=True)
+        # What the task is about: answers that are the tool's code (a guess is right 1 in 10).
+        right = {"answered_code": float(text[:1] == self.code), "used_tool": float(self.called)}
+        if text[:1] == self.code:
+            return Step(reward=_share(len(text) - 1) * ANSWER_REWARD, done=True, metrics=right)
+        reward = DIGIT_REWARD if text[:1].isdigit() else 0.0
+        return Step(reward=reward, done=True, metrics=right)
 
 
 def write_tool_lookup_dataset(path: str | Path, n: int, seed: int, held_out: bool = False) -> Path:

@@ -1,5 +1,5 @@
-"""Multi-turn episodes in the trainer on Ray: the synthetic tool task trains colocated and
-split (with rollouts a step ahead), its metrics and validation count episodes, and an
+"""Multi-turn episodes in the trainer on Ray: the synthetic tool task trains colocated (PPO)
+and split (GRPO, rollouts a step ahead), its metrics and validation count episodes, and an
 environment that breaks stops the run in one line with the last checkpoint intact, from
 which a fixed environment resumes."""
 
@@ -30,7 +30,8 @@ EPISODE_METRICS = ("episode/turns", "episode/tool_calls", "episode/length", "epi
 
 def test_tool_episodes_train_colocated_and_split(tmp_path: Path, local_ray) -> None:
     validation = {"data": "synthetic:tool_lookup", "every": 2, "max_prompts": 4, "n": 2}
-    recipe = make_recipe(tmp_path, steps=2, validation=validation, **TOOL_TASK)
+    # PPO: the critic values the model's tokens, GAE steps over the environment's.
+    recipe = make_recipe(tmp_path, steps=2, algorithm="ppo", validation=validation, **TOOL_TASK)
     out = io.StringIO()
     with trainer_for(recipe, {"RLX_RUN_ID": "colocated"}, out) as trainer:
         assert trainer.run() == 2
@@ -40,6 +41,7 @@ def test_tool_episodes_train_colocated_and_split(tmp_path: Path, local_ray) -> N
         assert all(name in record for name in EPISODE_METRICS), record
         assert 1 <= record["episode/turns"] <= 3 and record["episode/length_max"] <= 48
         assert record["episode/checked_tokens"] > 0 and record["episode/failed"] == 0
+        assert "value/explained_variance" in record and "env/used_tool" in record
     assert "val/pass@1" in metrics[0] and "val/pass@1" in metrics[-1]
 
     split = make_recipe(

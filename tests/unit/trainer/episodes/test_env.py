@@ -104,3 +104,28 @@ def test_the_calculator_evaluates_arithmetic_and_names_malformed_calls() -> None
     assert unclosed.tool_error == "malformed call: <calc> without </calc>"
     answer = env.step(Turn(3, "It is 72.\n#### 72", (1,), True))
     assert answer.done and answer.reward == 1.0
+
+
+def test_the_lookup_tool_pays_for_a_call_and_for_the_code_it_gave() -> None:
+    from rlx.trainer.episodes.env import Row, Turn
+    from rlx.trainer.tasks.tools import ANSWER_REWARD, CALL_REWARD, CODE_REPEATS, DIGIT_REWARD
+
+    def episode(*texts: str) -> list[Step]:
+        env = LookupTool()
+        env.reset(Row(prompt="Code of box abc?", answer="7"))
+        return [as_step(env.step(Turn(i, text, (1,), True))) for i, text in enumerate(texts)]
+
+    call, answer = episode("?", "7")
+    assert call.reward == CALL_REWARD and call.tool_calls == 1 and not call.done
+    assert call.observation == {"role": "tool", "content": "7" * CODE_REPEATS}
+    assert answer.reward == ANSWER_REWARD and answer.done
+    assert answer.metrics == {"answered_code": 1.0, "used_tool": 1.0}
+    sloppy_call, sloppy_answer = episode("?ab", "7xyz")
+    assert sloppy_call.reward == pytest.approx(0.8 * CALL_REWARD)
+    assert sloppy_answer.reward == pytest.approx(0.7 * ANSWER_REWARD)
+    (guess,) = episode("3")  # no call: the first turn is the answer
+    assert guess.reward == DIGIT_REWARD and guess.done
+    assert guess.metrics == {"answered_code": 0.0, "used_tool": 0.0}
+    assert as_step({"metrics": {"x": 1}}).metrics == {"x": 1.0}
+    with pytest.raises(EpisodeFailure, match="metrics that are not names -> numbers"):
+        as_step({"metrics": {"x": "high"}})
