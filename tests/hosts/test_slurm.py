@@ -130,11 +130,16 @@ def test_kept_cluster_attach_tunnel_and_down(slurm_cluster, launch_env, tmp_path
     assert "rlx tunnel kept --port 8265" in out.stderr and "rlx attach kept" in out.stderr
     token_file = tmp_path / ".rlx" / "tokens" / "kept"
     assert token_file.stat().st_mode & 0o077 == 0
+    # Wait on the head's log itself (an `rlx logs` a second costs a CPU-second each while
+    # the cluster forms), then read it once through rlx.
     deadline = time.monotonic() + 300
-    while "rlx: cluster kept" not in rlx(tmp_path, launch_env, "logs", "kept").stdout:
+    head_logs = tmp_path / "rlx-logs"
+    while not any("rlx: cluster kept" in _read(p) for p in head_logs.glob("kept-*/head.log")):
         assert time.monotonic() < deadline, rlx(tmp_path, launch_env, "logs", "kept").stdout
         time.sleep(1)
     print(f"\n[slurm-keep] cluster formed and kept after {time.monotonic() - started:.1f} s")
+    kept_log = rlx(tmp_path, launch_env, "logs", "kept")
+    assert "rlx: cluster kept" in kept_log.stdout, kept_log.stdout + kept_log.stderr
 
     # `ray status` shows the autoscaler's report, refreshed every few seconds: right after
     # the head saw every node join (its own check reads the node table) it may still list
