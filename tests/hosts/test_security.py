@@ -123,12 +123,14 @@ def test_a_peer_host_cannot_reach_or_join_the_job(hosts_factory, tmp_path: Path)
     right = count_nodes(peer, tmp_path, head.ip, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
     assert (right.returncode, right.stdout.strip()) == (0, "3"), right  # the control
 
-    # A worker without the token cannot join.
+    # A worker without the token cannot join. (`ray start` tries the GCS 20 times a second
+    # apart before it gives up, by default: a few tries get the same refusal.)
     join = on_host(
         peer,
         tmp_path,
         ["ray", "start", f"--address={head.ip}:{GCS_PORT}", "--disable-usage-stats"],
         timeout=180,
+        RAY_NUM_REDIS_GET_RETRIES="5",
     )
     assert join.returncode != 0 and REFUSED in join.stderr, join
     after = count_nodes(peer, tmp_path, head.ip, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
