@@ -14,6 +14,7 @@ import pytest
 from rlx.runs import read_metrics
 from rlx.trainer.main import trainer_for
 from tests.support.cli import run_rlx
+from tests.support.fixtures import ray_nodes_here
 from tests.support.recipes import make_recipe, write_recipe
 
 pytest.importorskip("ray")
@@ -90,8 +91,12 @@ def test_a_broken_environment_stops_the_run_with_the_checkpoint_intact(tmp_path:
             "environment": {**TOOL_TASK["environment"], "function": "envs.py:BreaksLater"},
         },
     )
-    # 8 episodes a step: the service goes down during step 3.
-    broken = run_rlx(["train", str(recipe)], tmp_path, RLX_RUN_ID="broken", BREAK_AFTER="16")
+    # 8 episodes a step: the service goes down during step 3. Both runs share one Ray.
+    with ray_nodes_here(1) as cluster:
+        common = {"RLX_RUN_ID": "broken", "RAY_ADDRESS": cluster.address}
+        broken = run_rlx(["train", str(recipe)], tmp_path, BREAK_AFTER="16", **common)
+        saved = sorted(p.name for p in (tmp_path / "ckpt" / "broken").iterdir())
+        fixed = run_rlx(["train", str(recipe)], tmp_path, **common)
     assert broken.returncode == 1, broken.stderr[-3000:]
     assert "Traceback" not in broken.stderr
     error = [line for line in broken.stderr.splitlines() if "max_failed_fraction" in line]
@@ -105,10 +110,8 @@ def test_a_broken_environment_stops_the_run_with_the_checkpoint_intact(tmp_path:
         and "failed at reset: reset() raised RuntimeError: the lookup service is down"
         in broken.stdout
     )
-    saved = sorted(p.name for p in (tmp_path / "ckpt" / "broken").iterdir())
-    assert saved == ["step-000002"]
+    assert saved == ["step-000002"]  # what the failed step left: the last good checkpoint
 
-    fixed = run_rlx(["train", str(recipe)], tmp_path, RLX_RUN_ID="broken")
     assert fixed.returncode == 0, fixed.stderr[-3000:]
     assert "(step 2)" in fixed.stdout  # resumed from the checkpoint the failure left
     state = json.loads((tmp_path / "runs" / "broken" / "result.json").read_text())
