@@ -233,6 +233,8 @@ class Trainer:
         finally:
             self.logger.close()
             self.samples.close()
+            if self.episodes is not None:
+                self.episodes.close()
         self.exported = self.export()
         return max(start, settings.steps)
 
