@@ -141,7 +141,8 @@ def check_layout(recipe: Recipe) -> Iterator[Problem]:
                 f"rollout_gpus {trainer.rollout_gpus} is not a multiple of "
                 f"tensor_parallel_size {tp}",
             )
-    elif trainer.rollout_gpus:
+    elif trainer.layout == "colocated" and trainer.rollout_gpus:
+        # (split on a CPU-only job: rollout_gpus is the number of rollout actors)
         yield Problem(
             ("trainer", "rollout_gpus"), WARNING, "rollout_gpus is ignored with layout: colocated"
         )

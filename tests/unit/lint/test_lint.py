@@ -433,7 +433,11 @@ def test_cpu_multinode_counts_one_rank_per_node(write_recipe):
 
 def test_split_layout_on_cpu_is_allowed(write_recipe):
     path = write_recipe("name: job\n" + TRAINER + "  layout: split\n  rollout_gpus: 1\n")
-    assert [f for f in lint_file(path) if f.severity == "error"] == []
+    assert lint_file(path) == []  # not even "rollout_gpus is ignored with layout: colocated"
+    colocated = write_recipe("name: job\n" + TRAINER + "  rollout_gpus: 1\n", "other.yaml")
+    assert [f.message for f in lint_file(colocated)] == [
+        "rollout_gpus is ignored with layout: colocated"
+    ]
 
 
 def test_micro_batch_above_the_share_is_a_warning(write_recipe):
