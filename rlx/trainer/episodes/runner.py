@@ -172,9 +172,6 @@ class EpisodeRunner:
                 self._apply(episode, as_step(outcome))
             except EpisodeFailure as exc:
                 self._fail_on(episode, exc, turn.index)
-        for episode, _ in stepping:  # failed before this turn (reset): nothing more to run
-            if episode.failure is not None:
-                episode.done = True
 
     def _apply(self, episode: Episode, step: Any) -> None:
         episode.rewards.append(step.reward)
