@@ -27,6 +27,10 @@ RULES: dict[str, tuple[tuple[str, ...], str]] = {
     "rlx.trainer.rollout": (("ray", "rlx.trainer.actors"), "engines know no Ray"),
     "rlx.trainer.tasks": (("ray", "rlx.trainer.actors"), "prompts and rewards know no Ray"),
     "rlx.trainer.checkpoint": (("ray", "rlx.trainer.actors"), "checkpoints know no Ray"),
+    "rlx.trainer.episodes": (
+        ("ray", "rlx.trainer.actors"),
+        "episodes drive engines through what the controller hands them, never Ray",
+    ),
     "rlx.plan": (("torch", "ray", "transformers", "vllm", "rlx.launchers"), "plans offline"),
     "rlx.lint": (("torch", "ray", "transformers", "vllm"), "lints before any GPU is paid for"),
     "rlx.runs": (("torch", "ray", "rlx.launchers"), "both sides read the run folder"),

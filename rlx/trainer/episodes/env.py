@@ -27,17 +27,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import inspect
 import math
-import re
 import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from rlx.errors import RlxError
+from rlx.trainer.tasks.userspec import import_target, missing_name
 
 
 class EnvironmentSpecError(RlxError, ValueError):
@@ -112,51 +110,19 @@ def environment_spec_problem(spec: str) -> str | None:
     return None
 
 
-def _module_from_file(path: Path, spec: str) -> Any:
-    import importlib.util
-
-    if not path.is_file():
-        raise EnvironmentSpecError(
-            f"environment {spec!r}: file {str(path)!r} does not exist (paths are relative to "
-            "the folder the job runs in)"
-        )
-    module_name = "rlx_env_" + re.sub(r"\W", "_", str(path.resolve()))
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise EnvironmentSpecError(f"environment {spec!r}: cannot load {str(path)!r} as Python")
-    module = importlib.util.module_from_spec(module_spec)
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as exc:
-        raise EnvironmentSpecError(
-            f"environment {spec!r}: importing {str(path)!r} failed: {type(exc).__name__}: {exc}"
-        ) from exc
-    return module
-
-
 def resolve_environment(spec: str) -> Callable[[], Any]:
     """The environment class `spec` names, checked to have reset and step; user modules are
     imported only now. Raises EnvironmentSpecError naming the spec and what would do."""
     problem = environment_spec_problem(spec)
     if problem is not None:
         raise EnvironmentSpecError(problem)
-    target, _, name = builtin_environments().get(spec, spec).rpartition(":")
-    if target.endswith(".py"):
-        module = _module_from_file(Path(target), spec)
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ImportError as exc:
-            raise EnvironmentSpecError(
-                f"environment {spec!r}: cannot import module {target!r} ({exc}); is it "
-                "installed or on PYTHONPATH? A file path must end in .py"
-            ) from exc
+    module, name = import_target(
+        builtin_environments().get(spec, spec), "environment", EnvironmentSpecError
+    )
     factory = getattr(module, name, None)
     if factory is None:
-        classes = sorted(n for n, v in vars(module).items() if inspect.isclass(v) and n[0] != "_")
         raise EnvironmentSpecError(
-            f"environment {spec!r}: {target!r} has no attribute {name!r}; its classes: "
-            f"{', '.join(classes) or '(none)'}"
+            missing_name(module, spec, "environment", "classes", inspect.isclass)
         )
     missing = [m for m in ("reset", "step") if not callable(getattr(factory, m, None))]
     if not callable(factory) or missing:

@@ -16,16 +16,14 @@ A spec names a built-in (`gsm8k`, `gsm8k_flexible`, `math_verify`, `math_exact`,
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
 import re
 import threading
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 from rlx.errors import RlxError
 from rlx.trainer.tasks.synthetic import letters_or_digits_reward
+from rlx.trainer.tasks.userspec import import_target, missing_name
 
 RewardFn = Callable[[str, str, str | None], float]
 
@@ -160,19 +158,6 @@ def _valid_names() -> str:
     return ", ".join(sorted(REWARD_FUNCTIONS))
 
 
-def _load_module_from_file(path: Path, spec: str):
-    if not path.is_file():
-        raise RewardSpecError(f"reward {spec!r}: file {str(path)!r} does not exist")
-    # A name derived from the path keeps two reward files with the same stem apart.
-    module_name = "rlx_reward_" + re.sub(r"\W", "_", str(path.resolve()))
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise RewardSpecError(f"reward {spec!r}: cannot load {str(path)!r} as Python")
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module
-
-
 def reward_spec_problem(spec: str) -> str | None:
     """What is wrong with a reward spec's form, before anything is imported (None when it
     names a built-in or looks like a user function). Lint asks this too."""
@@ -199,26 +184,10 @@ def resolve_reward(spec: str) -> RewardFn:
         raise RewardSpecError(problem)
     if spec in REWARD_FUNCTIONS:
         return REWARD_FUNCTIONS[spec]
-    target, _, func_name = spec.rpartition(":")
-    if target.endswith(".py"):
-        module = _load_module_from_file(Path(target), spec)
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ImportError as exc:
-            raise RewardSpecError(
-                f"reward {spec!r}: cannot import module {target!r} ({exc}); "
-                "is it installed or on PYTHONPATH? A file path must end in .py"
-            ) from exc
+    module, func_name = import_target(spec, "reward", RewardSpecError)
     fn = getattr(module, func_name, None)
     if fn is None:
-        public = sorted(
-            name for name, value in vars(module).items() if callable(value) and name[0] != "_"
-        )
-        raise RewardSpecError(
-            f"reward {spec!r}: {target!r} has no attribute {func_name!r}; "
-            f"its functions: {', '.join(public) or '(none)'}"
-        )
+        raise RewardSpecError(missing_name(module, spec, "reward", "functions", callable))
     if not callable(fn):
         raise RewardSpecError(f"reward {spec!r}: {func_name!r} is not callable")
     return fn

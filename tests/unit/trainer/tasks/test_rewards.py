@@ -225,6 +225,10 @@ def test_custom_reward_from_file(tmp_path: Path) -> None:
         resolve_reward(f"{tmp_path / 'nope.py'}:exact")
     with pytest.raises(RewardSpecError, match=r"has no attribute 'other'.*exact"):
         resolve_reward(f"{path}:other")
+    broken = tmp_path / "broken.py"
+    broken.write_text("import no_such_module_xyz\n")
+    with pytest.raises(RewardSpecError, match=r"importing .*broken.py' failed: ModuleNotFound"):
+        resolve_reward(f"{broken}:exact")
 
 
 def test_two_reward_files_with_the_same_name_stay_apart(tmp_path: Path) -> None:
