@@ -490,6 +490,30 @@ def export(
     )
 
 
+class DataTask(str, Enum):
+    gsm8k = "gsm8k"
+
+
+@app.command()
+@expected_errors
+def data(
+    task: DataTask = typer.Argument(..., help="The dataset to convert: gsm8k."),
+    source: str = typer.Argument(
+        ..., help="The dataset's own file (gsm8k: openai/gsm8k's main train or test parquet)."
+    ),
+    out: str = typer.Argument(..., help="The prompt file to write: .jsonl or .parquet."),
+    tools: bool = typer.Option(
+        False, "--tools", help="Prompts that teach the calculator tool (gsm8k-tools.yaml)."
+    ),
+) -> None:
+    """Write a prompt file a recipe reads (prompt as chat messages, answer) from a public
+    dataset's own file, on this machine."""
+    from rlx.trainer.tasks.gsm8k import write_prompts
+
+    written = write_prompts(source, out, tools=tools)
+    typer.echo(f"wrote {written.rows} {task.value} prompts to {written.path}")
+
+
 def _recipe_from(path: Path | None) -> Any:
     """The recipe from a file, or from $RLX_RECIPE_JSON on a node."""
     from rlx.node.env import recipe_from_env

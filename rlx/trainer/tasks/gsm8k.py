@@ -1,0 +1,96 @@
+"""GSM8K prompt files from the dataset's own files (`rlx data gsm8k SOURCE OUT`).
+
+The source is GSM8K as published (openai/gsm8k, config `main`: a parquet or jsonl file with a
+`question` and an `answer` whose last line is `#### N`). Each row becomes a chat prompt (a
+system message, the question as the user's message) and `answer`, the number N, which the
+gsm8k reward and the calculator environment compare with the number after the model's `####`.
+With `tools` the system message teaches the calculator's call, `<calc>EXPR</calc>`
+(recipes/gsm8k-tools.yaml); without it, the plain task (recipes/gsm8k-grpo.yaml's reward).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlx.trainer.tasks.data import DataError, detect_format, read_rows
+
+SYSTEM = (
+    "Solve the math word problem. Reason briefly, then write the final answer on its own "
+    "line as '#### N', where N is a number."
+)
+SYSTEM_TOOLS = (
+    "Solve the math word problem. You have a calculator: write <calc>EXPRESSION</calc> "
+    "(numbers, + - * / // % ** and parentheses) and stop; its result comes back in the next "
+    "message, and you go on. Use it for arithmetic you are not sure of. When you know the "
+    "answer, write it on its own line as '#### N', where N is a number, with no call in "
+    "that message."
+)
+_FINAL = re.compile(r"####\s*(.+?)\s*$")
+
+
+@dataclass(frozen=True)
+class Written:
+    path: Path
+    rows: int
+
+
+def prompt_rows(rows: Iterable[Mapping[str, Any]], source: str, tools: bool) -> list[dict]:
+    """The prompt rows of GSM8K rows: prompt (chat messages), answer (the number)."""
+    system = SYSTEM_TOOLS if tools else SYSTEM
+    out = []
+    for index, row in enumerate(rows):
+        question, solution = row.get("question"), row.get("answer")
+        if not isinstance(question, str) or not isinstance(solution, str):
+            raise DataError(
+                f"{source}: row {index}: GSM8K rows have text columns 'question' and "
+                f"'answer'; this one has {sorted(row)} (is this openai/gsm8k's 'main' file?)"
+            )
+        final = _FINAL.search(solution.strip().splitlines()[-1] if solution.strip() else "")
+        if final is None:
+            raise DataError(
+                f"{source}: row {index}: the answer does not end with a '#### N' line "
+                f"({solution[-60:]!r})"
+            )
+        out.append(
+            {
+                "prompt": [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": question.strip()},
+                ],
+                "answer": final.group(1).replace(",", ""),
+            }
+        )
+    return out
+
+
+def write_prompts(source: str | Path, out: str | Path, tools: bool) -> Written:
+    """Read GSM8K's `source` file and write its prompt rows to `out` (.jsonl or .parquet,
+    which must not exist); the folder is made. Raises DataError with one line."""
+    for name, path in (("source", source), ("out", out)):
+        if "://" in str(path):
+            raise DataError(
+                f"{name} {str(path)!r} is a URL; rlx data reads and writes files on this "
+                "machine (copy the result to the store with its own tool)"
+            )
+    out = Path(out)
+    fmt = detect_format(out)
+    if out.exists():
+        raise DataError(f"{out} exists; name a new file (nothing was written)")
+    rows = prompt_rows(read_rows(source), str(source), tools)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + ".partial")
+    if fmt == "jsonl":
+        with partial.open("w", encoding="utf-8") as f:
+            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), partial)
+    partial.replace(out)  # a killed run leaves no half file under the real name
+    return Written(out, len(rows))
