@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from rlx.errors import RlxError
+from rlx.runs import STALENESS
 from rlx.trainer.batch import RolloutBatch
 from rlx.trainer.tasks.data import PromptSampler
 
@@ -57,7 +58,7 @@ def staleness_metrics(
     """How old the trained samples are: mean and max lag in versions, and the share of
     samples at each lag 0..k (the histogram, one metric per bucket)."""
     lag = (policy_version - versions).float()  # (B,)
-    metrics = {"staleness/mean": float(lag.mean()), "staleness/max": float(lag.max())}
+    metrics = {STALENESS: float(lag.mean()), "staleness/max": float(lag.max())}
     for value in range(max_staleness + 1):
         metrics[f"staleness/share_{value}"] = float((lag == value).float().mean())
     return metrics

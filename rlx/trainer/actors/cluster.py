@@ -389,13 +389,7 @@ class Cluster:
         train = self.train.handles
         engines = self.rollout.handles
         policy_refs = [w.policy_probe.remote(probe) for w in train]
-        plans = gather(
-            [w.open_weight_stream.remote(self.engine_dtype, self.bucket_bytes) for w in train],
-            "training worker",
-        )
-        plan = plans[0]
-        for engine in engines:
-            engine.begin_push.remote(version, sum(len(names) for names in plan))
+        plan = self._open_push(version)
         parts, loads = [], []
         for index in range(len(plan)):
             bucket = [w.weight_bucket.remote(index) for w in train]
@@ -418,6 +412,21 @@ class Cluster:
         tolerance = queued.probe.tolerance(self.engine_dtype)
         return check_engines(reports, queued.version, policy_logprob, tolerance)
 
+    def _open_push(self, version: int) -> list[list[str]]:
+        """Start a push of `version`: every rank plans the buckets (the same plan), every
+        engine is told how many tensors will come. Returns the plan."""
+        plans = gather(
+            [
+                w.open_weight_stream.remote(self.engine_dtype, self.bucket_bytes)
+                for w in self.train.handles
+            ],
+            "training worker",
+        )
+        plan = plans[0]
+        for engine in self.rollout.handles:  # each engine runs its calls from here in order
+            engine.begin_push.remote(version, sum(len(names) for names in plan))
+        return plan
+
     def _stream_weights(self, version: int) -> None:
         """The policy's parameters to every split engine, bucket by bucket: rank 0's bucket
         goes once into Ray's object store and each engine reads it from there. At most two
@@ -425,13 +434,7 @@ class Cluster:
         gathered), so a push holds about two buckets, not the model."""
         train = self.train.handles
         engines = self.rollout.handles
-        plans = gather(
-            [w.open_weight_stream.remote(self.engine_dtype, self.bucket_bytes) for w in train],
-            "training worker",
-        )
-        plan = plans[0]
-        for engine in engines:  # each engine runs its calls from here in order
-            engine.begin_push.remote(version, sum(len(names) for names in plan))
+        plan = self._open_push(version)
         under_way: collections.deque[tuple[list[Any], list[Any]]] = collections.deque()
         for index in range(len(plan)):
             parts = [w.weight_bucket.remote(index) for w in train]
