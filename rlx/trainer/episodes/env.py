@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlx.errors import RlxError
-from rlx.trainer.tasks.userspec import import_target, missing_name
+from rlx.trainer.tasks.userspec import import_target, missing_name, spec_problem
 
 
 class EnvironmentSpecError(RlxError, ValueError):
@@ -83,8 +83,6 @@ class Step:
 
 # ------------------------------------------------------------------------------- specs
 
-_SPEC_HELP = "a built-in name, 'package.module:Class' or 'path/to/file.py:Class'"
-
 
 def builtin_environments() -> dict[str, str]:
     """Built-in environments by name -> 'module:Class' (imported only when chosen)."""
@@ -97,17 +95,7 @@ def builtin_environments() -> dict[str, str]:
 def environment_spec_problem(spec: str) -> str | None:
     """What is wrong with a spec's form, before anything is imported (None if it names a
     built-in or looks like a class). Lint asks this too."""
-    if spec in builtin_environments():
-        return None
-    if ":" not in spec:
-        return (
-            f"unknown environment {spec!r}; valid: {', '.join(sorted(builtin_environments()))}, "
-            "or a class as 'package.module:Class' or 'path/to/file.py:Class'"
-        )
-    target, _, name = spec.rpartition(":")
-    if not target or not name.isidentifier():
-        return f"bad environment spec {spec!r}; expected {_SPEC_HELP}"
-    return None
+    return spec_problem(spec, "environment", builtin_environments(), "a class", "Class")
 
 
 def resolve_environment(spec: str) -> Callable[[], Any]:

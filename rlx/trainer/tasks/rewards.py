@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 from rlx.errors import RlxError
 from rlx.trainer.tasks.synthetic import letters_or_digits_reward
-from rlx.trainer.tasks.userspec import import_target, missing_name
+from rlx.trainer.tasks.userspec import import_target, missing_name, spec_problem
 
 RewardFn = Callable[[str, str, str | None], float]
 
@@ -151,27 +151,11 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "letters_or_digits": letters_or_digits_reward,
 }
 
-_SPEC_HELP = "a built-in name or 'package.module:function' or 'path/to/file.py:function'"
-
-
-def _valid_names() -> str:
-    return ", ".join(sorted(REWARD_FUNCTIONS))
-
 
 def reward_spec_problem(spec: str) -> str | None:
     """What is wrong with a reward spec's form, before anything is imported (None when it
     names a built-in or looks like a user function). Lint asks this too."""
-    if spec in REWARD_FUNCTIONS:
-        return None
-    if ":" not in spec:
-        return (
-            f"unknown reward {spec!r}; valid: {_valid_names()}, "
-            "or a user function as 'package.module:function' or 'path/to/file.py:function'"
-        )
-    target, _, func_name = spec.rpartition(":")
-    if not target or not func_name.isidentifier():
-        return f"bad reward spec {spec!r}; expected {_SPEC_HELP}"
-    return None
+    return spec_problem(spec, "reward", REWARD_FUNCTIONS, "a user function", "function")
 
 
 def resolve_reward(spec: str) -> RewardFn:

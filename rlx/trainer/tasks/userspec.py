@@ -9,9 +9,29 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+
+def spec_problem(
+    spec: str, kind: str, builtins: Iterable[str], owner: str, name: str
+) -> str | None:
+    """What is wrong with a spec's form, before anything is imported: None when it names a
+    built-in or looks like `target:name`. owner, name: how the help says what the spec may
+    name ("a user function", "function"; "a class", "Class")."""
+    if spec in builtins:
+        return None
+    forms = f"'package.module:{name}' or 'path/to/file.py:{name}'"
+    if ":" not in spec:
+        return (
+            f"unknown {kind} {spec!r}; valid: {', '.join(sorted(builtins))}, or {owner} as {forms}"
+        )
+    target, _, attribute = spec.rpartition(":")
+    if not target or not attribute.isidentifier():
+        return f"bad {kind} spec {spec!r}; expected a built-in name, {forms}"
+    return None
 
 
 def import_target(spec: str, kind: str, error: type[Exception]) -> tuple[ModuleType, str]:
