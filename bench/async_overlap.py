@@ -2,6 +2,7 @@
 
     python bench/async_overlap.py [--rounds 3] [--steps 14] [--warmup 4] [--ks 0 1 2]
     python bench/async_overlap.py --learn [--rounds 1] [--steps 60]
+    python bench/async_overlap.py --recipe tool-lookup [--ks 0 1]
 
 The run is recipes/quickstart-vllm.yaml (GRPO, tiny Qwen2, vLLM's CPU build) in the split
 layout: one vLLM engine in a rollout actor and one training worker. On 2 cores each side
@@ -13,6 +14,10 @@ gets a core of its own, so an overlap shows as it would on GPUs of their own:
     process is pinned to core 1 (os.sched_setaffinity on each /proc/PID/task entry, once the
     actors are up; the pids come from the workers' own host_memory() report).
 The controller, Ray's daemons and the reward are not pinned (they are light).
+
+--recipe tool-lookup times recipes/tool-lookup.yaml's multi-turn episodes instead (three
+turns each, the engine vLLM's as above): at k > 0 the turns of the steps ahead are played
+while the learner updates.
 
 Timing (the default): validation off, `--steps` steps per run, the first `--warmup` dropped;
 seconds per step are the gaps between the ends of consecutive steps in metrics.jsonl. Runs
@@ -48,7 +53,7 @@ from typing import Any
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
-RECIPE = REPO / "recipes" / "quickstart-vllm.yaml"
+RECIPES = {"quickstart-vllm": "quickstart-vllm.yaml", "tool-lookup": "tool-lookup.yaml"}
 PASS_TARGET = 0.4
 # Greedy pass@1 of this task jumps to 0.5 once the greedy answer is all letters or all
 # digits (half the prompts); the validation reward mean (share of requested characters
@@ -90,11 +95,13 @@ def pin(pid: int, core: int) -> int:
     return len(processes)
 
 
-def recipe_for(k: int, steps: int, learn: bool, out: Path) -> Any:
+def recipe_for(k: int, steps: int, learn: bool, out: Path, name: str) -> Any:
     from rlx.recipe import parse_recipe
 
-    data = yaml.safe_load(RECIPE.read_text())
+    path = REPO / "recipes" / RECIPES[name]
+    data = yaml.safe_load(path.read_text())
     trainer = data["trainer"]
+    trainer["rollout"]["engine"] = "vllm"
     trainer["layout"] = "split"
     trainer["rollout_gpus"] = 1  # on CPU: one rollout actor
     trainer["rollout"]["max_staleness"] = k
@@ -105,10 +112,10 @@ def recipe_for(k: int, steps: int, learn: bool, out: Path) -> Any:
         trainer["validation"]["every"] = 5
     else:
         trainer.pop("validation")
-    return parse_recipe(json.dumps(data), "quickstart-vllm.yaml").recipe
+    return parse_recipe(json.dumps(data), path.name).recipe
 
 
-def child(k: int, steps: int, learn: bool, out: Path) -> None:
+def child(k: int, steps: int, learn: bool, out: Path, name: str) -> None:
     """One run in this process; writes its metrics file's path to stdout's last line."""
     os.environ["RLX_NUM_THREADS"] = "1"
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0"
@@ -117,7 +124,7 @@ def child(k: int, steps: int, learn: bool, out: Path) -> None:
     env = {k_: v for k_, v in os.environ.items() if k_ != "RAY_ADDRESS"}  # a private Ray
     env["RLX_RUN_ID"] = f"k{k}"
     log = io.StringIO()
-    with trainer_for(recipe_for(k, steps, learn, out), env, log) as trainer:
+    with trainer_for(recipe_for(k, steps, learn, out, name), env, log) as trainer:
         cluster = trainer.cluster
         (_, train_pid, _), (_, engine_pid, _) = cluster.worker_memory()  # train, then rollout
         pin(engine_pid, 0)
@@ -127,7 +134,7 @@ def child(k: int, steps: int, learn: bool, out: Path) -> None:
     print(json.dumps({"metrics": str(trainer.logger.jsonl_path), "started": started}))
 
 
-def one_run(k: int, steps: int, learn: bool) -> list[dict[str, Any]]:
+def one_run(k: int, steps: int, learn: bool, name: str) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="bench-async-") as scratch:
         command = [
             sys.executable,
@@ -138,6 +145,8 @@ def one_run(k: int, steps: int, learn: bool) -> list[dict[str, Any]]:
             str(steps),
             "--out",
             scratch,
+            "--recipe",
+            name,
         ] + (["--learn"] if learn else [])
         done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
         if done.returncode != 0:
@@ -159,7 +168,7 @@ def timing(args: argparse.Namespace) -> None:
     for round_index in range(args.rounds):
         for k in args.ks:
             before = load_average()
-            records = one_run(k, args.steps, learn=False)
+            records = one_run(k, args.steps, learn=False, name=args.recipe)
             seconds = step_seconds(records, args.warmup)
             medians[k].append(statistics.median(seconds))
             stale = max(r.get("staleness/max", 0.0) for r in records)
@@ -186,7 +195,7 @@ def learning(args: argparse.Namespace) -> None:
     for round_index in range(args.rounds):
         for k in args.ks:
             before = load_average()
-            records = one_run(k, args.steps, learn=True)
+            records = one_run(k, args.steps, learn=True, name=args.recipe)
             started = records[0]["_started"]
             reached = {key: first_reaching(records, key) for key in VALIDATION_KEYS}
             seconds = {
@@ -224,18 +233,19 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--ks", type=int, nargs="+", default=None)
     parser.add_argument("--learn", action="store_true")
+    parser.add_argument("--recipe", choices=sorted(RECIPES), default="quickstart-vllm")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
     if args.child is not None:
-        child(args.child, args.steps, args.learn, args.out)
+        child(args.child, args.steps, args.learn, args.out, args.recipe)
         return
     args.rounds = args.rounds or 3
     args.steps = args.steps or (80 if args.learn else 14)
     args.ks = args.ks or ([0, 1] if args.learn else [0, 1, 2])
     print(
-        f"{'learning' if args.learn else 'timing'}: quickstart-vllm, layout split, engine on "
+        f"{'learning' if args.learn else 'timing'}: {args.recipe}, layout split, engine on "
         f"core 0, learner on core 1; {args.rounds} rounds x {args.steps} steps; "
         f"{os.cpu_count()} cores; load {load_average()}",
         flush=True,

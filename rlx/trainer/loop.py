@@ -167,7 +167,8 @@ class Trainer:
 
     def submit_rollout(self, rows: list[int], step: int) -> Any:
         """Start step `step`'s rollout of these prompt rows: one generate call, or the first
-        turn of the step's episodes (the later turns run when it is collected)."""
+        turn of the step's episodes (the later turns are played when it is collected, or at
+        max_staleness > 0 from now on, beside the updates)."""
         cluster = self.cluster
         if self.episodes is None:
             prompt_ids = [self.inputs.data.prompt_token_ids[i] for i in rows]
@@ -178,7 +179,9 @@ class Trainer:
             return cluster.submit_generate(prompt_ids, step, sampling, stream)
 
         rollout = self.settings.rollout
-        return self.episodes.start(rows, step, submit, rollout.n, rollout.max_new_tokens)
+        return self.episodes.start(
+            rows, step, submit, rollout.n, rollout.max_new_tokens, ahead=rollout.max_staleness > 0
+        )
 
     # ------------------------------------------------------------------ the run
 

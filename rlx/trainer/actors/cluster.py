@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import re
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -108,6 +109,9 @@ class Cluster:
         self.bucket_bytes = self.settings.rollout.weight_sync_bucket_mb * 2**20
         self.sampling = SamplingArgs.from_settings(self.settings)
         self._queued: QueuedPush | None = None  # a push the engines take after their rollouts
+        # Held while calls are handed to the engines: a generate from a thread that plays
+        # episodes ahead (max_staleness > 0) never lands between the calls of a push.
+        self._engine_calls = threading.RLock()
         self.notes: list[str] = []  # what the workers said at start-up, for the run's log
 
     # ------------------------------------------------------------------ start and stop
@@ -334,7 +338,12 @@ class Cluster:
         """Start `generate` and return at once. Each engine runs its calls in the order they
         were made, so a weight push made after this call reaches an engine only once it has
         finished these samples (the push waits for the request boundary)."""
-        sampling = sampling or self.sampling
+        with self._engine_calls:
+            return self._submit_generate(prompt_ids, step, sampling or self.sampling, stream)
+
+    def _submit_generate(
+        self, prompt_ids: list[list[int]], step: int, sampling: SamplingArgs, stream: str
+    ) -> PendingRollout:
         engines = self.engines
         ranges = split_evenly(len(prompt_ids), len(engines))
         refs = {}
@@ -365,8 +374,9 @@ class Cluster:
         # Every rank scores and gathers (collectives under FSDP); rank 0's results are used.
         policy_refs = [w.policy_probe.remote(probe) for w in train]
         if push:
-            self._stream_weights(version)
-            refs = [r.finish_push.remote(probe) for r in self.rollout.handles]
+            with self._engine_calls:
+                self._stream_weights(version)
+                refs = [r.finish_push.remote(probe) for r in self.rollout.handles]
         else:
             refs = [r.report.remote(probe) for r in self.rollout.handles]
         reports = gather(refs, "rollout worker")
@@ -389,13 +399,14 @@ class Cluster:
         train = self.train.handles
         engines = self.rollout.handles
         policy_refs = [w.policy_probe.remote(probe) for w in train]
-        plan = self._open_push(version)
-        parts, loads = [], []
-        for index in range(len(plan)):
-            bucket = [w.weight_bucket.remote(index) for w in train]
-            parts.extend(bucket)
-            loads.extend(engine.push_bucket.remote(bucket[0]) for engine in engines)
-        finished = [engine.finish_push.remote(probe) for engine in engines]
+        with self._engine_calls:  # the push's calls one run on each engine
+            plan = self._open_push(version)
+            parts, loads = [], []
+            for index in range(len(plan)):
+                bucket = [w.weight_bucket.remote(index) for w in train]
+                parts.extend(bucket)
+                loads.extend(engine.push_bucket.remote(bucket[0]) for engine in engines)
+            finished = [engine.finish_push.remote(probe) for engine in engines]
         self._queued = QueuedPush(version, policy_refs, parts, loads, finished, probe)
         return checked
 

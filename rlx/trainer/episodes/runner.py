@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -83,33 +84,41 @@ class EpisodeRunner:
         n: int,
         max_new_tokens: int,
         data: PromptDataset | None = None,
+        ahead: bool = False,
     ) -> PendingEpisodes:
         """Episodes for `rows` of `data` (the training prompts by default), n each, with
-        their first turn submitted (returns at once)."""
+        their first turn submitted (returns at once). ahead: a step queued ahead of the one
+        training (max_staleness > 0): its turns are played from now on in a thread of their
+        own, so the engines go on with them while the learners update; otherwise they are
+        played when the episodes are collected."""
         data = data or self.data
         prompts = [data.prompt_token_ids[r] for r in rows]
         first = submit(prompts, n, min(max_new_tokens, self.budget), TURN_STREAM)
-        return PendingEpisodes(self, data, list(rows), step, n, max_new_tokens, submit, first)
+        pending = PendingEpisodes(self, data, list(rows), step, n, max_new_tokens, submit, first)
+        if ahead:
+            pending.play_ahead()
+        return pending
 
-    def run(
+    def play(
         self,
+        loop: asyncio.AbstractEventLoop,
         data: PromptDataset,
         rows: list[int],
         n: int,
         max_new_tokens: int,
         submit: Submit,
         first: Any,
-        step: int,
         show_progress: bool = False,
-    ) -> RolloutBatch:
+    ) -> list[Episode]:
+        """Every turn of the episodes, to their end (environments called on `loop`)."""
         episodes = [
             Episode(row=r, prompt_ids=list(data.prompt_token_ids[r]))
             for r in rows
             for _ in range(n)
         ]
-        self._reset(episodes, data)
+        self._reset(loop, episodes, data)
         batch = first.collect(show_progress)
-        self._take_turn(episodes, list(range(len(episodes))), batch, max_new_tokens)
+        self._take_turn(loop, episodes, list(range(len(episodes))), batch, max_new_tokens)
         turn = 1
         while True:
             running = [i for i, e in enumerate(episodes) if not e.done and e.failure is None]
@@ -118,12 +127,19 @@ class EpisodeRunner:
             turn_limit = [min(max_new_tokens, self.budget - len(episodes[i].ids)) for i in running]
             prompts = [episodes[i].prompt_ids + episodes[i].ids for i in running]
             handle = submit(prompts, 1, max(turn_limit), f"{TURN_STREAM}/{turn}")
-            self._take_turn(episodes, running, handle.collect(False), max_new_tokens)
+            self._take_turn(loop, episodes, running, handle.collect(False), max_new_tokens)
             turn += 1
+        return episodes
+
+    def finish(self, episodes: list[Episode], step: int, data: PromptDataset, n: int):
+        """The step's failure and tool-error lines (stopping the run past the limit), then
+        the episodes as one batch."""
         self._report(episodes, step, data)
         return self._as_batch(episodes, n)
 
-    def _reset(self, episodes: list[Episode], data: PromptDataset) -> None:
+    def _reset(
+        self, loop: asyncio.AbstractEventLoop, episodes: list[Episode], data: PromptDataset
+    ) -> None:
         timeout = self.config.step_timeout_s
 
         async def reset(episode: Episode) -> None:
@@ -137,12 +153,17 @@ class EpisodeRunner:
             )
             await call_environment(episode.env.reset, row, timeout, "reset()")
 
-        outcomes = run_all(self.loop, [reset(e) for e in episodes])
+        outcomes = run_all(loop, [reset(e) for e in episodes])
         for episode, outcome in zip(episodes, outcomes, strict=True):
             self._fail_on(episode, outcome, turn=None)
 
     def _take_turn(
-        self, episodes: list[Episode], which: list[int], batch: RolloutBatch, max_new: int
+        self,
+        loop: asyncio.AbstractEventLoop,
+        episodes: list[Episode],
+        which: list[int],
+        batch: RolloutBatch,
+        max_new: int,
     ) -> None:
         """Append each running episode's sampled turn, step its environment on it, append
         the observation or end the episode."""
@@ -163,7 +184,7 @@ class EpisodeRunner:
         live = [(e, t) for e, t in stepping if e.failure is None]
         timeout = self.config.step_timeout_s
         outcomes = run_all(
-            self.loop, [call_environment(e.env.step, t, timeout, "step()") for e, t in live]
+            loop, [call_environment(e.env.step, t, timeout, "step()") for e, t in live]
         )
         for (episode, turn), outcome in zip(live, outcomes, strict=True):
             if self._fail_on(episode, outcome, turn.index):
@@ -278,18 +299,48 @@ class PendingEpisodes:
     max_new_tokens: int
     submit: Submit
     first: Any
+    _thread: threading.Thread | None = None
+    _played: list[Episode] | None = None
+    _error: BaseException | None = None
 
-    def collect(self, show_progress: bool = False) -> RolloutBatch:
-        return self.runner.run(
+    def play_ahead(self) -> None:
+        """Play the episodes in a thread from now on, with an event loop of its own; collect
+        waits for it. A daemon: a run that stops leaves it behind."""
+
+        def play() -> None:
+            loop = asyncio.new_event_loop()
+            try:
+                self._played = self._play(loop, False)
+            except BaseException as exc:  # handed to collect, on the controller's thread
+                self._error = exc
+            finally:
+                loop.close()
+
+        self._thread = threading.Thread(target=play, name=f"episodes-{self.step}", daemon=True)
+        self._thread.start()
+
+    def _play(self, loop: asyncio.AbstractEventLoop, show_progress: bool) -> list[Episode]:
+        return self.runner.play(
+            loop,
             self.data,
             self.rows,
             self.n,
             self.max_new_tokens,
             self.submit,
             self.first,
-            self.step,
             show_progress,
         )
+
+    def collect(self, show_progress: bool = False) -> RolloutBatch:
+        if self._thread is None:
+            episodes = self._play(self.runner.loop, show_progress)
+        else:
+            self._thread.join()
+            if self._error is not None:
+                raise self._error
+            assert self._played is not None
+            episodes = self._played
+        return self.runner.finish(episodes, self.step, self.data, self.n)
 
 
 def episode_scores(batch: RolloutBatch) -> list[float]:

@@ -156,6 +156,55 @@ def test_turns_and_tokens_stay_within_the_budget(tmp_path, tiny_model_dir) -> No
     assert all(len(e.turns) == 2 for e in batch.episodes)
 
 
+def test_episodes_played_ahead_go_on_before_collect_and_equal_ones_played_there(
+    tmp_path, tiny_model_dir
+) -> None:
+    """max_staleness > 0: a step's later turns are submitted from a thread of their own
+    before the step is collected (the engines go on while the learners update), and the
+    episodes are the ones a collect-time play makes; an error there reaches collect."""
+    import threading
+
+    from transformers import AutoTokenizer
+
+    conf = settings(tmp_path, max_turns=3, max_tokens=200)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    data = load_recipe_prompts(Path(conf.data.train), tokenizer, conf.data)
+    engine = HFEngine(tiny_model_dir)
+
+    def play(ahead: bool, fail_at: str | None = None):
+        runner = EpisodeRunner(conf, Endless, tokenizer, data, print)
+        streams: list[tuple[str, str]] = []
+        later_turn = threading.Event()
+
+        def submit(prompt_ids, n, max_new, stream):
+            streams.append((stream, threading.current_thread().name))
+            if stream == fail_at:
+                raise RuntimeError("the engine died")
+            if stream != "generate":
+                later_turn.set()
+            seed = {"generate": 0}.get(stream, len(stream))
+            return Ready(engine.generate(prompt_ids, n, max_new_tokens=max_new, seed=seed))
+
+        try:
+            pending = runner.start([0, 1, 2, 3], 7, submit, 2, 8, ahead=ahead)
+            if ahead and fail_at is None:  # turns 1 and 2 go on before anyone collects
+                assert later_turn.wait(60), streams
+            return pending.collect(), streams
+        finally:
+            runner.close()
+
+    here, here_streams = play(ahead=False)
+    ahead, ahead_streams = play(ahead=True)
+    assert [s for s, _ in ahead_streams] == [s for s, _ in here_streams]
+    assert [s for s, _ in here_streams] == ["generate", "generate/1", "generate/2"]
+    assert {t for s, t in ahead_streams if s != "generate"} == {"episodes-7"}
+    assert torch.equal(here.response_ids, ahead.response_ids)
+    assert torch.equal(here.loss_mask, ahead.loss_mask)
+    assert torch.equal(here.token_rewards, ahead.token_rewards)
+    with pytest.raises(RuntimeError, match="the engine died"):
+        play(ahead=True, fail_at="generate/1")
+
+
 def test_the_hf_engine_trains_exactly_what_it_sampled(tmp_path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
