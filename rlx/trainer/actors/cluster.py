@@ -399,7 +399,7 @@ class Cluster:
         train = self.train.handles
         engines = self.rollout.handles
         policy_refs = [w.policy_probe.remote(probe) for w in train]
-        with self._engine_calls:  # the push's calls one run on each engine
+        with self._engine_calls:  # the push's calls back to back on each engine
             plan = self._open_push(version)
             parts, loads = [], []
             for index in range(len(plan)):
