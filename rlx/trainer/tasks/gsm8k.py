@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlx.storage import is_url
 from rlx.trainer.tasks.data import DataError, detect_format, read_rows
 
 SYSTEM = (
@@ -72,7 +73,7 @@ def write_prompts(source: str | Path, out: str | Path, tools: bool) -> Written:
     """Read GSM8K's `source` file and write its prompt rows to `out` (.jsonl or .parquet,
     which must not exist); the folder is made. Raises DataError with one line."""
     for name, path in (("source", source), ("out", out)):
-        if "://" in str(path):
+        if is_url(str(path)):
             raise DataError(
                 f"{name} {str(path)!r} is a URL; rlx data reads and writes files on this "
                 "machine (copy the result to the store with its own tool)"
