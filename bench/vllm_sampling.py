@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from rlx.trainer.rollout.base import SamplingArgs
+
 SHAPES = {  # name: (hidden, layers, prompts, n, new tokens)
     "quickstart (h64 l2)": (64, 2, 4, 16, 32),
     "larger (h256 l4)": (256, 4, 16, 16, 64),
@@ -33,7 +35,9 @@ SHAPES = {  # name: (hidden, layers, prompts, n, new tokens)
 def _timed(engine, prompts, n: int, tokens: int, seed: int, repeats: int) -> tuple[float, bool]:
     def call(s: int):
         return engine.generate(
-            prompts, n, max_new_tokens=tokens, min_new_tokens=tokens, temperature=1.0, seed=s
+            prompts,
+            SamplingArgs(n, max_new_tokens=tokens, min_new_tokens=tokens, temperature=1.0),
+            seed=s,
         )
 
     call(seed)  # warm-up

@@ -469,6 +469,41 @@ def train(
 
 @app.command()
 @expected_errors
+def rehearse(
+    recipe: Path = typer.Argument(..., help="Recipe file."),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Print what the rehearsal changes and stop."
+    ),
+) -> None:
+    """A dress rehearsal of a recipe on this machine before any GPU is paid for: the job as
+    written (layout, strategy, engines, node groups, staleness, storage, checkpoints, the
+    weight push and its probe) with a small stand-in of its model served under its hub id,
+    and stand-in GPUs on Ray nodes here (compute on CPU). Trains steps 1-2, checkpoints,
+    resumes and trains step 3; exit 1 if any of it fails."""
+    from rlx.recipe import load_recipe
+    from rlx.trainer.rehearsal import change_lines, plan_rehearsal, rehearse, report_lines
+
+    loaded = load_recipe(recipe).recipe
+    for line in change_lines(plan_rehearsal(loaded)):
+        typer.echo(line)
+    if dry_run:
+        return
+    result = rehearse(loaded)
+    for line in report_lines(result, str(recipe)):
+        typer.echo(line)
+    if not result.passed:
+        fail(f"the rehearsal of {recipe} failed: {_first_failure(result)}")
+
+
+def _first_failure(result: Any) -> str:
+    for run in result.runs:
+        if run.error:
+            return run.error
+    return "a run did not reach its step (see above)"
+
+
+@app.command()
+@expected_errors
 def export(
     checkpoint: str = typer.Argument(
         ..., help="A checkpoint's step-NNNNNN folder, or its s3:// gs:// az:// prefix."
@@ -476,13 +511,20 @@ def export(
     out: str = typer.Argument(
         ..., help="The Hugging Face folder (or store prefix) to write (must not exist)."
     ),
+    merge: bool = typer.Option(
+        False, "--merge", help="A LoRA run's adapter merged into its base: a whole model."
+    ),
 ) -> None:
     """Write a checkpoint's policy as a Hugging Face folder (config, safetensors, tokenizer,
-    generation config) that from_pretrained loads and vLLM serves. Offline, one process."""
+    generation config) that from_pretrained loads and vLLM serves; a LoRA run's adapter in
+    PEFT's format (PeftModel.from_pretrained, vLLM's --lora-modules), or with --merge merged
+    into its base. Offline, one process."""
     from rlx.storage import location
     from rlx.trainer.checkpoint.export import export_checkpoint
 
-    exported = export_checkpoint(location(checkpoint, "checkpoint"), location(out, "out"))
+    exported = export_checkpoint(
+        location(checkpoint, "checkpoint"), location(out, "out"), merge=merge
+    )
     typer.echo(
         f"exported {checkpoint} to {exported.folder}: {exported.tensors} tensors in "
         f"{exported.files} safetensors file(s), {exported.dtype}, "

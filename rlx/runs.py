@@ -36,6 +36,11 @@ RESPONSE_LENGTH = "response_length/mean"
 TOKENS_PER_S = "tokens_per_s"
 STEP_TIME = "step_time"
 HOST_MEMORY = "host_memory_gib"  # host_memory_bytes() / 2**30
+# Per step, over the training GPUs (none on CPU): the largest peak of memory allocated by
+# torch since the step before and reserved by its allocator, the least free on the device.
+GPU_PEAK = "gpu/peak_allocated_gib"
+GPU_RESERVED = "gpu/reserved_gib"
+GPU_FREE = "gpu/free_gib"
 STALENESS = "staleness/mean"  # weight versions the trained samples lag the policy
 IS_WEIGHT = "offpolicy/weight_mean"  # decoupled PPO's pi_proximal / pi_behaviour
 IS_WEIGHT_STD = "offpolicy/weight_std"
@@ -117,6 +122,8 @@ class RunResult:
     log: str | None = None
     checkpoints: str | None = None
     checkpoint_bytes: int | None = None  # size on disk of the last checkpoint saved
+    gpu_peak_gib: float | None = None  # the largest GPU_PEAK of the run (GPU runs)
+    plan_gpu_gib: float | None = None  # what `rlx plan` gives a training GPU at its peak
     model: str | None = None  # the Hugging Face folder exported at the end
     error: str | None = None
 

@@ -19,6 +19,9 @@ pytest_plugins = [
 # spinning (OpenMP's default), or one process's spinning starves the others. Children of
 # the tests (Ray, rlx, the emulated hosts, Slurm jobs) inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Nothing is fetched from the Hugging Face hub: a test that names a hub id serves it from a
+# cache it filled itself (tests/support/hub.py).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = REPO / "recipes"

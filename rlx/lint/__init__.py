@@ -1,8 +1,9 @@
 """`rlx lint`: what a seasoned user checks before paying for GPUs.
 
 Each check is a small function from a recipe to problems (core.Check), kept in a module by
-the kind of thing it checks: trainer.py (the trainer section), environment.py
-(trainer.environment), memory.py (the memory plan), cluster.py (the Ray cluster), groups.py
+the kind of thing it checks: trainer.py (the trainer section), lora.py (trainer.model.lora
+and critic_model.lora), environment.py (trainer.environment), memory.py (the memory plan),
+cluster.py (the Ray cluster), fabric.py (the network joining the nodes), groups.py
 (resources.groups), secrets.py, storage.py; each backend's own checks live in its package
 (rlx/launchers/<name>/checks.py, named in its BackendSpec). all_checks() lists them all;
 lint_loaded runs them on a loaded file and points every problem at its line.
@@ -15,7 +16,17 @@ from pathlib import Path
 
 from rlx.errors import Finding, RecipeError, RlxError
 from rlx.launchers import backend_checks
-from rlx.lint import cluster, environment, groups, memory, secrets, storage, trainer
+from rlx.lint import (
+    cluster,
+    environment,
+    fabric,
+    groups,
+    lora,
+    memory,
+    secrets,
+    storage,
+    trainer,
+)
 from rlx.lint.core import ERROR, WARNING, Check, Problem
 from rlx.recipe import LoadedRecipe, Recipe, load_recipe
 from rlx.recipe.load import dotted
@@ -44,6 +55,9 @@ STARTUP_CHECKS: tuple[Check, ...] = (
     trainer.check_layout,
     trainer.check_colocated_tensor_parallel,
     trainer.check_trainer_specs,
+    lora.check_lora_target_modules,
+    lora.check_lora_rank_servable,
+    lora.check_lora_engine,
     groups.check_groups_layout,
     groups.check_groups_accelerators,
     groups.check_groups_rollout_gpus,
@@ -55,9 +69,11 @@ def all_checks() -> list[Check]:
     module imports lint.core, so nothing is gathered while this package loads)."""
     return [
         *trainer.CHECKS,
+        *lora.CHECKS,
         *environment.CHECKS,
         *memory.CHECKS,
         *cluster.CHECKS,
+        *fabric.CHECKS,
         *groups.CHECKS,
         *secrets.CHECKS,
         *storage.CHECKS,

@@ -239,7 +239,9 @@ def check_unused_settings(recipe: Recipe) -> Iterator[Problem]:
     trainer = recipe.trainer
     if trainer is None:
         return
-    if trainer.algorithm != "ppo" and trainer.critic_model is not None:
+    critic = trainer.critic_model
+    # (with a lora of its own, rlx.lint.lora's check_critic_lora_unused says it, once)
+    if trainer.algorithm != "ppo" and critic is not None and critic.lora is None:
         yield Problem(
             ("trainer", "critic_model"),
             WARNING,

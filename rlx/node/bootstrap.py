@@ -34,7 +34,7 @@ from typing import TextIO
 
 from rlx.errors import TRY_AGAIN, RlxError
 from rlx.node import raynode
-from rlx.node.env import RAY_TOKEN_SECRET, NodeInfo
+from rlx.node.env import RAY_TOKEN_SECRET, NodeInfo, fabric_env
 from rlx.recipe.model import Recipe
 
 # Exit code when the cluster itself failed (a node never joined or was lost), as opposed to
@@ -93,6 +93,8 @@ class Bootstrap:
                     "rand -hex 32)); or set ray.auth: none in the recipe"
                 )
         self.ray_env = raynode.ray_env(self.env, token, self.recipe.ray.debug)
+        self.fabric_env = fabric_env(self.recipe, self.ray_env)
+        self.ray_env.update(self.fabric_env)
         # The GCS client in this process reads auth settings from os.environ.
         for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
             if key in self.ray_env:
@@ -139,6 +141,9 @@ class Bootstrap:
             if left:
                 self.say(f"stopped {left} Ray processes left by an earlier attempt")
             self.check_ports()
+            if self.fabric_env:
+                settings = " ".join(f"{k}={v}" for k, v in self.fabric_env.items())
+                self.say(f"resources.fabric {self.recipe.resources.fabric}: {settings}")
             return self.run_head() if self.node.is_head else self.run_worker()
         except ClusterError as exc:
             self.say(f"error: {exc}")

@@ -25,10 +25,12 @@ the whole validated recipe as one line of JSON, so nodes need no copy of the rec
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -51,9 +53,29 @@ RUN_ID_ENV = "RLX_RUN_ID"
 NODE_GROUP_ENV = "RLX_NODE_GROUP"
 NODE_GROUP_LABEL = "rlx-node-group"
 SKY_JOB_GROUP_ENV = "SKYPILOT_JOBGROUP_NAME"
+# NCCL's and libfabric's variables for each resources.fabric, set on every node before Ray
+# starts (so the trainer's processes inherit them) unless the node's environment already
+# has them: the recipe's env, or what the backend or the cluster sets, always wins.
+FABRIC_ENV: dict[str, dict[str, str]] = {
+    # aws-ofi-nccl runs NCCL over libfabric: its EFA provider, never its TCP one; Ray and
+    # vLLM start processes with fork, which EFA's registered memory must survive.
+    "efa": {"FI_PROVIDER": "efa", "FI_EFA_FORK_SAFE": "1"},
+    # NCCL's own InfiniBand (and RoCE) transport, required: without the devices (a container
+    # without /dev/infiniband) NCCL fails at its first collective instead of quietly using
+    # TCP sockets.
+    "infiniband": {"NCCL_IB_DISABLE": "0", "NCCL_NET": "IB"},
+    "tcp": {},
+}
 # How long a node waits for the other group's hostnames to resolve (SkyPilot fills them in
 # as its job group's nodes come up; on Kubernetes a background updater writes them).
 RESOLVE_SECONDS = 300.0
+
+
+def fabric_env(recipe: Recipe, present: Mapping[str, str]) -> dict[str, str]:
+    """The variables resources.fabric asks for that neither `present` (the node's
+    environment) nor the recipe's env sets."""
+    wanted = FABRIC_ENV.get(recipe.resources.fabric or "tcp", {})
+    return {k: v for k, v in wanted.items() if k not in present and k not in recipe.env}
 
 
 def recipe_json(recipe: Recipe) -> str:
@@ -370,3 +392,20 @@ def node_info(backend: str, env: Mapping[str, str], gpus_per_node: int) -> NodeI
     if backend not in READERS:
         raise RlxError(f"unknown backend {backend!r}; choose auto, {', '.join(READERS)}")
     return READERS[backend](env, gpus_per_node)
+
+
+@contextlib.contextmanager
+def environment(values: Mapping[str, str]) -> Iterator[None]:
+    """values in os.environ for the block, as a node would have them (a job's env and
+    secrets for a run here; the processes started in the block, Ray's nodes and workers
+    among them, inherit them); what was there before comes back after."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old

@@ -32,6 +32,7 @@ class ActorPlan:
     train_group: str | None = None
     rollout_group: str | None = None
     spread_rollout: bool = False  # one engine per rollout node (CPU-only groups)
+    train_per_node: int = 0  # GPUs per training node: the ranks a whole node holds
 
     @property
     def bundles(self) -> int:
@@ -50,14 +51,32 @@ def plan_actors(recipe: Recipe) -> ActorPlan:
     if total_gpus == 0:
         engines = max(trainer.rollout_gpus, 1) if split else 0
         return ActorPlan(resources.nodes, 0, engines, 0, spread_training=True)
+    per_node = resources.gpus_per_node
     if not split:
-        return ActorPlan(total_gpus, 1, 0, 0, spread_training=False)
+        return ActorPlan(total_gpus, 1, 0, 0, spread_training=False, train_per_node=per_node)
     if not 0 < trainer.rollout_gpus < total_gpus or trainer.rollout_gpus % tp:
         raise RlxError(
             f"trainer.rollout_gpus {trainer.rollout_gpus}: layout: split needs between 1 and "
             f"{total_gpus - 1} rollout GPUs, a multiple of tensor_parallel_size {tp}"
         )
-    return ActorPlan(total_gpus - trainer.rollout_gpus, 1, trainer.rollout_gpus // tp, tp, False)
+    return ActorPlan(
+        total_gpus - trainer.rollout_gpus,
+        1,
+        trainer.rollout_gpus // tp,
+        tp,
+        False,
+        train_per_node=per_node,
+    )
+
+
+def training_groups(plan: ActorPlan) -> list[int]:
+    """How the training ranks are reserved: one group strictly spread over the nodes on CPU
+    (a rank per node); on GPUs one group per node's worth of ranks (train_per_node), each
+    packed on one node, so the ranks take whole nodes."""
+    if plan.spread_training or plan.train_per_node <= 0:
+        return [plan.train_workers]
+    whole, rest = divmod(plan.train_workers, plan.train_per_node)
+    return [plan.train_per_node] * whole + ([rest] if rest else [])
 
 
 def group_engines(recipe: Recipe) -> int:
@@ -89,7 +108,16 @@ def _plan_groups(recipe: Recipe) -> ActorPlan:
     engines = group_engines(recipe)
     if not train.gpus_per_node:
         return ActorPlan(train.nodes, 0, engines, 0, True, "train", "rollout", True)
-    return ActorPlan(train.nodes * train.gpus_per_node, 1, engines, tp, False, "train", "rollout")
+    return ActorPlan(
+        train.nodes * train.gpus_per_node,
+        1,
+        engines,
+        tp,
+        False,
+        "train",
+        "rollout",
+        train_per_node=train.gpus_per_node,
+    )
 
 
 def bundle_resources(cpus: float, gpus: int) -> dict[str, float]:

@@ -8,7 +8,6 @@ the compute dtype. Results are bytes.
 from __future__ import annotations
 
 from rlx.plan.shapes import ModelShape
-from rlx.recipe.model import effective_strategy
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -18,6 +17,8 @@ FSDP_LAYERS_IN_FLIGHT = 2
 # The trainer's log-probs run the LM head over this many bytes of fp32 logits at a time
 # (the trainer's ResponseScorer chunks by chunk_tokens_for_vocab).
 LOGITS_CHUNK_BYTES = 1 << 28
+# FSDP2 reduces gradients in float32 (the trainer's MixedPrecisionPolicy reduce_dtype).
+REDUCE_DTYPE = "float32"
 
 # Accelerator memory in GiB, by the names resources.accelerators uses (SkyPilot's).
 ACCELERATOR_GIB: dict[str, float] = {
@@ -53,6 +54,15 @@ def accelerator_gib(name: str) -> float | None:
     return table.get(name.upper())
 
 
+def runs_as(strategy: str, ranks: int) -> str:
+    """The strategy as the formulas read it: 'single', 'ddp' or 'fsdp', the answer of
+    rlx.plan.strategy.choose_strategy; one rank is always a plain module. 'auto' is refused:
+    it is decided there, before any formula is asked."""
+    if strategy not in ("single", "ddp", "fsdp"):
+        raise ValueError(f"strategy {strategy!r}: pass the one choose_strategy decided")
+    return "single" if ranks <= 1 else strategy
+
+
 def training_state_bytes(
     shape: ModelShape,
     *,
@@ -70,7 +80,7 @@ def training_state_bytes(
     params overrides N (the critic's count for a critic of this shape)."""
     count = shape.params if params is None else params
     per = DTYPE_BYTES[param_dtype]
-    mode = effective_strategy(strategy, ranks)
+    mode = runs_as(strategy, ranks)
     share = ranks if mode == "fsdp" else 1
     weights = _ceil_div(count, share) * per
     out = {
@@ -87,23 +97,59 @@ def training_state_bytes(
 def reference_bytes(shape: ModelShape, *, ranks: int, strategy: str, dtype: str) -> int:
     """The frozen reference policy, stored in the compute dtype: N*b, divided by `ranks`
     under FSDP."""
-    mode = effective_strategy(strategy, ranks)
-    return _ceil_div(shape.params, ranks if mode == "fsdp" else 1) * DTYPE_BYTES[dtype]
+    return frozen_bytes(shape.params, ranks=ranks, strategy=strategy, dtype=dtype)
+
+
+def frozen_bytes(params: int, *, ranks: int, strategy: str, dtype: str) -> int:
+    """Frozen weights (a reference, a LoRA base) stored in the compute dtype: N*b, divided
+    by `ranks` under FSDP, whole under DDP (no gradient buckets: nothing to reduce)."""
+    mode = runs_as(strategy, ranks)
+    return _ceil_div(params, ranks if mode == "fsdp" else 1) * DTYPE_BYTES[dtype]
 
 
 def gathered_params_bytes(
-    shape: ModelShape, *, strategy: str, ranks: int, dtype: str, reshard_after_forward: bool
+    shape: ModelShape,
+    *,
+    strategy: str,
+    ranks: int,
+    dtype: str,
+    reshard_after_forward: bool,
+    extra_layer_params: int = 0,
 ) -> int:
     """FSDP2's all-gathered (unsharded) parameters in the compute dtype while a model runs:
     the root's (embeddings, LM head: never resharded between forward and backward) plus
     FSDP_LAYERS_IN_FLIGHT layers, or every layer when reshard_after_forward is off:
-    (root + k*layer)*b. Zero without FSDP (the weights are whole already)."""
-    if effective_strategy(strategy, ranks) != "fsdp":
+    (root + k*(layer + e))*b, e: a layer's extra parameters (its LoRA adapters). Zero
+    without FSDP (the weights are whole already)."""
+    if runs_as(strategy, ranks) != "fsdp":
         return 0
-    layers = FSDP_LAYERS_IN_FLIGHT if reshard_after_forward else shape.layers
-    return (shape.root_params + min(layers, shape.layers) * shape.layer_params) * (
-        DTYPE_BYTES[dtype]
-    )
+    layers = min(FSDP_LAYERS_IN_FLIGHT if reshard_after_forward else shape.layers, shape.layers)
+    per_layer = shape.layer_params + extra_layer_params
+    return (shape.root_params + layers * per_layer) * DTYPE_BYTES[dtype]
+
+
+def root_grad_bytes(
+    shape: ModelShape,
+    *,
+    strategy: str,
+    ranks: int,
+    dtype: str,
+    params: int | None = None,
+    trained_root: int | None = None,
+) -> int:
+    """FSDP2's backward of the root (embeddings and LM head, or the critic's value head):
+    its unsharded gradients in the compute dtype, held from the LM head's backward to the
+    embeddings', and the float32 copy the reduce-scatter takes as input: R*(b + 4), R*4 when
+    the compute dtype is float32 already (R: root parameters; params overrides N, as in
+    training_state_bytes; trained_root overrides R where only part of the root trains, as
+    with LoRA: none of the policy's, the critic's value head). Zero without FSDP (DDP's
+    gradients are the resident ones)."""
+    if runs_as(strategy, ranks) != "fsdp":
+        return 0
+    total = shape.params if params is None else params
+    root = total - shape.layers * shape.layer_params if trained_root is None else trained_root
+    b = DTYPE_BYTES[dtype]
+    return root * (b + (DTYPE_BYTES[REDUCE_DTYPE] if dtype != REDUCE_DTYPE else 0))
 
 
 def layer_activation_bytes_per_token(shape: ModelShape, dtype: str) -> int:
@@ -116,13 +162,20 @@ def layer_activation_bytes_per_token(shape: ModelShape, dtype: str) -> int:
 
 
 def activation_bytes(
-    shape: ModelShape, tokens: int, *, dtype: str, residual_dtype: str, checkpointing: bool
+    shape: ModelShape,
+    tokens: int,
+    *,
+    dtype: str,
+    residual_dtype: str,
+    checkpointing: bool,
+    extra_per_token: int = 0,
 ) -> int:
     """Saved activations of one micro-batch of T tokens. Without checkpointing every layer
-    keeps its own: T*L*a (a: layer_activation_bytes_per_token). With (non-reentrant,
-    per layer) checkpointing each layer keeps only its input, the residual stream, and one
-    layer is recomputed at a time: T*L*H*r + T*a (r: bytes of the residual stream)."""
-    per_layer = layer_activation_bytes_per_token(shape, dtype)
+    keeps its own: T*L*a (a: layer_activation_bytes_per_token, plus extra_per_token, what a
+    layer's LoRA adapters save). With (non-reentrant, per layer) checkpointing each layer
+    keeps only its input, the residual stream, and one layer is recomputed at a time:
+    T*L*H*r + T*a (r: bytes of the residual stream)."""
+    per_layer = layer_activation_bytes_per_token(shape, dtype) + extra_per_token
     if not checkpointing:
         return tokens * shape.layers * per_layer
     residual = tokens * shape.layers * shape.hidden * DTYPE_BYTES[residual_dtype]
@@ -142,13 +195,13 @@ def logits_chunk_tokens(shape: ModelShape) -> int:
 def logits_peak_bytes(
     shape: ModelShape, response_tokens: int, *, dtype: str, chunk_tokens: int | None
 ) -> int:
-    """The LM head's peak for T_r response tokens. Chunked (each chunk recomputed in the
-    backward): one chunk's logits in the compute dtype and float32, and their gradients,
-    C*V*(2b + 8) with C = min(chunk_tokens, T_r). Whole (chunk_tokens None): the logits and
-    their gradient in the compute dtype and a float32 copy with its log-softmax,
-    T_r*V*(2b + 8)."""
+    """The LM head's peak for T_r response tokens, in the backward: the logits and their
+    gradient in the compute dtype, and in float32 the upcast logits, their log-softmax and
+    the gradients of both, V*(2b + 16) bytes per token (20 in bfloat16). Chunked (each chunk
+    recomputed in the backward): C = min(chunk_tokens, T_r) tokens at a time; whole
+    (chunk_tokens None): all T_r."""
     tokens = response_tokens if chunk_tokens is None else min(chunk_tokens, response_tokens)
-    return tokens * shape.vocab * (2 * DTYPE_BYTES[dtype] + 8)
+    return tokens * shape.vocab * (2 * DTYPE_BYTES[dtype] + 16)
 
 
 def kv_bytes_per_token(shape: ModelShape, *, dtype: str, tensor_parallel: int = 1) -> int:

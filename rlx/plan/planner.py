@@ -1,12 +1,16 @@
 """`rlx plan`: the memory a recipe needs, per GPU and per node, against what it asks for.
 
 The plan follows the trainer as it is built: one training rank per GPU (one per node on
-CPU), FSDP2 per decoder layer then the root when there is more than one rank (strategy
-auto), float32 master weights, gradients and AdamW moments (sharded under FSDP), the
+CPU), FSDP2 per decoder layer then the root or DDP as rlx.plan.strategy chooses, float32
+master weights, gradients and AdamW moments (sharded under FSDP), the
 reference in the compute dtype, PPO's critic with its own AdamW, micro-batches of
 micro_batch_size sequences or max_tokens_per_micro_batch tokens, chunked log-probs, and
 rollout engines colocated (vLLM in the training process at gpu_memory_utilization, asleep
-while training) or split onto their own GPUs.
+while training) or split onto their own GPUs. With LoRA (trainer.model.lora) the base is
+frozen in the compute dtype, only the float32 adapters have gradients and AdamW moments,
+the reference is the base with the adapters off (no copy), vLLM engines hold LoRA slots
+beside their copy of the base, and pushes and checkpoints carry the adapters alone
+(rlx.plan.lora has the sizes).
 """
 
 from __future__ import annotations
@@ -16,64 +20,29 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rlx.errors import RlxError
+from rlx.plan import lora as lora_sizes
 from rlx.plan import memory as mem
-from rlx.plan.shapes import ModelShape, PlanError, find_shape
-from rlx.recipe.model import (
-    NodeGroup,
-    Recipe,
-    TrainerSettings,
-    effective_strategy,
-    episode_token_budget,
+from rlx.plan.budget import (
+    GIB,
+    HEADROOM,
+    Budget,
+    TrainedModel,
+    checkpoint_size,
+    dtypes,
+    engine_of,
+    gib,
+    gpu_capacity,
+    host_budgets,
+    layout_of,
+    rollout_budget,
+    sequence_tokens,
+    trained_models,
+    training_budget,
 )
+from rlx.plan.shapes import PlanError, find_shape
+from rlx.plan.strategy import choose_strategy
+from rlx.recipe.model import Recipe, TrainerSettings, episode_token_budget
 from rlx.storage import is_store_url
-from rlx.trainer.rollout import choose_engine
-
-GIB = mem.GIB
-HEADROOM = 0.10  # a plan with less spare memory than this is a warning
-RUNTIME_GIB = 2.0  # per GPU process: CUDA context, NCCL buffers, allocator slack
-VLLM_RESERVE_GIB = 2.0  # inside vLLM's budget: its activation peak and CUDA graphs
-# s3fs uploads a file in parts of 50 MiB, up to 10 at once (its max_concurrency): the host
-# memory one rank's upload holds at its peak. gcsfs and adlfs hold less.
-UPLOAD_BUFFER_BYTES = 10 * 50 * 2**20
-HOST_PROCESS_GIB = 2.0  # per Ray actor or the controller: Python, torch, transformers
-HOST_ENGINE_GIB = 4.0  # per split vLLM engine process
-
-
-@dataclass(frozen=True)
-class Item:
-    """One line of the plan. phase: when it is held, "all" (resident), "update" or
-    "rollout"; "" for a line that is only detail (a part of another, or unused)."""
-
-    name: str
-    bytes: int
-    note: str = ""
-    phase: str = "all"
-
-
-@dataclass
-class Budget:
-    """One kind of GPU (training or rollout) or one node's host memory."""
-
-    title: str
-    count: int  # how many GPUs (or nodes) look like this
-    capacity: int | None  # bytes; None: not given (host memory unset)
-    items: list[Item] = field(default_factory=list)
-    peak: int = 0
-    peak_phase: str = ""
-    engine_sequences: int | None = None  # full-length sequences its vLLM KV cache holds
-
-    @property
-    def fits(self) -> bool:
-        return self.capacity is None or self.peak <= self.capacity
-
-    def in_peak(self, item: Item) -> bool:
-        return item.phase in ("all", self.peak_phase)
-
-    @property
-    def headroom(self) -> float | None:
-        if not self.capacity:
-            return None
-        return 1.0 - self.peak / self.capacity
 
 
 @dataclass
@@ -82,6 +51,7 @@ class MemoryPlan:
     model: str
     accelerator: str | None
     strategy: str
+    strategy_reason: str
     train_ranks: int
     gpus: list[Budget]
     hosts: list[Budget]
@@ -92,6 +62,8 @@ class MemoryPlan:
     checkpoints_in_store: bool = False  # checkpoints_on_disk counts the store's copies
     episode_turns: int | None = None  # with an environment: model turns per episode at most
     episode_tokens: int = 0  # tokens after the prompt a rollout may hold (episode_token_budget)
+    export_merged_bytes: int = 0  # with LoRA: the base with the adapter merged in
+    lora: dict[str, dict[str, Any]] = field(default_factory=dict)  # per adapted model
     problems: list[str] = field(default_factory=list)  # does not fit: what to change
     warnings: list[str] = field(default_factory=list)  # fits, but tightly
 
@@ -117,12 +89,15 @@ class MemoryPlan:
             "model": self.model,
             "accelerator": self.accelerator,
             "strategy": self.strategy,
+            "strategy_reason": self.strategy_reason,
             "train_ranks": self.train_ranks,
             "gpus": [budget(b) for b in self.gpus],
             "hosts": [budget(b) for b in self.hosts],
             "checkpoint_bytes": self.checkpoint_bytes,
             "checkpoints_on_disk_bytes": self.checkpoints_on_disk,
             "export_bytes": self.export_bytes,
+            "export_merged_bytes": self.export_merged_bytes,
+            "lora": self.lora,
             "staging_bytes_per_node": self.staging_bytes,
             "episode_turns": self.episode_turns,
             "episode_tokens": self.episode_tokens,
@@ -130,104 +105,6 @@ class MemoryPlan:
             "problems": self.problems,
             "warnings": self.warnings,
         }
-
-
-def gib(n: float) -> str:
-    return f"{n / GIB:.1f}"
-
-
-# --------------------------------------------------------------------------- placement
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How many of each actor, and what the busiest nodes hold."""
-
-    train_ranks: int
-    engines: int  # split rollout engines
-    tp: int
-    # (training ranks, split engines) per distinct kind of node, with how many such nodes
-    node_kinds: tuple[tuple[int, int, int], ...]
-
-
-def layout_of(recipe: Recipe) -> Layout:
-    """The trainer's placement (rlx.plan.actors.plan_actors) and a packing of it onto
-    the nodes: training ranks fill nodes first, engines take tp GPUs of one node each."""
-    from rlx.plan.actors import plan_actors
-
-    trainer = recipe.trainer
-    assert trainer is not None
-    actors = plan_actors(recipe)
-    tp = trainer.rollout.tensor_parallel_size
-    rollout = recipe.resources.rollout_nodes
-    if rollout is not None:
-        # resources.groups: ranks fill the train nodes, engines the rollout nodes
-        train = recipe.resources.train_nodes
-        per_train = -(-actors.train_workers // train.nodes)
-        per_rollout = -(-actors.rollout_workers // rollout.nodes)
-        kinds = ((per_train, 0, train.nodes), (0, per_rollout, rollout.nodes))
-        return Layout(actors.train_workers, actors.rollout_workers, tp or 1, kinds)
-    gpn, nodes = recipe.resources.gpus_per_node, recipe.resources.nodes
-    if gpn == 0:
-        return Layout(actors.train_workers, actors.rollout_workers, 1, ((1, 0, nodes),))
-    free = [gpn] * nodes
-    ranks = [0] * nodes
-    engines = [0] * nodes
-    left = actors.train_workers
-    for i in range(nodes):
-        take = min(left, free[i])
-        ranks[i], free[i], left = take, free[i] - take, left - take
-    for _ in range(actors.rollout_workers):
-        for i in range(nodes):
-            if free[i] >= tp:
-                engines[i], free[i] = engines[i] + 1, free[i] - tp
-                break
-    kinds: dict[tuple[int, int], int] = {}
-    for r, e in zip(ranks, engines, strict=True):
-        kinds[(r, e)] = kinds.get((r, e), 0) + 1
-    return Layout(
-        actors.train_workers,
-        actors.rollout_workers,
-        tp,
-        tuple((r, e, n) for (r, e), n in sorted(kinds.items(), reverse=True)),
-    )
-
-
-# --------------------------------------------------------------------------- the plan
-
-
-def _dtypes(trainer: TrainerSettings, gpu: bool, strategy: str) -> tuple[str, str, str]:
-    """(compute, master parameter, residual stream) dtypes as the trainer uses them."""
-    compute = trainer.model.dtype
-    if compute == "auto":
-        compute = "bfloat16" if gpu else "float32"
-    if not gpu:
-        return compute, compute, compute
-    # float32 master weights; FSDP's MixedPrecisionPolicy runs the modules in the compute
-    # dtype, while a whole fp32 module under autocast keeps an fp32 residual stream.
-    residual = compute if strategy == "fsdp" else "float32"
-    return compute, "float32", residual
-
-
-def sequence_tokens(trainer: TrainerSettings) -> int:
-    """The longest sequence a rollout holds: a prompt and its response, or with an
-    environment its longest episode (every turn and observation after the prompt)."""
-    return trainer.data.max_prompt_length + episode_token_budget(trainer)
-
-
-def micro_batch_tokens(trainer: TrainerSettings, ranks: int) -> tuple[int, int]:
-    """(tokens, response tokens) of the largest micro-batch: max_tokens_per_micro_batch, or
-    min(micro_batch_size, a rank's share of a minibatch) sequences of prompt + response (with
-    an environment, the longest episode: every turn and observation after the prompt)."""
-    batch = trainer.batch
-    prompt, response = trainer.data.max_prompt_length, episode_token_budget(trainer)
-    if batch.max_tokens_per_micro_batch is not None:
-        budget = max(batch.max_tokens_per_micro_batch, prompt + response)
-        return budget, budget  # responses may fill the budget: the logits' worst case
-    samples = batch.prompts_per_step * trainer.rollout.n
-    share = max((batch.minibatch_size or samples) // max(ranks, 1), 1)
-    rows = min(batch.micro_batch_size, share)
-    return rows * (prompt + response), rows * response
 
 
 def plan_recipe(
@@ -245,10 +122,10 @@ def plan_recipe(
         critic_shape = find_shape((trainer.critic_model or trainer.model).path, env)
     resources = recipe.resources
     gpu = resources.gpus_per_node > 0
-    capacity = _gpu_capacity(resources.train_nodes) if gpu else None
+    capacity = gpu_capacity(resources.train_nodes) if gpu else None
     rollout_nodes = resources.rollout_nodes
     # resources.groups: the engines run on the rollout group's GPUs, of their own size
-    rollout_capacity = capacity if rollout_nodes is None else _gpu_capacity(rollout_nodes)
+    rollout_capacity = capacity if rollout_nodes is None else gpu_capacity(rollout_nodes)
     accelerator = resources.accelerators
     if rollout_nodes is not None:
         accelerator = (
@@ -256,12 +133,14 @@ def plan_recipe(
             f", rollout {rollout_nodes.nodes} x {rollout_nodes.accelerators or 'CPU'}"
         )
     layout = layout_of(recipe)
-    strategy = effective_strategy(trainer.parallel.strategy, layout.train_ranks)
+    choice = choose_strategy(recipe, env)
+    strategy = choice.strategy
     plan = MemoryPlan(
         recipe=recipe.name,
         model=f"{trainer.model.path}: {shape.describe()}",
         accelerator=accelerator,
         strategy=strategy,
+        strategy_reason=choice.reason,
         train_ranks=layout.train_ranks,
         gpus=[],
         hosts=[],
@@ -271,18 +150,22 @@ def plan_recipe(
         episode_turns=None if trainer.environment is None else trainer.environment.max_turns,
         episode_tokens=episode_token_budget(trainer),
     )
-    compute, master, _ = _dtypes(trainer, gpu, strategy)
-    training = _training_budget(trainer, shape, critic_shape, layout, strategy, gpu, capacity)
+    compute, master, _ = dtypes(trainer, gpu, strategy)
+    training = training_budget(trainer, shape, critic_shape, layout, strategy, gpu, capacity)
     if gpu:
         plan.gpus.append(training)
         if trainer.layout == "split" and layout.engines:
-            plan.gpus.append(_rollout_budget(trainer, shape, layout, rollout_capacity or 0))
-    plan.hosts = _host_budgets(recipe, shape, critic_shape, layout, strategy, training, gpu)
-    critic_params = critic_shape.critic_params if critic_shape else 0
-    plan.checkpoint_bytes = mem.checkpoint_bytes(shape.params, critic_params, param_dtype=master)
+            plan.gpus.append(rollout_budget(trainer, shape, layout, rollout_capacity or 0))
+    plan.hosts = host_budgets(recipe, shape, critic_shape, layout, strategy, training, gpu)
+    models = trained_models(trainer, shape, critic_shape)
+    plan.checkpoint_bytes = checkpoint_size(models, master)
     # keep complete checkpoints plus the one being written before the oldest is pruned
     plan.checkpoints_on_disk = plan.checkpoint_bytes * (trainer.checkpoint.keep + 1)
     plan.export_bytes = shape.params * mem.DTYPE_BYTES[compute]
+    plan.lora = {m.label: _lora_summary(trainer, m, gpu) for m in models if m.lora is not None}
+    if trainer.model.lora is not None:  # the adapter alone, in PEFT's format; or merged
+        plan.export_merged_bytes = plan.export_bytes
+        plan.export_bytes = lora_sizes.adapter_bytes(shape, trainer.model.lora)
     if trainer.checkpoint.dir is None:
         plan.checkpoints_on_disk = 0
     elif is_store_url(trainer.checkpoint.dir):
@@ -302,273 +185,25 @@ def plan_recipe(
     return plan
 
 
-def _gpu_capacity(group: NodeGroup) -> int | None:
-    """Bytes of one of the group's GPUs (None for CPU-only nodes); PlanError when its type
-    is not in the table."""
-    if not group.gpus_per_node:
-        return None
-    name = group.accelerator_type or ""
-    size = mem.accelerator_gib(name)
-    if size is None:
-        known = ", ".join(mem.ACCELERATOR_GIB)
-        raise PlanError(f"accelerator {name!r} has no memory size in the plan's table: {known}")
-    return int(size * GIB)
-
-
-def _training_budget(
-    trainer: TrainerSettings,
-    shape: ModelShape,
-    critic_shape: ModelShape | None,
-    layout: Layout,
-    strategy: str,
-    gpu: bool,
-    capacity: int | None,
-) -> Budget:
-    parallel = trainer.parallel
-    ranks = layout.train_ranks
-    compute, master, residual = _dtypes(trainer, gpu, strategy)
-    offload = parallel.offload_optimizer and strategy == "fsdp"
-    title = f"training GPU (x{ranks})" if gpu else "training rank (host)"
-    budget = Budget(title, ranks, capacity)
-    items = budget.items
-
-    def state(label: str, s: ModelShape, params: int) -> int:
-        st = mem.training_state_bytes(
-            s,
-            ranks=ranks,
-            strategy=strategy,
-            offload_optimizer=offload,
-            param_dtype=master,
-            params=params,
-        )
-        note = (
-            f"{master}"
-            + (", sharded" if strategy == "fsdp" else "")
-            + (", in host memory" if offload else "")
-        )
-        phase = "" if offload else "all"
-        items.append(Item(f"{label} weights", st["weights"], note, phase))
-        items.append(Item(f"{label} grads", st["grads"], note, phase))
-        items.append(Item(f"{label} optimizer (AdamW)", st["optimizer"], note, phase))
-        if st["ddp_buckets"]:
-            items.append(Item(f"{label} DDP gradient buckets", st["ddp_buckets"], "ddp"))
-        return st["device"]
-
-    resident = state("policy", shape, shape.params)
-    if trainer.algo.kl.coef > 0:
-        ref = mem.reference_bytes(shape, ranks=ranks, strategy=strategy, dtype=compute)
-        on_host = parallel.offload_reference and strategy == "fsdp"
-        note = compute + (", sharded" if strategy == "fsdp" else "")
-        items.append(
-            Item(
-                "reference",
-                ref,
-                note + (", in host memory" if on_host else ""),
-                "" if on_host else "all",
-            )
-        )
-        resident += 0 if on_host else ref
-    if critic_shape is not None:
-        resident += state("critic", critic_shape, critic_shape.critic_params)
-    if gpu:
-        items.append(Item("runtime (CUDA, NCCL, allocator)", int(RUNTIME_GIB * GIB)))
-        resident += int(RUNTIME_GIB * GIB)
-
-    tokens, response_tokens = micro_batch_tokens(trainer, ranks)
-    models = [shape] + ([critic_shape] if critic_shape is not None else [])
-    # One flag for both models' rows: either model checkpointing counts as checkpointed
-    # (the shipped recipes set the critic's like the policy's).
-    checkpointing = [trainer.model.gradient_checkpointing]
-    if critic_shape is not None:
-        checkpointing.append((trainer.critic_model or trainer.model).gradient_checkpointing)
-    act = {
-        flag: max(
-            mem.activation_bytes(
-                s, tokens, dtype=compute, residual_dtype=residual, checkpointing=flag
-            )
-            for s in models
-        )
-        for flag in (False, True)
+def _lora_summary(trainer: TrainerSettings, model: TrainedModel, gpu: bool) -> dict[str, Any]:
+    """What a model's LoRA amounts to: the layers adapted, the trained parameters and, for
+    the policy, the reference it keeps and how a vLLM engine serves it."""
+    lora = model.lora
+    assert lora is not None
+    out: dict[str, Any] = {
+        "rank": lora.rank,
+        "alpha": lora.scale_alpha,
+        "layers": list(lora_sizes.adapted_layers(model.shape, lora.target_modules)),
+        "decoder_layers": model.shape.layers,
+        "adapter_params": model.adapters,
+        "adapter_bytes": model.adapters * mem.DTYPE_BYTES[lora_sizes.ADAPTER_DTYPE],
+        "trained_params": model.trained,
     }
-    used = any(checkpointing)
-    items.append(
-        Item(
-            "activations, no checkpointing",
-            act[False],
-            f"{tokens} tokens per micro-batch",
-            "" if used else "update",
-        )
-    )
-    items.append(
-        Item(
-            "activations, gradient checkpointing",
-            act[True],
-            f"{tokens} tokens per micro-batch",
-            "update" if used else "",
-        )
-    )
-    chunk = mem.logits_chunk_tokens(shape)
-    logits = mem.logits_peak_bytes(shape, response_tokens, dtype=compute, chunk_tokens=chunk)
-    note = f"chunks of {min(chunk, response_tokens)} of {response_tokens} response tokens"
-    items.append(Item("logits peak", logits, note, "update"))
-    gathered = max(
-        mem.gathered_params_bytes(
-            s,
-            strategy=strategy,
-            ranks=ranks,
-            dtype=compute,
-            reshard_after_forward=parallel.reshard_after_forward,
-        )
-        for s in models
-    )
-    if gathered:
-        items.append(
-            Item("gathered params (FSDP)", gathered, f"{compute}, root + layers", "update")
-        )
-    train_peak = resident + act[used] + logits + gathered
-    budget.peak, budget.peak_phase = train_peak, "update"
-
-    if _colocated_vllm(trainer, gpu):
-        util = trainer.rollout.gpu_memory_utilization
-        engine = int(util * (capacity or 0))
-        weights = mem.engine_weight_bytes(shape, dtype=compute)
-        kv = max(engine - weights - int(VLLM_RESERVE_GIB * GIB), 0)  # its budget, as split
-        seq = sequence_tokens(trainer)
-        budget.engine_sequences = kv // mem.kv_bytes_per_token(shape, dtype=compute) // seq
-        items.append(Item("vLLM weights (colocated)", weights, "in the budget below", ""))
-        items.append(Item("vLLM KV cache (colocated)", kv, "in the budget below", ""))
-        items.append(
-            Item(
-                "vLLM budget (colocated)", engine, f"{util} of the GPU, asleep in update", "rollout"
-            )
-        )
-        rollout_peak = resident + engine
-        if rollout_peak > budget.peak:
-            budget.peak, budget.peak_phase = rollout_peak, "rollout"
-    return budget
-
-
-def _colocated_vllm(trainer: TrainerSettings, gpu: bool) -> bool:
-    """Training GPUs that also hold a vLLM engine: the engine the trainer chooses (on GPUs
-    only; the count of GPUs does not change the choice)."""
-    engine = choose_engine(trainer.rollout.engine, gpus_per_node=int(gpu))
-    return gpu and trainer.layout == "colocated" and engine == "vllm"
-
-
-def _rollout_budget(
-    trainer: TrainerSettings, shape: ModelShape, layout: Layout, capacity: int
-) -> Budget:
-    compute = trainer.model.dtype if trainer.model.dtype != "auto" else "bfloat16"
-    tp = layout.tp
-    util = trainer.rollout.gpu_memory_utilization
-    budget = Budget(
-        f"rollout GPU (x{layout.engines * tp}, {layout.engines} engine(s) of tp {tp})",
-        layout.engines * tp,
-        capacity,
-    )
-    weights = mem.engine_weight_bytes(shape, dtype=compute, tensor_parallel=tp)
-    engine = int(util * capacity)
-    reserve = int(VLLM_RESERVE_GIB * GIB)
-    kv = max(engine - weights - reserve, 0)
-    per_token = mem.kv_bytes_per_token(shape, dtype=compute, tensor_parallel=tp)
-    tokens = kv // per_token
-    seq = sequence_tokens(trainer)
-    # vLLM sizes its KV cache so that everything it holds, CUDA context included, stays
-    # within gpu_memory_utilization of the GPU: its budget is the GPU's peak.
-    budget.items += [
-        Item("vLLM weights", weights, f"{compute}, 1/{tp} of the model"),
-        Item("vLLM activations, graphs, CUDA", reserve, "inside its budget"),
-        Item("vLLM KV cache", kv, f"{tokens} tokens = {tokens // seq} sequences of {seq}"),
-    ]
-    budget.peak = engine
-    budget.peak_phase = "rollout"
-    budget.engine_sequences = tokens // seq
-    return budget
-
-
-def _host_budgets(
-    recipe: Recipe,
-    shape: ModelShape,
-    critic_shape: ModelShape | None,
-    layout: Layout,
-    strategy: str,
-    training: Budget,
-    gpu: bool,
-) -> list[Budget]:
-    trainer = recipe.trainer
-    assert trainer is not None
-    resources = recipe.resources
-
-    def host_capacity(ranks: int) -> int | None:
-        # resources.groups: training nodes hold ranks, rollout nodes only engines
-        group = resources.train_nodes if ranks or resources.groups is None else None
-        memory = (group or resources.rollout_nodes or resources).memory
-        return None if memory is None else int(float(memory.rstrip("+")) * 1e9)
-
-    compute, master, _ = _dtypes(trainer, gpu, strategy)
-    engine_dtype = compute if gpu else "bfloat16"
-    engine_copy = mem.engine_weight_bytes(shape, dtype=engine_dtype)
-    bucket_bytes = trainer.rollout.weight_sync_bucket_mb * 2**20
-    bucket = mem.push_bucket_bytes(shape, dtype=engine_dtype, bucket_bytes=bucket_bytes)
-    per_rank_host = sum(
-        i.bytes for i in training.items if not gpu or i.note.endswith("in host memory")
-    )
-    if not gpu:  # everything of a CPU rank is in host memory: its peak
-        per_rank_host = training.peak
-    critic_params = critic_shape.critic_params if critic_shape else 0
-    ckpt_share = mem.checkpoint_bytes(shape.params, critic_params, param_dtype=master) // max(
-        layout.train_ranks, 1
-    )
-    out = []
-    for index, (ranks, engines, count) in enumerate(layout.node_kinds):
-        title = f"host RAM per node (x{count}: {ranks} rank(s)" + (
-            f", {engines} engine(s))" if engines else ")"
-        )
-        budget = Budget(title, count, host_capacity(ranks))
-        items = budget.items
-        if index == 0:
-            items.append(Item("controller", int(HOST_PROCESS_GIB * GIB), "head node"))
-        if ranks:
-            items.append(Item("training processes", ranks * int(HOST_PROCESS_GIB * GIB)))
-            label = "training state and activations" if not gpu else "offloaded state"
-            if per_rank_host:
-                items.append(Item(label, ranks * per_rank_host, f"{ranks} x {gib(per_rank_host)}"))
-            items.append(Item("model loading", shape.params * 2, "safetensors pages, bf16"))
-            if trainer.checkpoint.dir is not None:
-                items.append(
-                    Item("checkpoint save/resume", ranks * ckpt_share, "each rank's shard")
-                )
-                if is_store_url(trainer.checkpoint.dir):
-                    items.append(
-                        Item(
-                            "checkpoint upload buffers",
-                            ranks * UPLOAD_BUFFER_BYTES,
-                            "multipart parts in flight, per rank",
-                        )
-                    )
-            if _colocated_vllm(trainer, gpu):
-                items.append(
-                    Item("vLLM weights asleep", ranks * engine_copy, "sleep mode keeps them here")
-                )
-        # A split push streams buckets: at most two are under way (in the object store of
-        # the sender's node and of each engine's), and an engine loads one at a time. With
-        # rollouts ahead (max_staleness > 0) a push is queued whole behind the engines'
-        # rollouts: up to one copy of the weights waits in the object store.
-        if trainer.layout == "split" and (engines or index == 0):
-            if trainer.rollout.max_staleness > 0:
-                items.append(
-                    Item("weight push", engine_copy, "one queued copy (max_staleness > 0)")
-                )
-            else:
-                items.append(
-                    Item("weight push", 2 * bucket, f"2 buckets of {gib(bucket)} GiB in flight")
-                )
-        if engines:
-            items.append(Item("rollout engine processes", engines * int(HOST_ENGINE_GIB * GIB)))
-            items.append(Item("engines' received bucket", engines * bucket, "deserialised"))
-        budget.peak = sum(i.bytes for i in items)
-        budget.peak_phase = "steady"
-        out.append(budget)
+    if model.label == "policy":
+        out["reference"] = "the base (adapters off)" if trainer.algo.kl.coef > 0 else "none"
+        if engine_of(trainer, gpu) == "vllm":
+            out["max_lora_rank"] = lora_sizes.vllm_lora_rank(lora.rank)
+            out["max_loras"] = lora_sizes.vllm_max_loras(trainer.rollout)
     return out
 
 
@@ -621,7 +256,8 @@ def _longest_setting(recipe: Recipe) -> str:
 
 
 def _engine_items(budget: Budget) -> str:
-    return ", ".join(f"{i.name} {gib(i.bytes)}" for i in budget.items if "vLLM" in i.name)
+    engine = (i for i in budget.items if "vLLM" in i.name and i.phase != "update")
+    return ", ".join(f"{i.name} {gib(i.bytes)}" for i in engine)
 
 
 def _largest(budget: Budget, top: int = 4) -> str:
@@ -651,7 +287,8 @@ def _advice(recipe: Recipe, budget: Budget, env: Mapping[str, str] | None) -> st
                     {"parallel": {"offload_optimizer": True}},
                 )
             )
-        if not parallel.offload_reference and trainer.algo.kl.coef > 0:
+        has_reference = trainer.algo.kl.coef > 0 and trainer.model.lora is None
+        if not parallel.offload_reference and has_reference:
             tries.append(
                 (
                     "parallel.offload_reference: true",

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlx.plan.planner import GIB, HEADROOM, Budget, MemoryPlan
+from rlx.plan.budget import GIB, HEADROOM, Budget
+from rlx.plan.planner import MemoryPlan
 
 
 def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / GIB:.1f}"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f}" if n >= 2**20 else f"{n / 2**20:.2f}"
 
 
 def verdict(plan: MemoryPlan) -> str:
@@ -31,6 +36,33 @@ def episodes_line(plan: MemoryPlan) -> str:
         f"episodes: up to {turns} turn{'' if turns == 1 else 's'}, {plan.episode_tokens} "
         "tokens after the prompt"
     )
+
+
+def lora_lines(plan: MemoryPlan) -> list[str]:
+    """One line per model trained with LoRA: what is adapted, what trains, what the
+    reference is and how vLLM serves it."""
+    lines = []
+    for label, lora in plan.lora.items():
+        layers = lora["layers"]
+        line = (
+            f"{label} LoRA: rank {lora['rank']} (alpha {lora['alpha']:g}) on {len(layers)} "
+            f"linear layers x {lora['decoder_layers']} ({', '.join(layers)}): "
+            f"{lora['adapter_params']:,} adapter parameters, "
+            f"{_mib(lora['adapter_bytes'])} MiB in float32"
+        )
+        if label == "critic":
+            line += ", trained with the value head; the body is frozen"
+        elif lora["reference"] == "none":
+            line += "; the base is frozen; no reference (kl.coef 0)"
+        else:
+            line += "; the base is frozen and is the reference (adapters off): no copy"
+        if "max_lora_rank" in lora:
+            line += (
+                f"; vLLM serves it at max_lora_rank {lora['max_lora_rank']}, "
+                f"max_loras {lora['max_loras']}, and a push is the adapter"
+            )
+        lines.append(line)
+    return lines
 
 
 def _table(budget: Budget) -> Any:
@@ -63,10 +95,12 @@ def print_plan(plan: MemoryPlan) -> None:
     console.print(f"[bold]{plan.recipe}[/]: {plan.model}")
     console.print(
         f"{plan.accelerator or 'CPU only'}, {plan.train_ranks} training rank(s), "
-        f"strategy {plan.strategy}"
+        f"strategy {plan.strategy} ({plan.strategy_reason})"
     )
     if plan.episode_turns is not None:
         console.print(episodes_line(plan))
+    for line in lora_lines(plan):
+        console.print(line)
     for budget in [*plan.gpus, *plan.hosts]:
         console.print()
         console.print(_table(budget))
@@ -76,6 +110,11 @@ def print_plan(plan: MemoryPlan) -> None:
         f"{_gib(plan.checkpoints_on_disk)} GiB "
         f"{'in the store' if plan.checkpoints_in_store else 'on disk'} with retention; "
         f"export {_gib(plan.export_bytes)} GiB"
+        + (
+            f" (the adapter; merged {_gib(plan.export_merged_bytes)} GiB)"
+            if plan.export_merged_bytes
+            else ""
+        )
         + (
             f"; staged {_gib(plan.staging_bytes)} GiB per node before each upload"
             if plan.staging_bytes

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rlx.errors import RlxError
+from rlx.hub import cache_root, cached_file, is_hub_id
 from rlx.recipe.specs import TINY_HEAD_DIM, TINY_VOCAB, tiny_model
 
 # tiny:<arch>-h<hidden>-l<layers>, as rlx.trainer.resolve builds them (rlx.trainer.learn.tiny).
@@ -42,6 +43,7 @@ class ModelShape:
     qkv_bias: bool = False
     source: str = ""
     max_positions: int | None = None  # max_position_embeddings; None when the config has none
+    model_type: str = ""  # the config's model_type (qwen2, llama, ...)
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], source: str = "config") -> ModelShape:
@@ -73,6 +75,7 @@ class ModelShape:
                     if config.get("max_position_embeddings")
                     else None
                 ),
+                model_type=str(config.get("model_type") or ""),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise PlanError(
@@ -178,25 +181,6 @@ def normalise_name(model: str) -> str:
     return name.removeprefix("meta-")
 
 
-def hub_cache_dirs(env: Mapping[str, str]) -> list[Path]:
-    """Where the Hugging Face hub cache may be on this machine."""
-    dirs = []
-    if env.get("HF_HUB_CACHE"):
-        dirs.append(Path(env["HF_HUB_CACHE"]))
-    home = Path(env["HF_HOME"]) if env.get("HF_HOME") else Path.home() / ".cache" / "huggingface"
-    dirs.append(home / "hub")
-    return dirs
-
-
-def _cached_config(model: str, env: Mapping[str, str]) -> Path | None:
-    folder = "models--" + model.replace("/", "--")
-    for root in hub_cache_dirs(env):
-        found = sorted((root / folder / "snapshots").glob("*/config.json"))
-        if found:
-            return found[-1]
-    return None
-
-
 def _read_config(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -224,6 +208,7 @@ def tiny_shape(spec: str) -> ModelShape | None:
         qkv_bias=model.arch in QKV_BIAS_TYPES,
         source="tiny spec",
         max_positions=TINY_MAX_POSITIONS,
+        model_type=model.arch,
     )
 
 
@@ -237,7 +222,7 @@ def find_shape(model: str, env: Mapping[str, str] | None = None) -> ModelShape:
     local = Path(model).expanduser()
     if (local / "config.json").is_file():
         return ModelShape.from_config(_read_config(local / "config.json"), str(local))
-    cached = _cached_config(model, env)
+    cached = cached_file(model, "config.json", env) if is_hub_id(model) else None
     if cached is not None:
         return ModelShape.from_config(_read_config(cached), str(cached))
     builtin = builtin_configs().get(normalise_name(model))
@@ -245,6 +230,6 @@ def find_shape(model: str, env: Mapping[str, str] | None = None) -> ModelShape:
         return ModelShape.from_config(builtin, f"built-in table ({normalise_name(model)})")
     raise PlanError(
         f"{model}: no config.json found (not a local folder, not in the Hugging Face cache "
-        f"under {hub_cache_dirs(env)[-1]}) and not in the built-in table; download it once "
-        f"(huggingface-cli download {model} config.json) or point model.path at a folder"
+        f"under {cache_root(env)}) and not in the built-in table; fetch it once "
+        f"(hf download {model} config.json) or point model.path at a folder"
     )

@@ -15,7 +15,8 @@ from rlx.errors import Finding, RecipeError, RlxError
 from rlx.recipe.model import Recipe
 from rlx.recipe.yamlpos import Path_, Positions, YamlError, load_yaml
 
-# Keys people bring from SkyPilot and dstack files, and where they live in a recipe.
+# Keys people bring from SkyPilot and dstack files, and where they live in a recipe (named
+# wherever they are written: at the top, under resources or under sky).
 FAMILIAR_KEYS = {
     "num_nodes": "resources.nodes",
     "nodes": "resources.nodes",
@@ -23,6 +24,7 @@ FAMILIAR_KEYS = {
     "gpu": "resources.accelerators",
     "gpus": "resources.accelerators",
     "use_spot": "resources.spot",
+    "network_tier": "resources.fabric",
     "image_id": "resources.image",
     "image": "resources.image",
     "envs": "env",
@@ -154,7 +156,7 @@ def _unknown_key(key: str, model: type[BaseModel] | None) -> str:
     hint = _closest(key, fields)
     if hint:
         return f"unknown field {key!r}; did you mean {hint!r}?"
-    if model is Recipe and key in FAMILIAR_KEYS:
+    if key in FAMILIAR_KEYS:
         return f"unknown field {key!r}; in a recipe this is '{FAMILIAR_KEYS[key]}'"
     return f"unknown field {key!r}; valid fields here: {', '.join(fields)}"
 

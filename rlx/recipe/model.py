@@ -162,6 +162,17 @@ class Resources(_NodeShape):
         description="Ports to open to the internet (SkyPilot) or publish (dstack), e.g. 8000 "
         "or '9000-9010'. Never list Ray's ports here.",
     )
+    fabric: Literal["efa", "infiniband", "tcp"] | None = Field(
+        None,
+        description="The network joining the nodes, for NCCL: 'efa' (AWS Elastic Fabric "
+        "Adapter: p4d, p5 and other EFA instances), 'infiniband' (InfiniBand or RoCE: a Slurm "
+        "cluster's, Nebius, Kubernetes clusters with it) or 'tcp' (no fast fabric: NCCL over "
+        "TCP sockets). With efa or infiniband, SkyPilot asks for network_tier: best, Slurm's "
+        "docker/podman containers get the RDMA devices, and every node sets NCCL's and "
+        "libfabric's variables for it (the recipe's env wins). Unset: nothing is asked for, and "
+        "lint warns when FSDP spans nodes. strategy: auto prefers DDP across nodes without a "
+        "fast fabric when it fits.",
+    )
     groups: NodeGroups | None = Field(
         None,
         description="Two kinds of node in one job, e.g. train: {nodes: 1, accelerators: "
@@ -187,8 +198,10 @@ class Resources(_NodeShape):
     def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         # The dump is read back on the nodes (RLX_RECIPE_JSON): a job with groups carries no
         # job-wide nodes or accelerators (the validator above would refuse them), and one
-        # without carries no `groups: null`.
+        # without carries no `groups: null`; nor does one that names no fabric.
         data = handler(self)
+        if self.fabric is None:
+            data.pop("fabric", None)
         if self.groups is None:
             data.pop("groups", None)
         else:
@@ -246,6 +259,11 @@ class Resources(_NodeShape):
     def rollout_nodes(self) -> NodeGroup | None:
         """The rollout group; None without groups (engines share the training nodes)."""
         return None if self.groups is None else self.group("rollout")
+
+    @property
+    def fast_fabric(self) -> bool:
+        """The nodes are joined by a fast interconnect that NCCL uses (EFA, InfiniBand)."""
+        return self.fabric in ("efa", "infiniband")
 
     @property
     def total_nodes(self) -> int:
@@ -358,6 +376,33 @@ class RaySettings(StrictModel):
 # --------------------------------------------------------------------------- trainer
 
 
+# LoRA's target: every linear layer of the decoder (attention and MLP), not the output head.
+ALL_LINEAR = "all-linear"
+
+
+class LoraSettings(StrictModel):
+    """Low-rank adapters (peft's LoRA) trained instead of the model's own weights: the base
+    stays frozen in its dtype, the reference is the base (the adapter switched off), and a
+    weight push carries the adapter alone."""
+
+    rank: int = Field(ge=1, description="The adapters' rank r (1-32 is what RL needs).")
+    alpha: float | None = Field(
+        None,
+        gt=0,
+        description="LoRA's scale numerator: updates are scaled by alpha / rank; unset: 2 x rank.",
+    )
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input.")
+    target_modules: Literal["all-linear"] | list[Str] = Field(
+        ALL_LINEAR,
+        description="Which linear layers get an adapter: 'all-linear' (attention and MLP of "
+        "every decoder layer, not the output head) or module names such as [q_proj, v_proj].",
+    )
+
+    @property
+    def scale_alpha(self) -> float:
+        return self.alpha if self.alpha is not None else 2.0 * self.rank
+
+
 class ModelSettings(StrictModel):
     path: Str = Field(description="Hugging Face hub id or a local folder with the model.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
@@ -365,6 +410,11 @@ class ModelSettings(StrictModel):
     )
     trust_remote_code: bool = Field(False, description="Allow model code from the hub.")
     gradient_checkpointing: bool = Field(False, description="Trade compute for memory.")
+    lora: LoraSettings | None = Field(
+        None,
+        description="Train low-rank adapters (LoRA) instead of every weight: the base frozen "
+        "and shared with the reference, pushes and checkpoints carry the adapter alone.",
+    )
 
 
 class DataSettings(StrictModel):
@@ -545,8 +595,9 @@ class BatchSettings(StrictModel):
 
 
 def effective_strategy(strategy: str, ranks: int) -> Literal["single", "ddp", "fsdp"]:
-    """What `trainer.parallel.strategy` means with `ranks` training ranks: one rank is always a
-    plain module ('single'); 'auto' is FSDP otherwise. The trainer and the planner both ask here."""
+    """What `trainer.parallel.strategy` means with `ranks` training ranks, the plan unasked:
+    one rank is always a plain module ('single'); 'auto' is FSDP otherwise. The rule that
+    reads the plan and the nodes' network is rlx.plan.strategy.choose_strategy."""
     if ranks <= 1:
         return "single"
     return "ddp" if strategy == "ddp" else "fsdp"
@@ -557,7 +608,11 @@ class ParallelSettings(StrictModel):
         "auto",
         description="How training ranks share the models: 'fsdp' shards weights, gradients "
         "and optimiser state (FSDP2, per decoder layer then the root); 'ddp' replicates them; "
-        "'auto' is fsdp with more than one training rank.",
+        "'auto' decides from the plan and the nodes' network: ddp when the training ranks span "
+        "several GPU nodes with no fast fabric (resources.fabric unset or tcp) and the "
+        "replicated state leaves every training GPU 10% spare, fsdp otherwise (and whenever "
+        "an offload below is on; one rank is always a plain module). `rlx plan` prints the "
+        "choice and why.",
     )
     offload_reference: bool = Field(
         False, description="Keep the reference model's shards in host memory (FSDP)."

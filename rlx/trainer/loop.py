@@ -9,7 +9,6 @@ One step:
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import time
@@ -40,20 +39,19 @@ from rlx.trainer.batch import SequenceBatch, outcome_token_rewards, pack_rollout
 from rlx.trainer.checkpoint import (
     capture_rng_state,
     location_name,
+    manager_for,
     open_manager,
     resolve_resume,
     restore_rng_state,
 )
-from rlx.trainer.checkpoint.resume import Location
+from rlx.trainer.checkpoint.protocol import Location, SavedCheckpoint
 from rlx.trainer.checkpoint.training import (
     CONTROLLER_RNG,
     KILL_HOOK_ENV,
     LEARNER_STATE,
     TRAINER_STATE,
-    SavedCheckpoint,
     SaveRequest,
     kill_after_step,
-    load_parts,
 )
 from rlx.trainer.episodes.runner import EpisodeRunner, episode_metrics
 from rlx.trainer.episodes.trajectory import check_trajectories
@@ -68,10 +66,10 @@ from rlx.trainer.learn.learner import (
     VALUES,
     needs_old_logprobs,
 )
-from rlx.trainer.learn.sharding import resolve_strategy
 from rlx.trainer.report.console import StopRequest
 from rlx.trainer.report.metrics import MetricsLogger, StepRecords
 from rlx.trainer.report.progress import Progress
+from rlx.trainer.rollout.base import SamplingArgs
 from rlx.trainer.rollout.probe import Probe
 from rlx.trainer.tasks import validation
 from rlx.trainer.tasks.data import PromptDataset, PromptSampler
@@ -174,14 +172,11 @@ class Trainer:
             prompt_ids = [self.inputs.data.prompt_token_ids[i] for i in rows]
             return cluster.submit_generate(prompt_ids, step)
 
-        def submit(prompt_ids: list[list[int]], n: int, max_new: int, stream: str) -> Any:
-            sampling = dataclasses.replace(cluster.sampling, n=n, max_new_tokens=max_new)
+        def submit(prompt_ids: list[list[int]], sampling: SamplingArgs, stream: str) -> Any:
             return cluster.submit_generate(prompt_ids, step, sampling, stream)
 
-        rollout = self.settings.rollout
-        return self.episodes.start(
-            rows, step, submit, rollout.n, rollout.max_new_tokens, ahead=rollout.max_staleness > 0
-        )
+        ahead = self.settings.rollout.max_staleness > 0
+        return self.episodes.start(rows, step, submit, cluster.sampling, ahead=ahead)
 
     # ------------------------------------------------------------------ the run
 
@@ -281,13 +276,13 @@ class Trainer:
         cluster = self.cluster
         ranks = ", ".join(f"rank {r} on {ip}" for r, ip in enumerate(cluster.train.ips))
         self.say(f"training workers: {ranks}")
-        strategy = resolve_strategy(self.settings.parallel, len(cluster.train.ips))
+        strategy = cluster.strategy
         sharding = {
             "single": "one rank, unsharded",
             "ddp": "DDP (every rank a full replica)",
             "fsdp": "FSDP2 (weights, gradients and optimiser state sharded over the ranks)",
-        }[strategy]
-        self.say(f"sharding: {sharding}")
+        }[strategy.strategy]
+        self.say(f"sharding: {sharding}; {strategy.reason}")
         for note in cluster.notes:
             self.say(note)
         if cluster.rollout.ips:
@@ -451,9 +446,7 @@ class Trainer:
         temporary = self.manager.begin(step)
         request = SaveRequest(
             folder=str(temporary),
-            root=str(self.manager.root),
-            run_id=self.manager.run_id,
-            keep=self.manager.keep,
+            manager=self.manager,
             step=step,
             controller_parts=controller_parts,
             rng_states=rng_states,
@@ -462,7 +455,7 @@ class Trainer:
         saved = self.cluster.call_all("save_checkpoint", request)[0]
         if saved is None:  # staged; uploading
             self.uploading = step
-            return self.manager.step_url(step)
+            return self.manager.location(step)
         self.saved(saved)
         return saved.path
 
@@ -504,18 +497,18 @@ class Trainer:
     def resume(self) -> int:
         """Load the checkpoint the settings point at (none: start at step 0). Returns its step."""
         setting = self.settings.checkpoint.resume
-        if self.manager is None:
-            if setting in ("auto", "never"):
-                self.cluster.sync_weights(0, self.inputs.probe, push=False)
-                return 0
-            manager = open_manager(setting.rstrip("/").rsplit("/", 1)[0], "resume-path", 1)
-        else:
+        if setting not in ("auto", "never"):
+            manager = manager_for(setting)  # a checkpoint named by its path: of its own kind
+        elif self.manager is not None:
             manager = self.manager
+        else:
+            self.proven(0, self.cluster.sync_weights(0, self.inputs.probe, push=False))
+            return 0
         path = resolve_resume(setting, manager)
         if path is None:
-            self.cluster.sync_weights(0, self.inputs.probe, push=False)
+            self.proven(0, self.cluster.sync_weights(0, self.inputs.probe, push=False))
             return 0
-        parts = load_parts(path, (TRAINER_STATE, CONTROLLER_RNG, LEARNER_STATE))
+        parts = manager.load_parts(path, (TRAINER_STATE, CONTROLLER_RNG, LEARNER_STATE))
         if LEARNER_STATE not in parts:
             raise RlxError(
                 f"checkpoint {path} is a single-file checkpoint of an older rlx; resume it "
@@ -532,7 +525,7 @@ class Trainer:
         except ValueError as exc:
             raise RlxError(f"cannot resume from {path}: {exc}") from None
         restore_rng_state(parts[CONTROLLER_RNG])
-        loaded = self.cluster.call_all("load_checkpoint", str(path))
+        loaded = self.cluster.call_all("load_checkpoint", manager, path)
         step = int(state["step"])
         memory = max(report.host_bytes for report in loaded)
         self.say(
@@ -545,8 +538,17 @@ class Trainer:
                 f"states and this run has {self.cluster.plan.train_workers}; their random "
                 "streams start afresh"
             )
-        self.cluster.sync_weights(step, self.inputs.probe)
+        self.proven(step, self.cluster.sync_weights(step, self.inputs.probe))
         return step
+
+    def proven(self, step: int, diff: float) -> None:
+        """Say how closely the engines matched the policy before the first step: the figure
+        to hold against the tolerance on a new model, GPU or dtype."""
+        cluster = self.cluster
+        self.say(
+            f"weights of step {step} proven on every engine: probe difference {diff:.3g} "
+            f"(tolerance {cluster.last_tolerance:.3g}, {cluster.engine_dtype})"
+        )
 
 
 def format_bytes(count: int | None) -> str:

@@ -19,7 +19,7 @@ from typing import Any, TextIO
 from rlx.errors import RlxError
 from rlx.recipe.model import Recipe
 from rlx.runs import RunPaths, RunResult, mirror_run, pull_run, run_line, write_result
-from rlx.trainer.job import TrainJob
+from rlx.trainer.job import STAND_IN_GPUS_ENV, TrainJob
 from rlx.trainer.report.console import Stopped, StopRequest, console_to_log, handle_signals
 from rlx.trainer.report.record import finish, summary_lines
 from rlx.trainer.resolve import run_paths
@@ -158,7 +158,7 @@ def engine_dtype(job: TrainJob) -> str:
     from rlx.trainer.learn.models import compute_dtype
 
     settings = job.settings
-    gpu = job.resources.gpus_per_node > 0
+    gpu = job.on_gpus
     if job.engine == "vllm":
         if importlib.util.find_spec("vllm") is None:
             raise RlxError(
@@ -190,6 +190,7 @@ def training_session(
     """A Trainer whose actors are up (and torn down again on exit)."""
     import ray
 
+    from rlx.plan.strategy import choose_strategy
     from rlx.trainer.actors.cluster import Cluster
     from rlx.trainer.actors.placement import alive_nodes, check_resources
     from rlx.trainer.loop import Trainer
@@ -197,6 +198,8 @@ def training_session(
 
     inputs, policy_path, critic_path = resolve_inputs(job, env, paths)
     dtype = engine_dtype(job)
+    # Once the model is in this node's cache, its config plans DDP against FSDP.
+    strategy = choose_strategy(job.recipe, env)
     with contextlib.ExitStack() as stack:
         started_ray, where = connect_ray(job, env)
         if started_ray:
@@ -205,7 +208,7 @@ def training_session(
         stop = stack.enter_context(handle_signals(stop or StopRequest()))
         nodes = alive_nodes()
         check_resources(job.recipe, nodes, where)
-        cluster = Cluster.start(job, nodes, policy_path, critic_path, dtype)
+        cluster = Cluster.start(job, nodes, policy_path, critic_path, dtype, strategy)
         stack.callback(cluster.shutdown)
         # A private Ray's processes are this process's children; a joined cluster's workers
         # belong to the raylets `ray start` began, so they are asked for their own figure.
@@ -218,9 +221,24 @@ def trainer_for(
 ) -> contextlib.AbstractContextManager[Any]:
     """A Trainer for the recipe with its actors up, for code that drives it step by step
     (tests, benchmarks): the job narrowed and the run's folders found as `rlx train` does."""
-    job = TrainJob.of(recipe)
+    job = TrainJob.of(recipe, stand_in_gpus=env.get(STAND_IN_GPUS_ENV) == "1")
     paths = run_paths(job.name, job.settings, env)
     return training_session(job, env, paths, out, out if err is None else err)
+
+
+def planned_gpu_gib(job: TrainJob, env: Mapping[str, str]) -> float | None:
+    """What `rlx plan` gives one training GPU at its peak, for the run's summary beside what
+    the GPUs measured (None on CPU, or where the plan cannot say)."""
+    from rlx.plan.planner import plan_recipe
+    from rlx.plan.shapes import PlanError
+
+    if not job.on_gpus:
+        return None
+    try:
+        plan = plan_recipe(job.recipe, env, advise=False)
+    except (PlanError, RlxError):
+        return None
+    return plan.gpus[0].peak / 2**30 if plan.gpus else None
 
 
 def _cluster_memory(cluster: Any, own: Any) -> Any:
@@ -270,8 +288,16 @@ def run_training(
             print(f"run folder mirrored to {paths.run_url}", file=out, flush=True)
         try:
             # The recipe narrowed once, by the checks lint runs too; a refusal is recorded.
-            job = TrainJob.of(recipe)
+            job = TrainJob.of(recipe, stand_in_gpus=env.get(STAND_IN_GPUS_ENV) == "1")
+            if job.recipe.resources.total_gpus and not job.on_gpus:
+                print(
+                    "GPUs are stand-ins (a dress rehearsal): the job is placed on them as on "
+                    "GPUs and computes on CPU",
+                    file=out,
+                    flush=True,
+                )
             with training_session(job, env, paths, out, err, stop) as trainer:
+                result.plan_gpu_gib = planned_gpu_gib(job, env)  # the model is cached now
                 result.last_step = trainer.run()
                 result.checkpoint_bytes = trainer.checkpoint_bytes
                 result.model = None if trainer.exported is None else str(trainer.exported)

@@ -14,7 +14,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from rlx import hub
 from rlx.errors import RlxError
+from rlx.hub import is_hub_id
 from rlx.recipe.model import TrainerSettings
 from rlx.recipe.specs import (
     SYNTHETIC_PREFIX,
@@ -98,8 +100,9 @@ def model_cache_dir(paths: RunPaths) -> Path:
 
 
 def resolve_model_path(spec: str, cache_dir: Path, seed: int, field: str = "model") -> str:
-    """A folder or hub id from_pretrained can load. `tiny:...` builds the random model once
-    (the same spec and seed give the same bytes) into cache_dir and returns that folder."""
+    """The local folder of a model: as given, a hub id's snapshot in this node's hub cache
+    (rlx.hub: fetched unless HF_HUB_OFFLINE), a store URL's copy, or for `tiny:...` the
+    random model built once (the same spec and seed give the same bytes) into cache_dir."""
     if spec.startswith(TINY_PREFIX):
         problem = tiny_spec_problem(spec)
         model = tiny_model(spec)
@@ -108,7 +111,9 @@ def resolve_model_path(spec: str, cache_dir: Path, seed: int, field: str = "mode
         return str(build_tiny_cached(model, cache_dir, seed))
     if is_store_url(spec):
         return str(fetch_model(spec, field))
-    if is_local_path(spec):
+    if is_hub_id(spec):
+        return str(hub.snapshot(spec, field=f"trainer.{field}.path"))
+    if is_local_path(spec) or Path(spec).is_dir():
         folder = Path(spec).expanduser()
         if not folder.is_dir():
             raise RlxError(
@@ -120,8 +125,8 @@ def resolve_model_path(spec: str, cache_dir: Path, seed: int, field: str = "mode
                 f"trainer.{field}.path: {spec} has no config.json; point it at a folder "
                 "saved with save_pretrained"
             )
-        return str(folder)
-    return spec  # a hub id: from_pretrained downloads it (and reports what is wrong)
+        return str(folder.absolute())  # the workers may start elsewhere
+    raise RlxError(f"trainer.{field}.path: {spec!r} is neither a folder nor a hub id")
 
 
 def fetch_model(url: str, field: str = "model") -> Path:
@@ -153,9 +158,13 @@ def fetch_model(url: str, field: str = "model") -> Path:
     return target
 
 
-def node_model_path(resolved: str, source: str, seed: int) -> str:
-    """The head's resolved model path as a folder on this node: a model in a store is
-    fetched here too, a tiny model built here when the head's cache is not shared."""
+def node_model_path(resolved: str, source: str, seed: int, field: str = "model") -> str:
+    """The head's resolved model path as a folder on this node: a hub id's snapshot at the
+    commit the head resolved, in this node's cache (fetched once per node); a model in a
+    store fetched here too; a tiny model built here when the head's cache is not shared."""
+    if is_hub_id(source):
+        commit = hub.commit_of(resolved)
+        return str(hub.snapshot(source, revision=commit, field=f"trainer.{field}.path"))
     if is_store_url(source):
         return str(fetch_model(source))
     model = tiny_model(source) if source.startswith(TINY_PREFIX) else None

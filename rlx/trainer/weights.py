@@ -1,10 +1,22 @@
-"""What a weight push is made of: tensors grouped into buckets of a bounded size, and a bucket
-packed into one flat buffer for Ray's object store. A leaf: torch only."""
+"""What a weight push is made of, and the group it travels over. A leaf: torch only.
+
+A push is a list of buckets. A bucket's layout (BucketLayout) places named tensors, in the
+engines' dtype, at aligned offsets of one flat byte buffer; every side computes the same
+layouts from the global shapes. Training rank 0 fills a bucket's buffer (under FSDP each
+rank sends its rows straight into rank 0's buffer), then broadcasts it over the weight group
+(WeightGroup): a torch.distributed group of its own, apart from the training ranks' group,
+holding training rank 0 and every process that holds an engine's weights (each
+tensor-parallel worker of each vLLM engine). NCCL on GPUs: the bytes go GPU to GPU and
+never through host memory. gloo on CPU: one copy on rank 0 (its own rows into the buffer);
+every receiver gets the bucket straight into a buffer of its own and loads the tensors as
+views of it. receive_push is that receiving side, for any engine.
+"""
 
 from __future__ import annotations
 
+import datetime
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +27,8 @@ NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 # Bytes of tensors per bucket of a weight push: the most extra memory a push holds at once
 # on either side (two buckets while one is sent and the next gathered), whatever the model.
 DEFAULT_BUCKET_BYTES = 256 * 2**20
+ALIGN = 64  # bytes: every tensor of a bucket starts where any dtype may view it
+GROUP_PREFIX = "rlx-weights"  # the weight group's keys in its rendezvous store
 
 
 def bucket_plan(sizes: Iterable[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
@@ -49,51 +63,183 @@ def buckets(
         yield bucket
 
 
-@dataclass
-class PackedBucket:
-    """One bucket's tensors in one flat byte buffer. Ray's object store carries a numpy
-    array without pickling it: the sender writes it once into shared memory and a reader on
-    the node gets a view of it, so neither side holds a second copy of the bucket."""
+def dtype_named(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"not a torch dtype: {name!r}")
+    return dtype
 
-    names: list[str]
-    dtypes: list[str]
-    shapes: list[tuple[int, ...]]
-    offsets: list[int]
-    data: Any  # numpy uint8 array
 
-    ALIGN = 64  # bytes: every tensor starts where any dtype may view it
+@dataclass(frozen=True)
+class BucketLayout:
+    """Where each tensor of one bucket lies in its flat byte buffer. Plain values only, so
+    that it travels as an argument of any RPC (vLLM's included)."""
+
+    names: tuple[str, ...]
+    dtype: str  # every tensor of a push is in the engines' dtype
+    shapes: tuple[tuple[int, ...], ...]
+    offsets: tuple[int, ...]
+    nbytes: int  # the buffer's size
 
     @classmethod
-    def pack(cls, tensors: Sequence[tuple[str, torch.Tensor]]) -> PackedBucket:
+    def of(cls, tensors: Sequence[tuple[str, tuple[int, ...]]], dtype: torch.dtype) -> BucketLayout:
         offsets, total = [], 0
-        for _, tensor in tensors:
+        itemsize = dtype.itemsize
+        for _, shape in tensors:
             offsets.append(total)
-            nbytes = tensor.numel() * tensor.element_size()
-            total += -(-nbytes // cls.ALIGN) * cls.ALIGN
-        flat = torch.empty(total, dtype=torch.uint8)
-        for (_, tensor), offset in zip(tensors, offsets, strict=True):
-            raw = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-            flat[offset : offset + raw.numel()].copy_(raw)
+            total += -(-math.prod(shape) * itemsize // ALIGN) * ALIGN
         return cls(
-            names=[name for name, _ in tensors],
-            dtypes=[str(tensor.dtype).removeprefix("torch.") for _, tensor in tensors],
-            shapes=[tuple(tensor.shape) for _, tensor in tensors],
-            offsets=offsets,
-            data=flat.numpy(),
+            names=tuple(name for name, _ in tensors),
+            dtype=str(dtype).removeprefix("torch."),
+            shapes=tuple(tuple(shape) for _, shape in tensors),
+            offsets=tuple(offsets),
+            nbytes=total,
         )
 
-    def tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """Views into the buffer (read them, do not write: it may be shared memory)."""
-        import warnings
+    def to_wire(self) -> dict[str, Any]:
+        """Lists, strings and ints: what vLLM's own RPC encoding carries."""
+        return {
+            "names": list(self.names),
+            "dtype": self.dtype,
+            "shapes": [list(shape) for shape in self.shapes],
+            "offsets": list(self.offsets),
+            "nbytes": self.nbytes,
+        }
 
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # a read-only object-store buffer
-            flat = torch.from_numpy(self.data)
+    @classmethod
+    def from_wire(cls, wire: Mapping[str, Any]) -> BucketLayout:
+        return cls(
+            names=tuple(wire["names"]),
+            dtype=str(wire["dtype"]),
+            shapes=tuple(tuple(shape) for shape in wire["shapes"]),
+            offsets=tuple(wire["offsets"]),
+            nbytes=int(wire["nbytes"]),
+        )
+
+    def empty(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        return torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+
+    def views(self, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """Each tensor as a view of the buffer (no copy)."""
+        dtype = dtype_named(self.dtype)
         out = []
-        for name, dtype, shape, offset in zip(
-            self.names, self.dtypes, self.shapes, self.offsets, strict=True
-        ):
-            kind = getattr(torch, dtype)
-            nbytes = math.prod(shape) * torch.empty((), dtype=kind).element_size()
-            out.append((name, flat[offset : offset + nbytes].view(kind).view(shape)))
+        for name, shape, offset in zip(self.names, self.shapes, self.offsets, strict=True):
+            nbytes = math.prod(shape) * dtype.itemsize
+            out.append((name, buffer[offset : offset + nbytes].view(dtype).view(shape)))
         return out
+
+
+@dataclass
+class Traffic:
+    """Bytes a rank moved for a push: copied within its own memory, sent and received."""
+
+    copied: int = 0
+    sent: int = 0
+    received: int = 0
+
+    def add(self, other: Traffic) -> None:
+        self.copied += other.copied
+        self.sent += other.sent
+        self.received += other.received
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as flat uint8 (a view: point-to-point and broadcast move
+    bytes, whatever the dtype)."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+@dataclass(frozen=True)
+class GroupAddress:
+    """Where a weight group meets: rank 0's store (host, port) and the group's size."""
+
+    host: str
+    port: int
+    world_size: int
+    timeout_s: float = 1800.0
+
+
+class WeightGroup:
+    """A torch.distributed group of its own for weight pushes (never the default group, which
+    belongs to the training ranks or to an engine's tensor-parallel workers): NCCL between
+    GPUs, gloo otherwise. Rank 0 (the sender) hosts the rendezvous store."""
+
+    def __init__(self, group: Any, rank: int, world_size: int, device: torch.device):
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    @classmethod
+    def join(cls, address: GroupAddress, rank: int, device: torch.device) -> WeightGroup:
+        """Join (rank 0: open) the group; returns once every member has joined."""
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=address.timeout_s)
+        store = dist.TCPStore(
+            address.host,
+            address.port,
+            address.world_size,
+            is_master=rank == 0,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+        prefixed = dist.PrefixStore(GROUP_PREFIX, store)
+        if device.type == "cuda":
+            group = dist.ProcessGroupNCCL(prefixed, rank, address.world_size)
+        else:
+            group = dist.ProcessGroupGloo(prefixed, rank, address.world_size, timeout)
+        joined = cls(group, rank, address.world_size, device)
+        joined._store = store  # the store lives as long as the group
+        joined.barrier()
+        return joined
+
+    def barrier(self) -> None:
+        """Every member has reached this point (a one-byte broadcast, not counted)."""
+        self._broadcast(torch.zeros(1, dtype=torch.uint8, device=self.device)).wait()
+
+    def _broadcast(self, buffer: torch.Tensor) -> Any:
+        import torch.distributed as dist
+
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        return self.group.broadcast([buffer], options)
+
+    def broadcast(self, buffer: torch.Tensor) -> Any:
+        """Rank 0's buffer into every member's, as bytes; returns the work to wait on."""
+        work = self._broadcast(buffer)
+        if self.rank == 0:
+            self.bytes_sent += buffer.numel() * (self.world_size - 1)
+        else:
+            self.bytes_received += buffer.numel()
+        return work
+
+    def close(self) -> None:
+        shutdown = getattr(self.group, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+
+
+def receive_push(
+    group: WeightGroup,
+    layouts: Sequence[BucketLayout],
+    load: Callable[[list[tuple[str, torch.Tensor]]], int],
+    *,
+    drop: int = 0,
+    skip: bool = False,
+) -> int:
+    """The receiving side of a push: every bucket from rank 0 into a buffer of its own, its
+    tensors loaded as views of it. Returns how many tensors were loaded. Each bucket gets a
+    fresh buffer (an engine may keep a view until the rest of its layer arrives). Test
+    hooks: skip loads nothing (a broken transport), drop loses the first `drop` buckets
+    (a partial push); both still take part in every broadcast, or the group would hang."""
+    loaded = 0
+    for index, layout in enumerate(layouts):
+        buffer = layout.empty(group.device)
+        group.broadcast(buffer).wait()
+        if skip or index < drop:
+            continue
+        loaded += load(layout.views(buffer))
+    return loaded

@@ -19,6 +19,7 @@ import torch
 from rlx.recipe.model import TrainerSettings
 from rlx.trainer.batch import RolloutBatch, SequenceBatch
 from rlx.trainer.episodes.env import Row, Step, Turn
+from rlx.trainer.rollout.base import SamplingArgs
 
 
 class Tools:
@@ -85,14 +86,13 @@ def run_episodes(engine: Any, settings: TrainerSettings, tokenizer: Any, prompts
     runner = EpisodeRunner(settings, Tools, tokenizer, data, said.append)
     calls = iter(range(1_000_000))
 
-    def submit(prompt_ids: list[list[int]], n: int, max_new: int, stream: str) -> Ready:
-        seed = next(calls)
-        return Ready(engine.generate(prompt_ids, n, max_new_tokens=max_new, seed=seed))
+    def submit(prompt_ids: list[list[int]], sampling: SamplingArgs, stream: str) -> Ready:
+        return Ready(engine.generate(prompt_ids, sampling, seed=next(calls)))
 
     rows = list(range(prompts))
-    rollout = settings.rollout
+    sampling = SamplingArgs(settings.rollout.n, settings.rollout.max_new_tokens)
     try:
-        batch = runner.start(rows, 1, submit, rollout.n, rollout.max_new_tokens).collect()
+        batch = runner.start(rows, 1, submit, sampling).collect()
     finally:
         runner.close()
     return batch, data, said

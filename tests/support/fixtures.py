@@ -51,11 +51,12 @@ def advantage_batch(tiny_model_dir: Path):
 
     from rlx.trainer.batch import pack_rollout
     from rlx.trainer.learn.learner import ADVANTAGES
+    from rlx.trainer.rollout.base import SamplingArgs
     from rlx.trainer.rollout.hf import HFEngine
 
     engine = HFEngine(tiny_model_dir)
     prompts = [[256, 72, 105], [256, 65, 66, 67, 68], [256, 49], [256, 100, 101]]
-    rollout = engine.generate(prompts, 4, max_new_tokens=12, min_new_tokens=3, seed=0)
+    rollout = engine.generate(prompts, SamplingArgs(4, max_new_tokens=12, min_new_tokens=3), seed=0)
     batch = pack_rollout(rollout)
     generator = torch.Generator().manual_seed(0)
     advantages = torch.randn(batch.response_mask.shape, generator=generator)
@@ -89,3 +90,11 @@ def ray_nodes_here(nodes: int = 2, env: Mapping[str, str] | None = None) -> Iter
             yield cluster
         finally:
             cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def hub_cache(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
+    """The tiny model served offline under the hub id the small shipped recipes name."""
+    from tests.support.hub import fill_hub_cache
+
+    return fill_hub_cache(tmp_path_factory.mktemp("hub"), tiny_model_dir)

@@ -11,6 +11,31 @@ from rlx.recipe import parse_recipe
 from rlx.recipe.model import Recipe, TrainerSettings
 
 
+def shipped_recipe_data(source: str, **changes: Any) -> dict[str, Any]:
+    """A shipped recipe's YAML as data, with dotted fields changed (a__b=value; None removes
+    the field)."""
+    from tests.conftest import RECIPES
+
+    data = yaml.safe_load((RECIPES / source).read_text())
+    for dotted, value in changes.items():
+        *parents, last = dotted.split("__")
+        node = data
+        for key in parents:
+            node = node.setdefault(key, {})
+        if value is None:
+            node.pop(last, None)
+        else:
+            node[last] = value
+    return data
+
+
+def write_shipped_variant(tmp_path: Path, source: str, **changes: Any) -> Path:
+    """shipped_recipe_data written to a new file under tmp_path."""
+    path = tmp_path / f"{source.removesuffix('.yaml')}-{len(list(tmp_path.iterdir()))}.yaml"
+    path.write_text(yaml.safe_dump(shipped_recipe_data(source, **changes), sort_keys=False))
+    return path
+
+
 def trainer_section(tmp_path: Path, **overrides: Any) -> dict[str, Any]:
     """The quickstart's trainer settings with outputs under tmp_path; nested dicts merge."""
     section: dict[str, Any] = {

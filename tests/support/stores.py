@@ -13,6 +13,7 @@ import secrets
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -79,17 +80,31 @@ def wait_for_port(host: str, port: int, timeout: float = 30) -> None:
     raise TimeoutError(f"nothing listens on {host}:{port} after {timeout} s")
 
 
+def stop(proc: subprocess.Popen) -> None:
+    """A server process ended: asked first, killed after 10 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 @contextlib.contextmanager
 def s3_server(host: str = "127.0.0.1") -> Iterator[StoreServer]:
-    """moto's S3 server on host (a free port); stopped on exit."""
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address=host, port=0, verbose=False)
-    server.start()
+    """moto's S3 server on host (a free port), in a process of its own: its web framework
+    (Flask) must not be imported into the test's process, where it breaks an in-process vLLM
+    engine started later (vLLM's CPU build scans every module's globals, and Flask's context
+    proxies raise on the scan); stopped on exit."""
+    port = free_port(host)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", host, "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
-        bound, port = server.get_host_and_port()
-        endpoint = f"http://{bound}:{port}"
+        wait_for_port(host, port)
+        endpoint = f"http://{host}:{port}"
         env = {
             "AWS_ENDPOINT_URL": endpoint,
             "AWS_ACCESS_KEY_ID": "testing",
@@ -98,7 +113,7 @@ def s3_server(host: str = "127.0.0.1") -> Iterator[StoreServer]:
         }
         yield StoreServer("s3", endpoint, env)
     finally:
-        server.stop()
+        stop(proc)
 
 
 @contextlib.contextmanager
@@ -148,9 +163,4 @@ def azure_server(host: str = "127.0.0.1") -> Iterator[StoreServer]:
         }
         yield StoreServer("az", endpoint, env)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)

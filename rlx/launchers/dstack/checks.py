@@ -45,6 +45,14 @@ def check_dstack(recipe: Recipe) -> Iterator[Problem]:
             "a distributed task needs a fleet with placement: cluster; name it "
             "here so the run does not wait for one that never fits",
         )
+    # dstack turns EFA on by itself for the EFA instances of its AWS fleets
+    if recipe.resources.fabric == "efa" and dstack.backends and "aws" not in dstack.backends:
+        yield Problem(
+            ("dstack", "backends"),
+            ERROR,
+            f"fabric: efa is AWS's, and these backends ({', '.join(dstack.backends)}) leave AWS "
+            "out; add aws, or name the fabric these nodes have",
+        )
     for name, value in recipe.env.items():
         if "\n" in value or "\r" in value:
             yield Problem(

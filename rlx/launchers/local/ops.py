@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,7 +24,7 @@ from rlx.errors import RlxError
 from rlx.launchers.base import Job, JobStatus, LaunchRequest, remember
 from rlx.launchers.local import BACKEND
 from rlx.launchers.local.render import refuse_groups
-from rlx.node.env import RUN_ID_ENV
+from rlx.node.env import RUN_ID_ENV, environment
 from rlx.recipe import Recipe
 
 if TYPE_CHECKING:
@@ -37,21 +37,6 @@ POLL_SECONDS = 0.5
 def run_id_for(name: str, env: Mapping[str, str]) -> str:
     explicit = env.get(RUN_ID_ENV, "").strip()
     return explicit or f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-@contextlib.contextmanager
-def _environment(values: Mapping[str, str]) -> Iterator[None]:
-    """The recipe's env (and secrets) in os.environ for the run: Ray's workers inherit it."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, old in saved.items():
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old
 
 
 def launch(request: LaunchRequest) -> Job:
@@ -68,7 +53,7 @@ def launch(request: LaunchRequest) -> Job:
     paths = run_paths(recipe.name, recipe.trainer, {**os.environ, **values})
     job.extra["run_dir"] = str(paths.run_dir)
     remember(job, request.workdir)  # visible to status/logs/down while it runs
-    with _environment(values):
+    with environment(values):  # Ray's workers inherit it
         code = _train(recipe, paths.run_dir)
     job.extra["exit_code"] = str(code)
     return job

@@ -10,6 +10,9 @@ from rlx.recipe import Recipe
 # Where SkyPilot has volumes (sky/utils/volume.py: k8s-pvc, k8s-hostpath,
 # runpod-network-volume); on every other cloud a named volume cannot be created or attached.
 VOLUME_INFRAS = ("k8s", "kubernetes", "runpod")
+# Where SkyPilot's network_tier: best gives each fabric (sky/clouds: AWS turns EFA on for
+# its EFA instance types; Nebius and Kubernetes clusters with InfiniBand give InfiniBand).
+FABRIC_INFRAS = {"efa": ("aws", "k8s", "kubernetes"), "infiniband": ("nebius", "k8s", "kubernetes")}
 BUCKET_LINE = (
     "keep shared state in a bucket instead: trainer.checkpoint.dir: s3://BUCKET/checkpoints "
     "and trainer.logging.dir: s3://BUCKET/runs (gs:// on GCP), and drop the volume"
@@ -37,6 +40,17 @@ def check_sky(recipe: Recipe) -> Iterator[Problem]:
             ERROR,
             "EAGER_NEXT_REGION recovers in another region, where a region-bound volume "
             f"({named[0][1].name}) is not; use strategy: FAILOVER, or {BUCKET_LINE}",
+        )
+    fabric = recipe.resources.fabric
+    cloud = infra.split("/")[0]
+    if fabric in FABRIC_INFRAS and cloud and cloud not in FABRIC_INFRAS[fabric]:
+        where = " or ".join(FABRIC_INFRAS[fabric][:2])
+        yield Problem(
+            ("sky", "infra"),
+            ERROR,
+            f"SkyPilot's network_tier: best gives {fabric} only on {where}, and this recipe "
+            f"runs on {sky.infra}; set infra: {FABRIC_INFRAS[fabric][0]}, or name the fabric "
+            "these nodes have (resources.fabric)",
         )
     if recipe.resources.spot and infra.startswith(("k8s", "kubernetes", "ssh")):
         yield Problem(

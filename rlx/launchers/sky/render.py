@@ -31,6 +31,8 @@ def _resources(recipe: Recipe, group: NodeGroup | None = None) -> dict[str, Any]
         "memory": shape.memory,
         "disk_size": shape.disk_size,
         "disk_tier": sky.disk_tier if sky else None,
+        # EFA on AWS, InfiniBand on Nebius and on Kubernetes clusters that have it
+        "network_tier": "best" if res.fast_fabric else None,
         "image_id": f"docker:{res.image}" if res.image else None,
         "ports": [str(p) for p in res.ports],
         "use_spot": res.spot or None,

@@ -15,6 +15,9 @@ CONTAINER_NAME = "rlx-${SLURM_JOB_ID}"
 
 
 CONTAINER_READY_SECONDS = 600
+# What a docker/podman container needs to use the node's RDMA devices (resources.fabric efa
+# or infiniband): the devices, and the right to lock (register) unlimited memory.
+RDMA_FLAGS = ["--device", "/dev/infiniband", "--cap-add", "IPC_LOCK", "--ulimit", "memlock=-1:-1"]
 
 
 def container_of(recipe: Recipe) -> SlurmContainer | None:
@@ -68,6 +71,9 @@ def engine_run_script(recipe: Recipe, container: SlurmContainer) -> str:
     ]  # fmt: skip
     if recipe.resources.gpus_per_node:
         run += ["--gpus", "all"] if engine == "docker" else ["--device", "nvidia.com/gpu=all"]
+    if recipe.resources.fast_fabric:
+        # EFA and InfiniBand are RDMA devices: NCCL opens them and pins its buffers
+        run += RDMA_FLAGS
     for mount in bind_mounts(recipe, container):
         run += ["-v", q(mount)]
     for name in step_env_names(recipe):

@@ -7,7 +7,6 @@ RlxError raised there keeps its message, a dead actor names its kind, rank and n
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import re
@@ -19,9 +18,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlx.errors import RlxError
-from rlx.plan.actors import tensor_parallel_bundles
+from rlx.plan.actors import tensor_parallel_bundles, training_groups
+from rlx.plan.strategy import StrategyChoice
 from rlx.trainer.actors.placement import NodeView, reserve, rollout_actor_options, thread_override
-from rlx.trainer.actors.workers import RolloutWorker, TrainWorker, UpdateOutcome, WorkerSpec
+from rlx.trainer.actors.workers import (
+    RolloutWorker,
+    TrainWorker,
+    UpdateOutcome,
+    WorkerSpec,
+    merge_gpu_memory,
+)
 from rlx.trainer.batch import RolloutBatch, SequenceBatch, concat_rollouts, split_evenly
 from rlx.trainer.job import TrainJob
 from rlx.trainer.learn.learner import merge_update_stats
@@ -54,6 +60,13 @@ def gather(refs: Sequence[Any], what: str) -> list[Any]:
         raise
     except ray.exceptions.RayActorError as exc:
         raise RlxError(f"a {what} {_actor_failure(exc)}") from None
+    except ray.exceptions.OutOfMemoryError as exc:
+        first = ANSI_ESCAPE.sub("", str(exc)).strip().splitlines()[0]
+        raise RlxError(
+            f"a {what} was killed by Ray's memory monitor: {first}; the run stops here, "
+            "resume it from its last checkpoint on nodes with more memory (rlx plan counts "
+            "each node's)"
+        ) from None
 
 
 def _actor_failure(exc: Exception) -> str:
@@ -98,8 +111,10 @@ class Cluster:
         rollout: WorkerSet,
         groups: list[Any],
         engine_dtype: str,
+        strategy: StrategyChoice,
     ):
         self.job = job
+        self.strategy = strategy  # how the training ranks share the models, and why
         self.settings = job.settings
         self.plan = job.actors
         self.train = train
@@ -109,10 +124,12 @@ class Cluster:
         self.bucket_bytes = self.settings.rollout.weight_sync_bucket_mb * 2**20
         self.sampling = SamplingArgs.from_settings(self.settings)
         self._queued: QueuedPush | None = None  # a push the engines take after their rollouts
+        self._layouts: dict[int, list[Any]] = {}  # a push's bucket layouts, by bucket bytes
         # Held while calls are handed to the engines: a generate from a thread that plays
         # episodes ahead (max_staleness > 0) never lands between the calls of a push.
         self._engine_calls = threading.RLock()
         self.notes: list[str] = []  # what the workers said at start-up, for the run's log
+        self.last_tolerance = 0.0  # the probe tolerance of the last check
 
     # ------------------------------------------------------------------ start and stop
 
@@ -124,6 +141,7 @@ class Cluster:
         policy_path: str,
         critic_path: str | None,
         engine_dtype: str,
+        strategy: StrategyChoice,
     ) -> Cluster:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -132,9 +150,25 @@ class Cluster:
         plan = job.actors
         groups: list[Any] = []
         try:
-            # Where each rollout worker goes: (group, bundle index). Tensor-parallel engines
-            # on GPUs first, a group of one-GPU bundles each on one node, so the training
-            # ranks cannot leave their nodes' GPUs fragmented.
+            # Training ranks first, on whole nodes: on GPUs each node's worth of ranks is a
+            # group of its own packed on one node (STRICT_PACK), so a node's ranks share its
+            # NVLink and no FSDP collective crosses nodes that need not; on CPU one rank per
+            # node. Then each tensor-parallel engine, a group of one-GPU bundles on one node,
+            # on the nodes left; then the one-GPU (or CPU) engines.
+            train_slots: list[tuple[Any, int]] = []  # (group, bundle) of each training rank
+            train_ips: list[str] = []
+            for index, count in enumerate(training_groups(plan)):
+                group, ips = reserve(
+                    count,
+                    plan.train_gpus,
+                    "STRICT_SPREAD" if plan.spread_training else "STRICT_PACK",
+                    "training workers" if plan.spread_training else f"training node {index}",
+                    nodes,
+                    node_group=plan.train_group,
+                )
+                groups.append(group)
+                train_slots += [(group, bundle) for bundle in range(count)]
+                train_ips += ips
             rollout_slots: list[tuple[Any, int]] = []
             rollout_ips: list[str] = []
             if plan.rollout_workers and plan.rollout_gpus > 1:
@@ -151,16 +185,6 @@ class Cluster:
                     groups.append(group)
                     rollout_slots.append((group, 0))
                     rollout_ips.append(ips[0])
-            strategy = "STRICT_SPREAD" if plan.spread_training else "PACK"
-            train_group, train_ips = reserve(
-                plan.train_workers,
-                plan.train_gpus,
-                strategy,
-                "training workers",
-                nodes,
-                node_group=plan.train_group,
-            )
-            groups.append(train_group)
             if plan.rollout_workers and plan.rollout_gpus <= 1:
                 rollout_group, rollout_ips = reserve(
                     plan.rollout_workers,
@@ -190,18 +214,20 @@ class Cluster:
                 num_threads=thread_override(),
                 engine_kind=job.engine,
                 colocated=settings.layout == "colocated",
-                use_gpu=plan.train_gpus > 0,
+                use_gpu=job.on_gpus,
+                strategy=strategy.strategy,
             )
             train_handles = []
-            for rank, bundle in enumerate(order):
+            for rank, slot in enumerate(order):
                 spec = dataclasses.replace(
-                    base, rank=rank, node_share=everyone.count(train_ips[bundle])
+                    base, rank=rank, node_share=everyone.count(train_ips[slot])
                 )
+                group, bundle = train_slots[slot]
                 actor = ray.remote(TrainWorker).options(
                     num_cpus=1,
                     num_gpus=plan.train_gpus,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=train_group, placement_group_bundle_index=bundle
+                        placement_group=group, placement_group_bundle_index=bundle
                     ),
                     name=None,
                 )
@@ -211,16 +237,14 @@ class Cluster:
             for index, ((group, bundle), ip) in enumerate(
                 zip(rollout_slots, rollout_ips, strict=True)
             ):
-                spec = dataclasses.replace(
-                    base, rank=index, node_share=everyone.count(ip), use_gpu=plan.rollout_gpus > 0
-                )
+                spec = dataclasses.replace(base, rank=index, node_share=everyone.count(ip))
                 actor = ray.remote(RolloutWorker).options(
                     **rollout_actor_options(plan.rollout_gpus, group, bundle)
                 )
                 rollout_handles.append(actor.remote(spec, index, tensor_parallel))
-            train = WorkerSet(train_handles, [train_ips[b] for b in order])
+            train = WorkerSet(train_handles, [train_ips[slot] for slot in order])
             rollout = WorkerSet(rollout_handles, rollout_ips)
-            cluster = cls(job, train, rollout, groups, engine_dtype)
+            cluster = cls(job, train, rollout, groups, engine_dtype, strategy)
             cluster._setup_training()
             return cluster
         except BaseException:
@@ -236,6 +260,28 @@ class Cluster:
         self.notes = notes[0]  # every rank says the same: once is enough
         if self.rollout.handles:  # the engines load at construction; wait for them here
             gather([r.node_ip.remote() for r in self.rollout.handles], "rollout worker")
+            self._open_weight_group()
+
+    def _open_weight_group(self) -> None:
+        """The weight group of split engines: training rank 0 (its rank 0, hosting the
+        rendezvous) and every process that holds an engine's weights, in engine order."""
+        from rlx.trainer.actors.workers import DIST_TIMEOUT
+        from rlx.trainer.weights import GroupAddress
+
+        engines = self.rollout.handles
+        receivers = gather([r.weight_receivers.remote() for r in engines], "rollout worker")
+        port = gather([self.train.handles[0].free_port.remote()], "training worker")[0]
+        address = GroupAddress(
+            self.train.ips[0], port, 1 + sum(receivers), DIST_TIMEOUT.total_seconds()
+        )
+        firsts = [1 + sum(receivers[:index]) for index in range(len(engines))]
+        gather(
+            [self.train.handles[0].open_weight_group.remote(address)]
+            + [
+                r.join_weight_group.remote(address, f) for r, f in zip(engines, firsts, strict=True)
+            ],
+            "worker",
+        )
 
     def shutdown(self) -> None:
         import ray
@@ -284,6 +330,7 @@ class Cluster:
             "training worker",
         )
         metrics = merge_update_stats([outcome.stats for outcome in outcomes])
+        metrics.update(merge_gpu_memory([outcome.gpu for outcome in outcomes]))
         prepare_seconds = max(outcome.prepare_seconds for outcome in outcomes)
         if not colocated:
             started = time.perf_counter()
@@ -371,43 +418,36 @@ class Cluster:
                 [w.refresh_engine.remote(version, probe) for w in train], "training worker"
             )
             return self._check_colocated(results, version, probe)
-        # Every rank scores and gathers (collectives under FSDP); rank 0's results are used.
+        # Every rank scores (a collective under FSDP); rank 0's value is used.
         policy_refs = [w.policy_probe.remote(probe) for w in train]
         if push:
             with self._engine_calls:
-                self._stream_weights(version)
-                refs = [r.finish_push.remote(probe) for r in self.rollout.handles]
+                sends, receives = self._push(version, probe, queued=False)
+            gather(sends, "training worker")
         else:
-            refs = [r.report.remote(probe) for r in self.rollout.handles]
-        reports = gather(refs, "rollout worker")
+            receives = [r.report.remote(probe) for r in self.rollout.handles]
+        reports = gather(receives, "rollout worker")
         policy_logprob = gather(policy_refs, "training worker")[0]
-        return check_engines(reports, version, policy_logprob, probe.tolerance(self.engine_dtype))
+        return self._check(reports, version, policy_logprob, probe)
 
     def queue_weights(self, version: int, probe: Probe) -> float | None:
         """Split engines with rollouts under way (max_staleness > 0): hand them the push of
-        `version` without waiting. The training ranks put every bucket into Ray's object store
-        now (their next update is queued behind these calls, so the buckets hold exactly this
-        version) and each engine takes them after the rollouts it was given earlier: at a
-        request boundary, never in the middle of one. Meanwhile the learners go on. The push
-        is proven like any other (version + probe, check_engines) before the next one is
-        queued, or at the run's end (finish_pushes). Returns the largest probe difference of
-        the push checked now (the previous one), None when there was none.
+        `version` without waiting. The training ranks gather it into rank 0's buckets now
+        (their next update is queued behind these calls, so the buckets hold exactly this
+        version) and a thread of rank 0 sends them as each engine takes them, after the
+        rollouts it was given earlier: at a request boundary, never in the middle of one.
+        Meanwhile the learners go on. The push is proven like any other (version + probe,
+        check_engines) before the next one is queued, or at the run's end (finish_pushes).
+        Returns the largest probe difference of the push checked now (the previous one),
+        None when there was none.
 
-        Cost: up to one copy of the weights (in the engines' dtype) waits in the object store
-        until the engines take it."""
+        Cost: one copy of the weights (in the engines' dtype) on rank 0's host until the
+        engines take it."""
         checked = self.finish_pushes()
-        train = self.train.handles
-        engines = self.rollout.handles
-        policy_refs = [w.policy_probe.remote(probe) for w in train]
-        with self._engine_calls:  # the push's calls back to back on each engine
-            plan = self._open_push(version)
-            parts, loads = [], []
-            for index in range(len(plan)):
-                bucket = [w.weight_bucket.remote(index) for w in train]
-                parts.extend(bucket)
-                loads.extend(engine.push_bucket.remote(bucket[0]) for engine in engines)
-            finished = [engine.finish_push.remote(probe) for engine in engines]
-        self._queued = QueuedPush(version, policy_refs, parts, loads, finished, probe)
+        policy_refs = [w.policy_probe.remote(probe) for w in self.train.handles]
+        with self._engine_calls:  # the push lands at the same point of every engine's calls
+            sends, receives = self._push(version, probe, queued=True)
+        self._queued = QueuedPush(version, policy_refs, sends, receives, probe)
         return checked
 
     def finish_pushes(self) -> float | None:
@@ -416,50 +456,39 @@ class Cluster:
         queued, self._queued = self._queued, None
         if queued is None:
             return None
-        gather(queued.parts, "training worker")
-        gather(queued.loads, "rollout worker")
-        reports = gather(queued.finished, "rollout worker")
+        gather(queued.sends, "training worker")
+        gather([self.train.handles[0].finish_weight_send.remote()], "training worker")
+        reports = gather(queued.receives, "rollout worker")
         policy_logprob = gather(queued.policy_refs, "training worker")[0]
-        tolerance = queued.probe.tolerance(self.engine_dtype)
-        return check_engines(reports, queued.version, policy_logprob, tolerance)
+        return self._check(reports, queued.version, policy_logprob, queued.probe)
 
-    def _open_push(self, version: int) -> list[list[str]]:
-        """Start a push of `version`: every rank plans the buckets (the same plan), every
-        engine is told how many tensors will come. Returns the plan."""
-        plans = gather(
-            [
-                w.open_weight_stream.remote(self.engine_dtype, self.bucket_bytes)
-                for w in self.train.handles
-            ],
-            "training worker",
-        )
-        plan = plans[0]
-        for engine in self.rollout.handles:  # each engine runs its calls from here in order
-            engine.begin_push.remote(version, sum(len(names) for names in plan))
-        return plan
+    def _check(
+        self, reports: Sequence[EngineReport], version: int, policy_logprob: float, probe: Probe
+    ) -> float:
+        """check_engines with the probe's tolerance for the engines' dtype, kept for the log
+        (last_tolerance)."""
+        self.last_tolerance = probe.tolerance(self.engine_dtype, policy_logprob)
+        return check_engines(reports, version, policy_logprob, self.last_tolerance)
 
-    def _stream_weights(self, version: int) -> None:
-        """The policy's parameters to every split engine, bucket by bucket: rank 0's bucket
-        goes once into Ray's object store and each engine reads it from there. At most two
-        buckets are under way at once (one loading into the engines while the next is
-        gathered), so a push holds about two buckets, not the model."""
-        train = self.train.handles
-        engines = self.rollout.handles
-        plan = self._open_push(version)
-        under_way: collections.deque[tuple[list[Any], list[Any]]] = collections.deque()
-        for index in range(len(plan)):
-            parts = [w.weight_bucket.remote(index) for w in train]
-            loads = [engine.push_bucket.remote(parts[0]) for engine in engines]
-            under_way.append((parts, loads))
-            if len(under_way) > 1:
-                self._land(*under_way.popleft())
-        while under_way:
-            self._land(*under_way.popleft())
+    def push_layouts(self) -> list[Any]:
+        """The push's bucket layouts in the engines' dtype (the same every push, for a
+        given bucket size: the parameters' shapes do not change)."""
+        layouts = self._layouts.get(self.bucket_bytes)
+        if layouts is None:
+            layouts = gather(
+                [self.train.handles[0].weight_layouts.remote(self.engine_dtype, self.bucket_bytes)],
+                "training worker",
+            )[0]
+            self._layouts[self.bucket_bytes] = layouts
+        return layouts
 
-    @staticmethod
-    def _land(parts: list[Any], loads: list[Any]) -> None:
-        gather(parts, "training worker")
-        gather(loads, "rollout worker")
+    def _push(self, version: int, probe: Probe, *, queued: bool) -> tuple[list[Any], list[Any]]:
+        """Start a push of `version` over the weight group: every training rank sends (rank
+        0 broadcasts), every engine receives the whole push in one call and reports."""
+        layouts = self.push_layouts()
+        sends = [w.push_weights.remote(layouts, queued) for w in self.train.handles]
+        receives = [r.receive_push.remote(layouts, version, probe) for r in self.rollout.handles]
+        return sends, receives
 
     def _check_colocated(
         self, refreshed: Sequence[tuple[EngineReport, float]], version: int, probe: Probe
@@ -468,7 +497,7 @@ class Cluster:
         engine's report, its policy's probe log-prob), against rank 0's policy."""
         reports = [report for report, _ in refreshed]
         policy_logprob = refreshed[0][1]
-        return check_engines(reports, version, policy_logprob, probe.tolerance(self.engine_dtype))
+        return self._check(reports, version, policy_logprob, probe)
 
 
 @dataclass(frozen=True)
@@ -477,9 +506,8 @@ class QueuedPush:
 
     version: int
     policy_refs: list[Any]  # every rank's policy probe, taken right after the update
-    parts: list[Any]  # the training ranks' bucket calls
-    loads: list[Any]  # the engines' push_bucket calls
-    finished: list[Any]  # the engines' finish_push reports
+    sends: list[Any]  # the training ranks' push_weights calls (rank 0: staged, sending)
+    receives: list[Any]  # the engines' receive_push reports
     probe: Probe
 
 

@@ -5,7 +5,6 @@ each method moves tensors in and out and calls the Learner or an engine.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import socket
@@ -18,23 +17,14 @@ from typing import Any
 import torch
 
 from rlx import procfs
+from rlx.errors import RlxError
 from rlx.recipe.model import TrainerSettings
-from rlx.storage import is_store_url
+from rlx.runs import GPU_FREE, GPU_PEAK, GPU_RESERVED
 from rlx.trainer.actors.placement import threads_for
 from rlx.trainer.batch import RolloutBatch, SequenceBatch
-from rlx.trainer.checkpoint import (
-    CheckpointManager,
-    capture_rng_state,
-    read_marker,
-    restore_rng_state,
-)
-from rlx.trainer.checkpoint.remote import (
-    DCP_METADATA,
-    Background,
-    StoreCheckpointManager,
-    remove,
-    staging_root,
-)
+from rlx.trainer.checkpoint import capture_rng_state, restore_rng_state
+from rlx.trainer.checkpoint.protocol import Checkpoints, Location, SavedCheckpoint
+from rlx.trainer.checkpoint.remote import Background
 from rlx.trainer.checkpoint.training import (
     EXPORT_INFO,
     HF_FILES,
@@ -42,13 +32,10 @@ from rlx.trainer.checkpoint.training import (
     LEARNER_STATE,
     WORKER_RNG,
     LoadReport,
-    SavedCheckpoint,
     SaveRequest,
     copy_model_files,
     kill_hook_for_save,
     load_learner_state,
-    load_parts,
-    model_files_folder,
     save_learner_state,
 )
 from rlx.trainer.learn.learner import Learner, UpdateStats, needs_old_logprobs
@@ -58,10 +45,12 @@ from rlx.trainer.rollout.base import RolloutEngine, SamplingArgs
 from rlx.trainer.rollout.colocated import ColocatedEngine, make_colocated_engine
 from rlx.trainer.rollout.hf import HFEngine
 from rlx.trainer.rollout.probe import EngineReport, Probe
+from rlx.trainer.rollout.vllm_options import vllm_options
 from rlx.trainer.seeding import derive_seed
-from rlx.trainer.weights import PackedBucket
+from rlx.trainer.weights import BucketLayout, GroupAddress, Traffic, WeightGroup, dtype_named
 
 DIST_TIMEOUT = timedelta(minutes=30)
+GIB = 2**30
 
 
 @dataclass(frozen=True)
@@ -78,6 +67,9 @@ class WorkerSpec:
     engine_kind: str  # "hf" | "vllm" (resolved), for the colocated or split engine
     colocated: bool  # training workers hold the engines
     use_gpu: bool
+    # How the training ranks share the models (rlx.plan.strategy.choose_strategy, decided
+    # once for the run); None: the recipe's explicit setting (a worker built on its own).
+    strategy: str | None = None
 
 
 def on_this_node(spec: WorkerSpec) -> WorkerSpec:
@@ -90,18 +82,9 @@ def on_this_node(spec: WorkerSpec) -> WorkerSpec:
     critic = spec.critic_path
     if critic is not None:
         source = (settings.critic_model or settings.model).path
-        critic = node_model_path(critic, source, settings.seed)
+        field = "critic_model" if settings.critic_model is not None else "model"
+        critic = node_model_path(critic, source, settings.seed, field)
     return dataclasses.replace(spec, policy_path=policy, critic_path=critic)
-
-
-@dataclass
-class _Push:
-    """A streamed weight push as a rollout worker sees it."""
-
-    version: int
-    expected: int
-    received: int = 0
-    skip: bool = False
 
 
 @dataclass
@@ -113,6 +96,7 @@ class UpdateOutcome:
     refresh: tuple[EngineReport, float] | None
     prepare_seconds: float
     refresh_seconds: float
+    gpu: dict[str, float] = dataclasses.field(default_factory=dict)  # gpu_memory's figures
 
 
 def _prepare_process(spec: WorkerSpec, stream: str) -> torch.device:
@@ -122,7 +106,40 @@ def _prepare_process(spec: WorkerSpec, stream: str) -> torch.device:
     # Ray sets OMP_NUM_THREADS=1 in its workers; torch then uses one core unless told.
     torch.set_num_threads(threads_for(spec.node_share, spec.num_threads))
     torch.manual_seed(derive_seed(spec.settings.seed, stream, spec.rank))
+    if spec.use_gpu and not torch.cuda.is_available():
+        raise RlxError(
+            f"Ray gave this worker a GPU but torch {torch.__version__} here sees none (a CPU "
+            "build of torch, or no driver); install a CUDA build of torch in setup"
+        )
     return torch.device("cuda", 0) if spec.use_gpu else torch.device("cpu")
+
+
+def gpu_memory(device: torch.device) -> dict[str, float]:
+    """This rank's GPU memory since the last call, in GiB (none on CPU): the peak torch
+    allocated, what its allocator holds, and what the device has free (vLLM's memory
+    included); the peak is measured afresh from here."""
+    if device.type != "cuda":
+        return {}
+    free, _ = torch.cuda.mem_get_info(device)
+    figures = {
+        GPU_PEAK: torch.cuda.max_memory_allocated(device) / GIB,
+        GPU_RESERVED: torch.cuda.memory_reserved(device) / GIB,
+        GPU_FREE: free / GIB,
+    }
+    torch.cuda.reset_peak_memory_stats(device)
+    return figures
+
+
+def merge_gpu_memory(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """One figure each over the ranks: the largest peak and reserve, the least free."""
+    if not any(per_rank):
+        return {}
+    ranks = [figures for figures in per_rank if figures]
+    return {
+        GPU_PEAK: max(f[GPU_PEAK] for f in ranks),
+        GPU_RESERVED: max(f[GPU_RESERVED] for f in ranks),
+        GPU_FREE: min(f[GPU_FREE] for f in ranks),
+    }
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -144,98 +161,24 @@ def memory_peak(reset: bool) -> int:
     return procfs.peak_rss_bytes()
 
 
-def _vllm_options(
-    settings: TrainerSettings, tensor_parallel: int, model_path: str, use_gpu: bool
-) -> dict[str, Any]:
-    rollout = settings.rollout
-    options: dict[str, Any] = {
-        "tensor_parallel_size": tensor_parallel,
-        "max_model_len": max_model_len(settings),
-        "seed": settings.seed,
-        "trust_remote_code": settings.model.trust_remote_code,
-    }
-    if tensor_parallel > 1:
-        # Chosen, not left to vLLM: on GPUs its Ray executor, one worker per GPU bundle of
-        # the engine's placement group (exactly the GPUs rlx reserved); on CPU processes.
-        options["distributed_executor_backend"] = "ray" if use_gpu else "mp"
-    if use_gpu:
-        options["gpu_memory_utilization"] = rollout.gpu_memory_utilization
-    else:
-        # vLLM's CPU build reads gpu_memory_utilization as a share of host RAM; a step's
-        # sequences need far less, sized from the model instead. No graph capture on CPU.
-        options["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(settings, model_path)
-        options["enforce_eager"] = True
-        if tensor_parallel == 1:
-            # One CPU engine runs best in this process: vLLM's default puts its engine core
-            # (a busy loop) and its model worker in two more processes that then compete
-            # for the same cores. In-process, an engine pinned to one core generated the
-            # quickstart's step in 0.24 s instead of 0.37 s, and started in 9 s, not 26 s.
-            options["distributed_executor_backend"] = "uni"
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    return options
+def prepare_ray_executor() -> None:
+    """What vLLM's Ray executor needs in the actor of a tensor-parallel engine on GPUs (the
+    engine's own options and environment: vllm_options): its engine core runs in a child
+    process that joins this Ray cluster (by RAY_ADDRESS) and finds the actor's placement
+    group through vLLM."""
+    import ray
+
+    os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
+    # The actor holds no GPU; Ray versions that blank the variable for such an actor
+    # (RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO) would hide the node's GPUs from vLLM's driver.
+    if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+        del os.environ["CUDA_VISIBLE_DEVICES"]
 
 
-def max_model_len(settings: TrainerSettings) -> int:
-    """The longest sequence an engine is asked for: a prompt and the longest response
-    (rollout or validation) or the longest episode (prompt, every turn and every
-    observation), plus the one token the probe's request generates."""
-    from rlx.recipe.model import episode_token_budget
-
-    longest = episode_token_budget(settings)
-    validation = settings.validation
-    if validation is not None and validation.max_new_tokens is not None:
-        longest = max(longest, validation.max_new_tokens)
-    return settings.data.max_prompt_length + longest + 1
-
-
-def prepare_tensor_parallel(tensor_parallel: int, use_gpu: bool) -> None:
-    """The environment a tensor-parallel vLLM engine needs in this actor. GPU: its engine
-    core runs in a child process that joins this Ray cluster (by RAY_ADDRESS) and finds the
-    actor's placement group through vLLM. CPU: each of its worker processes is bound to its
-    own cores (VLLM_CPU_OMP_THREADS_BIND, unless set), this actor's cores split evenly."""
-    if use_gpu:
-        import ray
-
-        os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
-        return
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(tensor_parallel))
-
-
-def cpu_binding(tensor_parallel: int, cores: list[int] | None = None) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for `tensor_parallel` workers over these cores (this
-    process's by default): consecutive, equal shares, "0-3|4-7"; with fewer cores than
-    workers, one core each, reused in turn."""
-    cores = sorted(os.sched_getaffinity(0)) if cores is None else sorted(cores)
-    share = max(len(cores) // tensor_parallel, 1)
-    groups = []
-    for worker in range(tensor_parallel):
-        start = (worker * share) % len(cores)
-        mine = cores[start : start + share]
-        groups.append(",".join(str(core) for core in mine))
-    return "|".join(groups)
-
-
-def cpu_kv_cache_bytes(settings: TrainerSettings, model_path: str) -> int:
-    """KV-cache bytes for every sequence of a step at full length, twice over (at least
-    64 MiB): keys and values of every layer in float32, per token as `rlx plan` counts them."""
-    from transformers import AutoConfig
-
-    from rlx.plan.memory import kv_bytes_per_token
-    from rlx.plan.shapes import ModelShape
-    from rlx.recipe.model import episode_token_budget
-
-    config = AutoConfig.from_pretrained(
-        model_path, trust_remote_code=settings.model.trust_remote_code
-    )
-    shape = ModelShape.from_config(config.to_dict(), source=model_path)
-    per_token = kv_bytes_per_token(shape, dtype="float32")
-    rollout = settings.rollout
-    tokens = (
-        settings.batch.prompts_per_step
-        * rollout.n
-        * (settings.data.max_prompt_length + episode_token_budget(settings))
-    )
-    return max(2 * tokens * per_token, 64 * 2**20)
+def _send_staged(group: WeightGroup, staged: list[torch.Tensor], device: torch.device) -> None:
+    """A queued push's buckets, in order, to the engines (a thread of rank 0's own)."""
+    for buffer in staged:
+        group.broadcast(buffer.to(device)).wait()
 
 
 def _probe_ids(probe: Probe) -> tuple[list[int], list[int]]:
@@ -247,15 +190,7 @@ def _generate(
 ) -> RolloutBatch:
     # no_grad, not inference_mode: a sharded policy's gathered weights must stay writable.
     with torch.no_grad():
-        return engine.generate(
-            prompt_ids,
-            sampling.n,
-            max_new_tokens=sampling.max_new_tokens,
-            min_new_tokens=sampling.min_new_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            seed=seed,
-        )
+        return engine.generate(prompt_ids, sampling, seed=seed)
 
 
 class TrainWorker:
@@ -266,10 +201,9 @@ class TrainWorker:
         self.spec = spec = on_this_node(spec)
         self.learner: Learner | None = None
         self.engine: ColocatedEngine | None = None
-        self.model_files: Path | None = None  # config and tokenizer files, for checkpoints
         self._pending_save: Background | None = None  # a store upload still under way
-        self._push_plan: list[list[str]] = []  # the open weight push (split engines)
-        self._push_dtype: torch.dtype | None = None
+        self._weights: WeightGroup | None = None  # rank 0: the group to the split engines
+        self._sender: Background | None = None  # rank 0: a queued push still being sent
 
     # ------------------------------------------------------------------ set-up
 
@@ -310,6 +244,7 @@ class TrainWorker:
             self.device,
             rank=spec.rank,
             world_size=spec.world_size,
+            strategy=spec.strategy,  # type: ignore[arg-type]
         )
         if spec.colocated and self.engine is None:
             self.engine = self._colocated_engine(
@@ -319,12 +254,17 @@ class TrainWorker:
 
     def _colocated_engine(self, policy: Any, collective: Any, notes: list[str]) -> ColocatedEngine:
         spec = self.spec
+        options = None
+        if spec.engine_kind == "vllm":
+            options = vllm_options(
+                spec.settings, 1, spec.policy_path, use_gpu=spec.use_gpu, in_process=True
+            )
         return make_colocated_engine(
             spec.engine_kind,
             policy,
             spec.policy_path,
             dtype=dtype_name(compute_dtype(spec.settings.model.dtype, self.device)),
-            vllm_options=_vllm_options(spec.settings, 1, spec.policy_path, spec.use_gpu),
+            vllm_options=options,
             collective=collective,
             say=notes.append,
             bucket_bytes=spec.settings.rollout.weight_sync_bucket_mb * 2**20,
@@ -377,6 +317,7 @@ class TrainWorker:
             refresh,
             prepare_seconds=prepared - started,
             refresh_seconds=time.perf_counter() - updated,
+            gpu=gpu_memory(self.device),  # the step's generate (colocated) and update
         )
 
     def refresh_engine(self, version: int, probe: Probe) -> tuple[EngineReport, float]:
@@ -398,40 +339,85 @@ class TrainWorker:
         """The policy's probe log-prob; every rank is called (a collective under FSDP)."""
         return self._learner().probe(*_probe_ids(probe))
 
-    def open_weight_stream(self, dtype: str | None, bucket_bytes: int) -> list[list[str]]:
-        """Start a push to split engines: the policy's parameters grouped into buckets of at
-        most bucket_bytes in the engines' dtype (when given). Every rank is called and
-        returns the same plan; weight_bucket then gives the buckets."""
-        from rlx.trainer.learn.sharding import push_plan
+    def policy_state(self) -> dict[str, torch.Tensor] | None:
+        """The policy's parameters, whole, on the host: rank 0's (every rank is called, a
+        collective under FSDP); the others None."""
+        from rlx.trainer.learn.sharding import full_state_dict
 
-        self._push_dtype = None if dtype in (None, "auto") else getattr(torch, dtype)
-        self._push_plan = push_plan(self._learner().policy, self._push_dtype, bucket_bytes)
-        return self._push_plan
+        state = full_state_dict(self._learner().policy)
+        return state if self.spec.rank == 0 else None
 
-    def tensor_bytes(self, names: list[str]) -> list[int]:
-        """Bytes of the named parameters in the open push's dtype (benchmarks)."""
-        params = dict(self._learner().policy.named_parameters())
-        return [params[n].numel() * (self._push_dtype or params[n].dtype).itemsize for n in names]
+    def open_weight_group(self, address: GroupAddress) -> None:
+        """Rank 0: open the weight group to the split engines (returns once every engine
+        process has joined)."""
+        self._weights = WeightGroup.join(address, 0, self.device)
 
-    def weight_bucket(self, index: int) -> PackedBucket | None:
-        """Bucket `index` of the open push as whole tensors in one host buffer, from rank 0
-        (its result travels once through Ray's object store to every engine). Under FSDP
-        every rank is called: each tensor is gathered from all of them; the other ranks
-        return None."""
-        from rlx.trainer.learn.sharding import gather_bucket
+    def weight_layouts(self, dtype: str | None, bucket_bytes: int) -> list[BucketLayout]:
+        """The policy's parameters in buckets of at most bucket_bytes in the engines' dtype
+        (when given): the push's layouts, the same on every rank."""
+        from rlx.trainer.learn.sharding import push_layouts
+
+        wanted = None if dtype in (None, "auto") else dtype_named(dtype)
+        return push_layouts(self._learner().policy, wanted, bucket_bytes)
+
+    def push_weights(self, layouts: list[BucketLayout], queued: bool) -> Traffic:
+        """Send the policy's weights to every split engine over the weight group, bucket by
+        bucket. Every rank is called: under FSDP each sends its rows of every tensor straight
+        into rank 0's bucket buffer; rank 0 broadcasts each filled buffer to the engines
+        (the next one is filled while one is on the wire, so a push holds two buckets).
+        queued (rollouts under way on the engines): rank 0 fills every bucket now and a
+        thread of its own sends them once the engines take them, so the learners go on;
+        finish_weight_send waits for it. Returns what this rank moved."""
+        from rlx.trainer.learn.sharding import fill_bucket
 
         learner = self._learner()
         rank0 = self.spec.rank == 0
-        if learner.strategy != "fsdp" and not rank0:
-            return None
-        names = self._push_plan[index]
-        bucket = gather_bucket(learner.policy, names, self._push_dtype, keep=rank0)
-        return PackedBucket.pack(bucket) if rank0 else None
+        traffic = Traffic()
+        if not rank0:
+            if learner.strategy == "fsdp":
+                for layout in layouts:
+                    traffic.add(fill_bucket(learner.policy, layout, None, self.device))
+            return traffic
+        group = self._weights
+        if group is None:
+            raise RuntimeError("push_weights before open_weight_group")
+        self.finish_weight_send()  # one push on the wire at a time
+        if queued:
+            staged = []
+            for layout in layouts:
+                buffer = layout.empty(self.device)
+                traffic.add(fill_bucket(learner.policy, layout, buffer, self.device))
+                # Held on the host until the engines take it: GPU memory is the learners'.
+                staged.append(buffer.to("cpu", non_blocking=True) if buffer.is_cuda else buffer)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            self._sender = Background(
+                lambda: _send_staged(group, staged, self.device), name="rlx-weight-send"
+            )
+            traffic.sent += sum(b.numel() for b in staged) * (group.world_size - 1)
+            return traffic
+        on_wire: tuple[Any, torch.Tensor] | None = None
+        for layout in layouts:
+            buffer = layout.empty(self.device)
+            traffic.add(fill_bucket(learner.policy, layout, buffer, self.device))
+            if on_wire is not None:
+                on_wire[0].wait()
+            on_wire = (group.broadcast(buffer), buffer)
+            traffic.sent += buffer.numel() * (group.world_size - 1)
+        if on_wire is not None:
+            on_wire[0].wait()
+        return traffic
+
+    def finish_weight_send(self) -> None:
+        """Rank 0: wait for a queued push's sending thread; raises what it raised."""
+        sender, self._sender = self._sender, None
+        if sender is not None:
+            sender.result()
 
     # ------------------------------------------------------------------ state
 
     def rng_state(self) -> dict[str, Any]:
-        return capture_rng_state()
+        return capture_rng_state(cuda=self.device.type == "cuda")
 
     def host_memory(self) -> tuple[str, int, int]:
         """(node IP, pid, resident bytes) of this worker process."""
@@ -441,27 +427,42 @@ class TrainWorker:
         return memory_peak(reset)
 
     def save_checkpoint(self, request: SaveRequest) -> SavedCheckpoint | None:
-        """Write this rank's shard into the save's temporary folder (every rank, together);
-        rank 0 then adds the small parts and commits the folder. Rank 0 returns the complete
-        checkpoint, the other ranks None. Into object storage, the upload goes on after this
-        returns (None from every rank): finish_checkpoint waits for it."""
-        if is_store_url(request.root):
-            self._start_store_save(request)
-            return None
+        """Write this rank's shard of the save (every rank, together; DCP's save is a
+        collective); rank 0 adds the small parts and commits the checkpoint through the
+        manager it is handed. Rank 0 returns the complete checkpoint, the other ranks None.
+        Where the manager saves in the background (an upload into object storage), every
+        rank returns None once its share is written; finish_checkpoint waits for the rest."""
+        self.finish_checkpoint()  # one save in flight at most (the controller waits first)
         learner = self._learner()
-        temporary = Path(request.folder)
-        save_learner_state(learner.sharded_state(), temporary / LEARNER_STATE)
-        if self.spec.rank != 0:
+        manager, step, rank = request.manager, request.step, self.spec.rank
+        folder = manager.rank_folder(Path(request.folder), rank)
+        hook = kill_hook_for_save(request.kill_spec, step) if rank == 0 else None
+        entries: dict[str, dict[str, str]] = {}
+        try:
+            save_learner_state(learner.sharded_state(), folder / LEARNER_STATE)
+            if rank == 0:
+                if hook is not None:
+                    hook(f"part:{LEARNER_STATE}")
+                entries = manager.write_parts(folder, self._small_parts(request), hook)
+                self._add_model_files(folder, entries)
+        except BaseException:
+            manager.discard(folder)
+            raise
+
+        def finish() -> SavedCheckpoint | None:
+            try:
+                manager.save_shard(folder, step, rank, LEARNER_STATE)
+                if rank != 0:
+                    return None
+                world_size = self.spec.world_size
+                return manager.commit_save(folder, step, entries, world_size, LEARNER_STATE, hook)
+            finally:
+                manager.discard(folder)
+
+        if manager.background:
+            self._pending_save = Background(finish)
             return None
-        hook = kill_hook_for_save(request.kill_spec, request.step)
-        if hook is not None:
-            hook(f"part:{LEARNER_STATE}")
-        manager = CheckpointManager(Path(request.root), request.run_id, request.keep)
-        entries = manager.write_parts(temporary, self._small_parts(request), hook)
-        self._add_model_files(temporary, entries)
-        final = manager.commit(temporary, request.step, entries, _after_phase=hook)
-        marker = read_marker(final)
-        return SavedCheckpoint(str(final), None if marker is None else marker["bytes"])
+        return finish()
 
     def finish_checkpoint(self) -> SavedCheckpoint | None:
         """Wait for the save whose upload is under way, if any: rank 0 returns the complete
@@ -479,67 +480,17 @@ class TrainWorker:
         }
 
     def _add_model_files(self, folder: Path, entries: dict[str, dict[str, str]]) -> None:
-        if self.model_files is None:
-            self.model_files = model_files_folder(self.spec.policy_path)
-        copy_model_files(self.model_files, folder / HF_FILES)
+        # The policy's folder on this node (a hub id's snapshot): its config and tokenizer.
+        copy_model_files(Path(self.spec.policy_path), folder / HF_FILES)
         entries[LEARNER_STATE] = {"file": LEARNER_STATE, "format": "dcp"}
         entries[HF_FILES] = {"file": HF_FILES, "format": "folder"}
 
-    def _start_store_save(self, request: SaveRequest) -> None:
-        """A save into object storage (remote.py). On the step's path: this rank stages its
-        shard on its node's disk (DCP, a collective), rank 0 the small parts too. Then, in a
-        thread while training goes on: the rank uploads its shard and its receipt; rank 0
-        waits for every receipt, uploads the DCP metadata and the small parts, checks the
-        listing and writes COMPLETE."""
-        self.finish_checkpoint()  # one save in flight at most (the controller waits first)
-        learner = self._learner()
-        rank, world_size, step = self.spec.rank, self.spec.world_size, request.step
-        # This node's own staging folder (RLX_STAGING_DIR as the node has it), named like
-        # the one the controller picked for the save.
-        staging = staging_root() / request.run_id / Path(request.folder).name / f"rank-{rank}"
-        manager = StoreCheckpointManager(request.root, request.run_id, request.keep)
-        hook = kill_hook_for_save(request.kill_spec, step) if rank == 0 else None
-        entries: dict[str, dict[str, str]] = {}
-        try:
-            save_learner_state(learner.sharded_state(), staging / LEARNER_STATE)
-            if rank == 0:
-                if hook is not None:
-                    hook(f"part:{LEARNER_STATE}")
-                entries = manager.write_parts(staging, self._small_parts(request), hook)
-                self._add_model_files(staging, entries)
-        except BaseException:
-            _remove_staging(staging)
-            raise
-
-        def upload() -> SavedCheckpoint | None:
-            try:
-                mine = manager.upload(
-                    staging / LEARNER_STATE, step, LEARNER_STATE, skip=(DCP_METADATA,)
-                )
-                manager.report_upload(step, rank, mine)
-                if rank != 0:
-                    return None
-                url = manager.commit(
-                    staging,
-                    step,
-                    entries,
-                    manager.wait_for_uploads(step, world_size),
-                    late=(f"{LEARNER_STATE}/{DCP_METADATA}",),
-                    _after_phase=hook,
-                )
-                return SavedCheckpoint(url, manager.last_bytes)
-            finally:
-                _remove_staging(staging)
-
-        self._pending_save = Background(upload)
-
-    def load_checkpoint(self, path: str) -> LoadReport:
-        """Load this rank's share of the checkpoint."""
-        location = path if is_store_url(path) else Path(path)
-        parts = load_parts(location, (LEARNER_STATE, *LEARNER_PARTS, WORKER_RNG))
+    def load_checkpoint(self, manager: Checkpoints, location: Location) -> LoadReport:
+        """Load this rank's share of the checkpoint at location, read through manager."""
+        parts = manager.load_parts(location, (LEARNER_STATE, *LEARNER_PARTS, WORKER_RNG))
         if LEARNER_STATE not in parts:
             raise ValueError(
-                f"{path} is a single-file checkpoint of an older rlx; resume it with that "
+                f"{location} is a single-file checkpoint of an older rlx; resume it with that "
                 "version, or train anew"
             )
         learner = self._learner()
@@ -554,7 +505,7 @@ class TrainWorker:
         states = parts.get(WORKER_RNG, {}).get("workers", [])
         restored = len(states) == self.spec.world_size
         if restored:
-            restore_rng_state(states[self.spec.rank])
+            restore_rng_state(states[self.spec.rank], cuda=self.device.type == "cuda")
         return LoadReport(rng_restored=restored, host_bytes=max(peak - before, 0))
 
     def close(self) -> None:
@@ -567,12 +518,6 @@ class TrainWorker:
                 dist.destroy_process_group()
 
 
-def _remove_staging(staging: Path) -> None:
-    remove(staging)
-    with contextlib.suppress(OSError):  # the save's folder, once every rank of the node is done
-        staging.parent.rmdir()
-
-
 class RolloutWorker:
     """A rollout engine of its own (layout: split), loaded from the policy's starting point
     and kept current by weight pushes."""
@@ -581,18 +526,20 @@ class RolloutWorker:
         self.index = index
         self.device = _prepare_process(spec, f"rollout-worker-{index}")
         self.spec = spec = on_this_node(spec)
-        if tensor_parallel > 1 and spec.engine_kind == "vllm":
-            prepare_tensor_parallel(tensor_parallel, spec.use_gpu)
+        options = None
+        if spec.engine_kind == "vllm":
+            if tensor_parallel > 1 and spec.use_gpu:
+                prepare_ray_executor()
+            options = vllm_options(
+                spec.settings, tensor_parallel, spec.policy_path, use_gpu=spec.use_gpu
+            )
         self.engine = make_engine(
             spec.engine_kind,
             spec.policy_path,
             dtype=dtype_name(compute_dtype(spec.settings.model.dtype, self.device)),
             device=str(self.device),
-            vllm_options=_vllm_options(
-                spec.settings, tensor_parallel, spec.policy_path, spec.use_gpu
-            ),
+            vllm_options=options,
         )
-        self._push: _Push | None = None
         self._skip_pushes = 0
         self._drop_buckets = 0
 
@@ -602,39 +549,26 @@ class RolloutWorker:
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingArgs, seed: int) -> Any:
         return _generate(self.engine, prompt_ids, sampling, seed)
 
-    def begin_push(self, version: int, expected: int) -> None:
-        """A streamed push of `expected` tensors starts; push_bucket calls follow, then
-        finish_push (Ray runs one caller's calls to an actor in order)."""
+    def weight_receivers(self) -> int:
+        """The ranks this engine takes in the weight group (its processes holding weights)."""
+        return self.engine.weight_receivers
+
+    def join_weight_group(self, address: GroupAddress, first_rank: int) -> None:
+        self.engine.join_weight_group(address, first_rank)
+
+    def receive_push(self, layouts: list[BucketLayout], version: int, probe: Probe) -> EngineReport:
+        """A whole push from training rank 0 over the weight group, in one call (Ray runs
+        this actor's calls in order, so it lands after the rollouts handed out before it: at
+        a request boundary). With every tensor received the engine takes the new version;
+        the report says what arrived (the controller stops the run on a partial push)."""
         skip = self._skip_pushes > 0
         self._skip_pushes -= int(skip)
-        self._push = _Push(version, expected, skip=skip)
-        if not skip:
-            self.engine.begin_weights()
-
-    def push_bucket(self, bucket: PackedBucket) -> int:
-        push = self._push
-        if push is None:
-            raise RuntimeError("push_bucket without begin_push")
-        if push.skip:
-            return 0
-        if self._drop_buckets:
-            self._drop_buckets -= 1  # test hook: a bucket lost on the way
-            return 0
-        taken = self.engine.load_weight_bucket(bucket.tensors())
-        push.received += taken
-        return taken
-
-    def finish_push(self, probe: Probe) -> EngineReport:
-        """The push is over: with every tensor received the engine takes the new version;
-        the report says what arrived (the controller stops the run on a partial push)."""
-        push, self._push = self._push, None
-        if push is None:
-            raise RuntimeError("finish_push without begin_push")
-        if push.skip:
+        drop, self._drop_buckets = min(self._drop_buckets, len(layouts)), 0
+        loaded = self.engine.receive_weights(layouts, version, drop=drop, skip=skip)
+        if skip:
             return self.report(probe)
-        if push.received == push.expected:
-            self.engine.finish_weights(push.version)
-        return dataclasses.replace(self.report(probe), received=(push.received, push.expected))
+        expected = sum(len(layout.names) for layout in layouts)
+        return dataclasses.replace(self.report(probe), received=(loaded, expected))
 
     def load_weights(
         self, weights: dict[str, torch.Tensor], version: int, probe: Probe

@@ -1,8 +1,10 @@
 """Atomic, resumable checkpoints of a training run; see store.py for the on-disk protocol."""
 
+from rlx.trainer.checkpoint.protocol import Checkpoints, PhaseHook
 from rlx.trainer.checkpoint.resume import (
     RUN_ID_ENV_VARS,
     location_name,
+    manager_for,
     marker_of,
     open_manager,
     resolve_resume,
@@ -12,7 +14,6 @@ from rlx.trainer.checkpoint.rng import capture_rng_state, restore_rng_state
 from rlx.trainer.checkpoint.store import (
     MARKER,
     CheckpointManager,
-    PhaseHook,
     read_marker,
     sanitize_run_id,
 )
@@ -21,9 +22,11 @@ __all__ = [
     "MARKER",
     "RUN_ID_ENV_VARS",
     "CheckpointManager",
+    "Checkpoints",
     "PhaseHook",
     "capture_rng_state",
     "location_name",
+    "manager_for",
     "marker_of",
     "open_manager",
     "read_marker",

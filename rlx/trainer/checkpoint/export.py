@@ -28,6 +28,7 @@ from rlx.trainer.checkpoint.training import (
     EXPORT_INFO,
     HF_FILES,
     LEARNER_STATE,
+    LORA_PART,
     single_process_quiet,
 )
 
@@ -77,19 +78,31 @@ def export_checkpoint(
     *,
     replace: bool = False,
     max_shard_bytes: int = MAX_SHARD_BYTES,
+    merge: bool = False,
 ) -> Exported:
     """Write checkpoint's policy as a Hugging Face folder at out (atomically: it appears
-    complete or not at all). An existing out is an error unless replace. Either may be a
-    store URL: the checkpoint's files are fetched to a scratch folder first (checked against
-    their marker), the folder is uploaded after it is written."""
+    complete or not at all). A LoRA run's policy is its adapter: written in PEFT's format
+    (adapter_config.json, adapter_model.safetensors: what PeftModel.from_pretrained and
+    vLLM's --lora-modules load), or with merge, merged into its base (read from where the
+    run read it) as a whole model. An existing out is an error unless replace. Either may
+    be a store URL: the checkpoint's files are fetched to a scratch folder first (checked
+    against their marker), the folder is uploaded after it is written."""
+    options = _Options(replace, max_shard_bytes, merge)
     if isinstance(checkpoint, str) and is_store_url(checkpoint):
-        return _export_from_store(checkpoint, out, replace, max_shard_bytes)
+        return _export_from_store(checkpoint, out, options)
     if isinstance(out, str) and is_store_url(out):
-        return _export_to_store(Path(checkpoint), out, replace, max_shard_bytes)
-    return _export_local(Path(checkpoint), Path(out), replace, max_shard_bytes)
+        return _export_to_store(Path(checkpoint), out, options)
+    return _export_local(Path(checkpoint), Path(out), options)
 
 
-def _export_from_store(url: str, out: Path | str, replace: bool, max_shard_bytes: int) -> Exported:
+@dataclass(frozen=True)
+class _Options:
+    replace: bool
+    max_shard_bytes: int
+    merge: bool
+
+
+def _export_from_store(url: str, out: Path | str, options: _Options) -> Exported:
     from rlx.trainer.checkpoint.remote import fetch_files, read_marker_url, remove, scratch_folder
 
     marker = read_marker_url(url)
@@ -102,9 +115,7 @@ def _export_from_store(url: str, out: Path | str, replace: bool, max_shard_bytes
     try:
         local = scratch / url.rstrip("/").rsplit("/", 1)[-1]
         local.mkdir()
-        wanted = [
-            name for name in (LEARNER_STATE, HF_FILES, EXPORT_INFO) if name in marker["parts"]
-        ]
+        wanted = [name for name in EXPORT_PARTS if name in marker["parts"]]
         fetch_files(url, [marker["parts"][name]["file"] for name in wanted], marker, local)
         kept = {name: marker["parts"][name] for name in wanted}
         files = [
@@ -116,22 +127,30 @@ def _export_from_store(url: str, out: Path | str, replace: bool, max_shard_bytes
             )
         ]
         (local / MARKER).write_text(json.dumps({**marker, "parts": kept, "files": files}))
-        return export_checkpoint(local, out, replace=replace, max_shard_bytes=max_shard_bytes)
+        return export_checkpoint(
+            local,
+            out,
+            replace=options.replace,
+            max_shard_bytes=options.max_shard_bytes,
+            merge=options.merge,
+        )
     finally:
         remove(scratch)
 
 
-def _export_to_store(checkpoint: Path, url: str, replace: bool, max_shard_bytes: int) -> Exported:
+def _export_to_store(checkpoint: Path, url: str, options: _Options) -> Exported:
     from rlx.storage import filesystem
     from rlx.trainer.checkpoint.remote import remove, scratch_folder
 
     fs, base = filesystem(url)
-    if fs.exists(base) and fs.ls(base) and not replace:
+    if fs.exists(base) and fs.ls(base) and not options.replace:
         raise RlxError(f"{url} already exists; give a new prefix or remove it first")
     scratch = scratch_folder("export")
     try:
-        exported = _export_local(checkpoint, scratch / "model", False, max_shard_bytes)
-        if replace and fs.exists(base):
+        exported = _export_local(
+            checkpoint, scratch / "model", dataclasses.replace(options, replace=False)
+        )
+        if options.replace and fs.exists(base):
             fs.rm(base, recursive=True)
         names = sorted(p.name for p in exported.folder.iterdir())
         fs.put([str(exported.folder / n) for n in names], [f"{base}/{n}" for n in names])
@@ -140,26 +159,44 @@ def _export_to_store(checkpoint: Path, url: str, replace: bool, max_shard_bytes:
         remove(scratch)
 
 
-def _export_local(checkpoint: Path, out: Path, replace: bool, max_shard_bytes: int) -> Exported:
+# The parts an export reads: the policy's shards, the model's small files, the dtype, LoRA's
+# record of the adapter's base and config.
+EXPORT_PARTS = (LEARNER_STATE, HF_FILES, EXPORT_INFO, LORA_PART)
+
+
+def _export_local(checkpoint: Path, out: Path, options: _Options) -> Exported:
     marker = check_checkpoint(checkpoint)
-    if out.exists() and not replace and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and not options.replace and (not out.is_dir() or any(out.iterdir())):
         raise RlxError(f"{out} already exists; give a new folder or remove it first")
-    verify_files(checkpoint, marker["files"], (LEARNER_STATE, HF_FILES, EXPORT_INFO))
+    verify_files(checkpoint, marker["files"], EXPORT_PARTS)
     info = {}
     if EXPORT_INFO in marker["parts"]:
         info = read_part(checkpoint, marker["parts"][EXPORT_INFO])
     dtype_name = info.get("dtype", "float32")
+    adapter = None
+    if LORA_PART in marker["parts"]:
+        adapter = read_part(checkpoint, marker["parts"][LORA_PART]).get("policy")
+    if options.merge and adapter is None:
+        raise RlxError(
+            f"{checkpoint} holds a whole model, not a LoRA adapter: nothing to merge; "
+            "export it without --merge"
+        )
 
     out.parent.mkdir(parents=True, exist_ok=True)
     temporary = out.with_name(f".{out.name}.tmp-{secrets.token_hex(4)}")
     temporary.mkdir()
     try:
         shutil.copytree(checkpoint / HF_FILES, temporary, dirs_exist_ok=True)
-        skip = tied_names(temporary)
-        exported = write_weights(
-            checkpoint / LEARNER_STATE, temporary, dtype_name, skip, max_shard_bytes
-        )
-        write_configs(temporary, dtype_name)
+        if adapter is None:
+            skip = tied_names(temporary)
+            exported = write_weights(
+                checkpoint / LEARNER_STATE, temporary, dtype_name, skip, options.max_shard_bytes
+            )
+            write_configs(temporary, dtype_name)
+        elif options.merge:
+            exported = write_merged(checkpoint / LEARNER_STATE, temporary, adapter, dtype_name)
+        else:
+            exported = write_adapter(checkpoint / LEARNER_STATE, temporary, adapter)
         for path in temporary.iterdir():
             fsync_path(path)
         fsync_path(temporary)
@@ -280,3 +317,66 @@ def write_configs(folder: Path, dtype_name: str) -> None:
         with contextlib.suppress(ValueError, OSError):
             generation = GenerationConfig.from_model_config(AutoConfig.from_pretrained(folder))
             generation.save_pretrained(folder)
+
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def _adapter_tensors(dcp_folder: Path) -> dict[str, Any]:
+    """The policy's adapter tensors, keyed as PEFT saves them."""
+    from rlx.trainer.learn.lora import is_adapter, peft_key
+
+    names = [n for n in saved_tensors(dcp_folder, "policy") if is_adapter(n)]
+    if not names:
+        raise RlxError(f"{dcp_folder} holds no LoRA adapter tensors")
+    tensors = read_tensors(dcp_folder, "policy", names)
+    return {peft_key(name): tensor.contiguous() for name, tensor in tensors.items()}
+
+
+def write_adapter(dcp_folder: Path, out: Path, adapter: dict[str, Any]) -> tuple[int, int, int]:
+    """The adapter in PEFT's format beside the base's config and tokenizer (already in out):
+    adapter_model.safetensors (float32, as trained) and adapter_config.json naming the base
+    as the run named it. Returns (files, tensors, bytes)."""
+    from safetensors.torch import save_file
+
+    tensors = _adapter_tensors(dcp_folder)
+    save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    (out / ADAPTER_WEIGHTS).chmod(0o644)
+    config = {**adapter["peft_config"], "base_model_name_or_path": adapter["base"]}
+    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return 1, len(tensors), sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def write_merged(
+    dcp_folder: Path, out: Path, adapter: dict[str, Any], dtype_name: str
+) -> tuple[int, int, int]:
+    """The adapter merged into its base (read where the run read it: a hub id from this
+    machine's hub cache, or a folder), saved whole in the run's dtype."""
+    import torch
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from rlx.hub import is_hub_id, snapshot
+    from rlx.trainer.learn.lora import base_fingerprint
+
+    base = adapter["base"]
+    folder = str(snapshot(base, field="the adapter's base")) if is_hub_id(base) else base
+    if not Path(folder).is_dir() or base_fingerprint(folder) != adapter["fingerprint"]:
+        raise RlxError(
+            f"the adapter's base {base} is not the model it was trained on here ({folder}); "
+            "merge where the run's base is, or export the adapter alone"
+        )
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    recorded = adapter["peft_config"]
+    fields = [f.name for f in dataclasses.fields(LoraConfig) if f.init and f.name in recorded]
+    peft_model = get_peft_model(model, LoraConfig(**{name: recorded[name] for name in fields}))
+    tensors = _adapter_tensors(dcp_folder)
+    result = set_peft_model_state_dict(peft_model, tensors)
+    if getattr(result, "unexpected_keys", None):
+        raise RlxError(f"the adapter does not fit its base: {result.unexpected_keys[:3]}")
+    merged = peft_model.merge_and_unload()
+    merged.to(getattr(torch, dtype_name)).save_pretrained(out, safe_serialization=True)
+    weights = sorted(out.glob("*.safetensors"))
+    tensor_count = sum(1 for _ in merged.state_dict())
+    return len(weights), tensor_count, sum(p.stat().st_size for p in weights)

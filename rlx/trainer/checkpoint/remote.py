@@ -35,7 +35,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +43,9 @@ from rlx.checkpoints import MARKER, STEP_DIR, parse_marker, step_of
 from rlx.errors import RlxError
 from rlx.node.raynode import backoff
 from rlx.storage import filesystem, join, unstrip
+from rlx.trainer.checkpoint.parts import read_part
+from rlx.trainer.checkpoint.protocol import PhaseHook, SavedCheckpoint
 from rlx.trainer.checkpoint.store import (
-    PhaseHook,
     check_part_name,
     describe_files,
     new_marker,
@@ -66,9 +67,10 @@ def staging_root() -> Path:
 
 
 class StoreCheckpointManager:
-    """Saves, finds and loads the checkpoints of one run under root/run_id/ in a store."""
+    """Saves, finds and loads the checkpoints of one run under root/run_id/ in a store;
+    follows protocol.Checkpoints."""
 
-    remote = True
+    background = True  # the ranks upload in threads of their own while training goes on
 
     def __init__(self, root: str, run_id: str, keep: int):
         if keep < 1:
@@ -81,12 +83,20 @@ class StoreCheckpointManager:
         self.fs, self._root_path = filesystem(self.root)
         self.last_bytes: int | None = None  # the size of the last checkpoint committed
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Sent to the training ranks as what it is opened from: each rank opens the store
+        # with what its own node has (credentials from its environment or cloud identity).
+        return (type(self), (self.root, self.run_id, self.keep))
+
     @property
     def run_dir(self) -> str:
         return join(self.root, self.run_id)
 
     def step_url(self, step: int) -> str:
         return join(self.run_dir, f"step-{step:06d}")
+
+    def location(self, step: int) -> str:
+        return self.step_url(step)
 
     def _path(self, url: str) -> str:
         return self.fs._strip_protocol(url)
@@ -223,6 +233,50 @@ class StoreCheckpointManager:
         hook("rotated")
         return self.step_url(step)
 
+    # A save of every rank's shard (protocol.Checkpoints), in the steps the module's
+    # docstring gives: staged on each node's disk, uploaded in a thread of each rank.
+
+    def rank_folder(self, folder: Path, rank: int) -> Path:
+        """This rank's staging folder on its node's disk (RLX_STAGING_DIR as the node has
+        it), named like the one the controller picked for the save."""
+        return staging_root() / self.run_id / folder.name / f"rank-{rank}"
+
+    def save_shard(self, folder: Path, step: int, rank: int, shard: str) -> None:
+        """Upload this rank's shard files (DCP's metadata waits for rank 0's commit), then
+        its receipt."""
+        mine = self.upload(folder / shard, step, shard, skip=(DCP_METADATA,))
+        self.report_upload(step, rank, mine)
+
+    def commit_save(
+        self,
+        folder: Path,
+        step: int,
+        entries: Mapping[str, Mapping[str, str]],
+        world_size: int,
+        shard: str,
+        _after_phase: PhaseHook | None = None,
+    ) -> SavedCheckpoint:
+        """Rank 0: wait for every rank's receipt, then commit what its staging folder holds
+        besides its shard, DCP's metadata last but the marker."""
+        url = self.commit(
+            folder,
+            step,
+            entries,
+            self.wait_for_uploads(step, world_size),
+            late=(f"{shard}/{DCP_METADATA}",),
+            _after_phase=_after_phase,
+        )
+        return SavedCheckpoint(url, self.last_bytes)
+
+    def discard(self, folder: Path) -> None:
+        """Remove the rank's staged copy."""
+        remove(folder)
+        with contextlib.suppress(OSError):  # the save's folder, once every rank of the node is done
+            folder.parent.rmdir()
+
+    def load_parts(self, location: Path | str, names: Iterable[str]) -> dict[str, Any]:
+        return load_store_parts(str(location), names)
+
     def _check_listed(self, step: int, files: list[dict[str, Any]]) -> None:
         base = self._path(self.step_url(step))
         self.fs.invalidate_cache(base)
@@ -259,15 +313,13 @@ class StoreCheckpointManager:
 
 
 class Background:
-    """One save's upload in a thread of its own; result() waits for it and gives its value,
-    or raises what it raised."""
+    """Work in a thread of its own (a save's upload, a queued weight push); result() waits for
+    it and gives its value, or raises what it raised."""
 
-    def __init__(self, work: Callable[[], Any]):
+    def __init__(self, work: Callable[[], Any], name: str = "rlx-checkpoint-upload"):
         self._value: Any = None
         self._error: BaseException | None = None
-        self._thread = threading.Thread(
-            target=self._run, args=(work,), name="rlx-checkpoint-upload", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, args=(work,), name=name, daemon=True)
         self._thread.start()
 
     def _run(self, work: Callable[[], Any]) -> None:
@@ -338,6 +390,34 @@ def check_listed(url: str, marker: Mapping[str, Any], prefix: str) -> None:
             raise RlxError(f"checkpoint {url}: {f['name']} is missing or truncated in the store")
 
 
+def load_store_parts(url: str, names: Iterable[str]) -> dict[str, Any]:
+    """The named parts of the complete checkpoint at url (those it has), plus "step": the
+    small parts are downloaded to a scratch folder, checked and read; DCP parts stay in the
+    store (their URL)."""
+    marker = read_marker_url(url)
+    if marker is None:
+        raise RlxError(f"{url} is not a complete checkpoint (no valid COMPLETE marker)")
+    out: dict[str, Any] = {}
+    scratch = scratch_folder("load")
+    try:
+        for name in names:
+            entry = marker["parts"].get(name)
+            if entry is None:
+                continue
+            if entry["format"] == "dcp":
+                check_listed(url, marker, entry["file"])
+                out[name] = f"{url.rstrip('/')}/{entry['file']}"
+                continue
+            if entry["format"] == "folder":
+                continue  # hf/: read by export, which fetches it itself
+            fetch_files(url, [entry["file"]], marker, scratch)
+            out[name] = read_part(scratch, entry)
+    finally:
+        remove(scratch)
+    out["step"] = marker["step"]
+    return out
+
+
 def scratch_folder(kind: str) -> Path:
     folder = staging_root() / f"{kind}-{os.getpid()}-{time.time_ns()}"
     folder.mkdir(parents=True, exist_ok=True)
@@ -353,6 +433,7 @@ __all__ = [
     "StoreCheckpointManager",
     "check_listed",
     "fetch_files",
+    "load_store_parts",
     "read_marker_url",
     "read_store_marker",
     "staging_root",

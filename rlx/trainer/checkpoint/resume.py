@@ -8,6 +8,7 @@ from pathlib import Path
 from rlx.errors import RlxError
 from rlx.node.env import RUN_ID_ENV
 from rlx.storage import is_store_url
+from rlx.trainer.checkpoint.protocol import Checkpoints, Location
 from rlx.trainer.checkpoint.remote import StoreCheckpointManager, read_marker_url
 from rlx.trainer.checkpoint.store import (
     MARKER,
@@ -39,15 +40,18 @@ def resolve_run_id(recipe_name: str, env: Mapping[str, str]) -> str:
     return run_id
 
 
-Manager = CheckpointManager | StoreCheckpointManager
-Location = Path | str  # a checkpoint's folder, or its URL in a store
-
-
-def open_manager(root: str | Path, run_id: str, keep: int) -> Manager:
-    """The manager of run_id's checkpoints under root: a folder, or a store URL."""
+def open_manager(root: str | Path, run_id: str, keep: int) -> Checkpoints:
+    """The manager of run_id's checkpoints under root: a folder, or a store URL. The one
+    place that tells the two apart: whoever is handed the manager calls it."""
     if isinstance(root, str) and is_store_url(root):
         return StoreCheckpointManager(root, run_id, keep)
     return CheckpointManager(Path(root), run_id, keep)
+
+
+def manager_for(checkpoint: str) -> Checkpoints:
+    """A manager that reads the one checkpoint named by its folder or URL (checkpoint.resume
+    given as a path), of the kind that holds it; its run id and rotation play no part."""
+    return open_manager(checkpoint.rstrip("/").rsplit("/", 1)[0], "resume-path", 1)
 
 
 def marker_of(location: Location) -> dict | None:
@@ -62,7 +66,7 @@ def location_name(location: Location) -> str:
     return str(location).rstrip("/").rsplit("/", 1)[-1]
 
 
-def resolve_resume(setting: str, manager: Manager) -> Location | None:
+def resolve_resume(setting: str, manager: Checkpoints) -> Location | None:
     """The checkpoint to resume from for checkpoint.resume = 'auto' | 'never' | a path.
 
     'auto': the newest complete checkpoint of this run, or None for a fresh start. 'never':

@@ -1,4 +1,7 @@
-"""Random generator state for exact resume: python, numpy, torch CPU and CUDA."""
+"""Random generator state for exact resume: python, numpy, torch CPU and, in a process that
+computes on a GPU, its CUDA device's. The controller never touches CUDA: it holds no GPU of
+its own, and asking CUDA for generator states would open a context on a GPU that belongs to
+a training rank or an engine."""
 
 from __future__ import annotations
 
@@ -10,8 +13,9 @@ import numpy as np
 import torch
 
 
-def capture_rng_state() -> dict[str, Any]:
-    """Python, numpy, torch CPU and (when present) every CUDA device's generator state.
+def capture_rng_state(*, cuda: bool = False) -> dict[str, Any]:
+    """Python, numpy, torch CPU and (cuda: a process computing on its one GPU) that device's
+    generator state.
 
     Plain values and tensors only, so it stores with torch.save and loads with
     weights_only=True.
@@ -28,13 +32,14 @@ def capture_rng_state() -> dict[str, Any]:
         },
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if cuda:
+        state["cuda"] = [torch.cuda.get_rng_state()]
     return state
 
 
-def restore_rng_state(state: Mapping[str, Any]) -> None:
-    """Put back what capture_rng_state took. CUDA states go to the devices that exist here."""
+def restore_rng_state(state: Mapping[str, Any], *, cuda: bool = False) -> None:
+    """Put back what capture_rng_state took; the CUDA state (cuda: this process's device)
+    only where it computes on a GPU."""
     random.setstate(_as_tuple(state["python"]))
     saved = state["numpy"]
     np.random.set_state(
@@ -46,9 +51,8 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
         }
     )
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        for device, cuda_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(cuda_state, device)
+    if cuda and state.get("cuda"):
+        torch.cuda.set_rng_state(state["cuda"][0])
 
 
 def _as_tuple(value: Any) -> Any:

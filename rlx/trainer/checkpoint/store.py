@@ -21,12 +21,12 @@ import re
 import secrets
 import shutil
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from rlx import __version__
-from rlx.checkpoints import MARKER, MARKER_FORMAT, STEP_DIR, parse_marker, step_of
+from rlx.checkpoints import MARKER, MARKER_FORMAT, STEP_DIR, parse_marker, step_name, step_of
 from rlx.errors import RlxError
 from rlx.trainer.checkpoint.parts import (
     fsync_path,
@@ -35,6 +35,7 @@ from rlx.trainer.checkpoint.parts import (
     write_part,
     write_synced,
 )
+from rlx.trainer.checkpoint.protocol import PhaseHook, SavedCheckpoint
 
 # Leftovers of interrupted saves (.tmp-) and of rotations (.old-); both are safe to delete.
 LEFTOVER_DIR = re.compile(r"\.step-[0-9]{6,}\.(tmp|old)-[0-9a-f]+")
@@ -46,8 +47,6 @@ HASHED_BYTES = 64 << 20
 
 RUN_ID_CHARS = re.compile(r"[^A-Za-z0-9_.-]+")
 MAX_RUN_ID_LENGTH = 128
-
-PhaseHook = Callable[[str], None]
 
 
 def sanitize_run_id(raw: str) -> str:
@@ -147,6 +146,24 @@ def write_parts(
     return entries
 
 
+def load_folder_parts(path: Path, names: Iterable[str]) -> dict[str, Any]:
+    """The named parts of the complete checkpoint in folder path (those it has), each file
+    checked against the size (and for small files the digest) its COMPLETE marker recorded;
+    plus "step". A DCP part comes back as its folder's path."""
+    marker = read_marker(path)
+    if marker is None:
+        raise RlxError(f"{path} is not a complete checkpoint (no valid COMPLETE marker)")
+    out: dict[str, Any] = {}
+    for name in names:
+        entry = marker["parts"].get(name)
+        if entry is None:
+            continue
+        verify_files(path, marker["files"], (entry["file"],))
+        out[name] = read_part(path, entry)
+    out["step"] = marker["step"]
+    return out
+
+
 def verify_files(path: Path, files: list[dict[str, Any]], prefixes: tuple[str, ...] = ()) -> None:
     """Check the marker's files (those under prefixes, when given) against their recorded
     size and digest, so damage is reported as such instead of failing inside a loader."""
@@ -165,7 +182,10 @@ def verify_files(path: Path, files: list[dict[str, Any]], prefixes: tuple[str, .
 
 
 class CheckpointManager:
-    """Saves, finds and loads the checkpoints of one run under root/run_id/."""
+    """Saves, finds and loads the checkpoints of one run under root/run_id/ (a folder every
+    rank shares); follows protocol.Checkpoints."""
+
+    background = False  # a save is complete when the ranks return
 
     def __init__(self, root: Path, run_id: str, keep: int):
         if keep < 1:
@@ -187,6 +207,9 @@ class CheckpointManager:
     def latest(self) -> Path | None:
         """The complete checkpoint with the highest step, or None."""
         return newest_complete(self.run_dir)
+
+    def location(self, step: int) -> Path:
+        return self.run_dir / step_name(step)
 
     def save(
         self, step: int, parts: Mapping[str, Any], *, _after_phase: PhaseHook | None = None
@@ -248,7 +271,7 @@ class CheckpointManager:
         files = describe_files(temporary, sync=True)
         hook("written")
 
-        final = self.run_dir / f"step-{step:06d}"
+        final = self.location(step)
         replaced = None
         if final.exists():
             # An older save of this step (complete or not): move it aside, drop it below.
@@ -270,6 +293,35 @@ class CheckpointManager:
         self._rotate(step)
         hook("rotated")
         return final
+
+    # A save of every rank's shard (protocol.Checkpoints): every rank writes into the save's
+    # temporary folder itself, on storage they all share; rank 0 commits it.
+
+    def rank_folder(self, folder: Path, rank: int) -> Path:
+        return folder
+
+    def save_shard(self, folder: Path, step: int, rank: int, shard: str) -> None:
+        """Nothing to do: the shard is in the save's folder already."""
+
+    def commit_save(
+        self,
+        folder: Path,
+        step: int,
+        entries: Mapping[str, Mapping[str, str]],
+        world_size: int,
+        shard: str,
+        _after_phase: PhaseHook | None = None,
+    ) -> SavedCheckpoint:
+        """Rank 0, once every rank has written its shard (DCP's save is collective): commit."""
+        final = self.commit(folder, step, entries, _after_phase=_after_phase)
+        marker = read_marker(final)
+        return SavedCheckpoint(str(final), None if marker is None else marker["bytes"])
+
+    def discard(self, folder: Path) -> None:
+        """Nothing: a save that failed leaves its folder to the next begin, which clears it."""
+
+    def load_parts(self, location: Path | str, names: Iterable[str]) -> dict[str, Any]:
+        return load_folder_parts(Path(location), names)
 
     def load(self, path: Path, *, verify: bool = True) -> dict[str, Any]:
         """The parts saved in a complete checkpoint, plus "step". Tensors come back on the CPU.

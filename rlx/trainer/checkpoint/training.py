@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import warnings
@@ -35,19 +36,15 @@ from typing import Any
 
 from rlx.errors import RlxError
 from rlx.storage import is_store_url, storage_options
-from rlx.trainer.checkpoint import read_marker
-from rlx.trainer.checkpoint.parts import read_part
-from rlx.trainer.checkpoint.remote import (
-    check_listed,
-    fetch_files,
-    read_marker_url,
-    remove,
-    scratch_folder,
-)
-from rlx.trainer.checkpoint.store import verify_files
+from rlx.trainer.checkpoint.protocol import Checkpoints
+from rlx.trainer.checkpoint.remote import load_store_parts
+from rlx.trainer.checkpoint.store import load_folder_parts
 
 LEARNER_STATE = "learner"
-LEARNER_PARTS = ("scheduler", "critic_scheduler")
+# The learner's small parts (Learner.state_parts); LORA_PART records LoRA adapters' base
+# and config (lora.adapter_record).
+LORA_PART = "lora"
+LEARNER_PARTS = ("scheduler", "critic_scheduler", LORA_PART)
 WORKER_RNG = "rng"
 CONTROLLER_RNG = "controller_rng"
 TRAINER_STATE = "trainer_state"
@@ -70,25 +67,15 @@ KILL_HOOK_ENV = "RLX_TEST_KILL_AT"
 @dataclass(frozen=True)
 class SaveRequest:
     """One checkpoint save, as every training rank receives it from the controller (one
-    object across Ray): each rank writes its shard into `folder`; rank 0 adds the small
-    parts and commits the folder as step `step` of run `run_id` under `root`."""
+    object across Ray): each rank writes its shard where `manager` puts it for `folder`;
+    rank 0 adds the small parts and commits the save as step `step` of the manager's run."""
 
-    folder: str  # the save's temporary folder (a store: each node's own staging folder)
-    root: str  # checkpoint.dir: a folder or a store URL
-    run_id: str
-    keep: int  # complete checkpoints kept (older ones rotate out after the commit)
+    folder: str  # the save's temporary folder (a store: named like each node's staging folder)
+    manager: Checkpoints  # the run's checkpoints, as the controller opened them
     step: int
     controller_parts: dict[str, Any]  # the controller's own parts (trainer state, RNG)
     rng_states: list[dict[str, Any]]  # every rank's RNG state, in rank order
     kill_spec: str | None = None  # KILL_HOOK_ENV as the controller read it (tests)
-
-
-@dataclass(frozen=True)
-class SavedCheckpoint:
-    """What rank 0 answers to a SaveRequest: the complete checkpoint and its size on disk."""
-
-    path: str
-    bytes: int | None
 
 
 @dataclass(frozen=True)
@@ -105,61 +92,7 @@ def load_parts(path: Path | str, names: Iterable[str]) -> dict[str, Any]:
     back as its folder's path (in a store: its URL, read in place)."""
     if isinstance(path, str) and is_store_url(path):
         return load_store_parts(path, names)
-    path = Path(path)
-    marker = read_marker(path)
-    if marker is None:
-        raise RlxError(f"{path} is not a complete checkpoint (no valid COMPLETE marker)")
-    out: dict[str, Any] = {}
-    for name in names:
-        entry = marker["parts"].get(name)
-        if entry is None:
-            continue
-        verify_files(path, marker["files"], (entry["file"],))
-        out[name] = read_part(path, entry)
-    out["step"] = marker["step"]
-    return out
-
-
-def load_store_parts(url: str, names: Iterable[str]) -> dict[str, Any]:
-    """load_parts for a checkpoint in a store: the small parts are downloaded to a scratch
-    folder, checked and read; DCP parts stay in the store (their URL)."""
-    marker = read_marker_url(url)
-    if marker is None:
-        raise RlxError(f"{url} is not a complete checkpoint (no valid COMPLETE marker)")
-    out: dict[str, Any] = {}
-    scratch = scratch_folder("load")
-    try:
-        for name in names:
-            entry = marker["parts"].get(name)
-            if entry is None:
-                continue
-            if entry["format"] == "dcp":
-                check_listed(url, marker, entry["file"])
-                out[name] = f"{url.rstrip('/')}/{entry['file']}"
-                continue
-            if entry["format"] == "folder":
-                continue  # hf/: read by export, which fetches it itself
-            fetch_files(url, [entry["file"]], marker, scratch)
-            out[name] = read_part(scratch, entry)
-    finally:
-        remove(scratch)
-    out["step"] = marker["step"]
-    return out
-
-
-# The small files of a hub model, fetched (or found in the cache) for a checkpoint's hf/.
-MODEL_FILE_PATTERNS = ["*.json", "*.txt", "*.model", "*.jinja", "*.py", "*.tiktoken"]
-
-
-def model_files_folder(policy_path: str) -> Path:
-    """A local folder holding the model's config and tokenizer files: policy_path itself, or
-    for a hub id its snapshot in the Hugging Face cache (small files only)."""
-    folder = Path(policy_path).expanduser()
-    if folder.is_dir():
-        return folder
-    from huggingface_hub import snapshot_download
-
-    return Path(snapshot_download(policy_path, allow_patterns=MODEL_FILE_PATTERNS))
+    return load_folder_parts(Path(path), names)
 
 
 def copy_model_files(source: Path, target: Path) -> None:
@@ -199,7 +132,19 @@ def load_learner_state(state: dict[str, Any], folder: Path | str) -> None:
             reader = FsspecReader(folder, **storage_options(folder))
         else:
             reader = dcp.FileSystemReader(str(folder))
-        dcp.load(state, storage_reader=reader, no_dist=not distributed())
+        try:
+            dcp.load(state, storage_reader=reader, no_dist=not distributed())
+        except dcp.api.CheckpointException as exc:
+            missing = re.search(
+                r"Missing key in checkpoint state_dict: ([^\s]+?)\.?$", str(exc), re.M
+            )
+            if missing is None:
+                raise
+            raise RlxError(
+                f"the checkpoint at {folder} lacks {missing.group(1)}: it was saved by a run "
+                "with another model or another trainer.model.lora; set RLX_RUN_ID to start a "
+                "new run"
+            ) from None
 
 
 @contextlib.contextmanager

@@ -37,10 +37,11 @@ from rlx.trainer.episodes.env import (
     run_all,
 )
 from rlx.trainer.episodes.trajectory import Episode, TurnTemplate, as_tensors
+from rlx.trainer.rollout.base import SamplingArgs
 from rlx.trainer.tasks.data import PromptDataset
 
-# generate(prompt ids, n, max_new_tokens, stream) -> a handle with collect() -> RolloutBatch
-Submit = Callable[[list[list[int]], int, int, str], Any]
+# generate(prompt ids, sampling, stream) -> a handle with collect() -> RolloutBatch
+Submit = Callable[[list[list[int]], SamplingArgs, str], Any]
 TURN_STREAM = "generate"  # turn 0 samples like a single-turn rollout; turn t: "generate/t"
 SHOWN_FAILURES = 3  # failure lines per step; the rest are counted
 
@@ -81,20 +82,21 @@ class EpisodeRunner:
         rows: Sequence[int],
         step: int,
         submit: Submit,
-        n: int,
-        max_new_tokens: int,
+        sampling: SamplingArgs,
         data: PromptDataset | None = None,
         ahead: bool = False,
     ) -> PendingEpisodes:
-        """Episodes for `rows` of `data` (the training prompts by default), n each, with
-        their first turn submitted (returns at once). ahead: a step queued ahead of the one
-        training (max_staleness > 0): its turns are played from now on in a thread of their
-        own, so the engines go on with them while the learners update; otherwise they are
-        played when the episodes are collected."""
+        """Episodes for `rows` of `data` (the training prompts by default), sampling.n each,
+        every turn sampled with `sampling`, with their first turn submitted (returns at
+        once). ahead: a step queued ahead of the one training (max_staleness > 0): its turns
+        are played from now on in a thread of their own, so the engines go on with them
+        while the learners update; otherwise they are played when the episodes are
+        collected."""
         data = data or self.data
         prompts = [data.prompt_token_ids[r] for r in rows]
-        first = submit(prompts, n, min(max_new_tokens, self.budget), TURN_STREAM)
-        pending = PendingEpisodes(self, data, list(rows), step, n, max_new_tokens, submit, first)
+        longest = min(sampling.max_new_tokens, self.budget)
+        first = submit(prompts, dataclasses.replace(sampling, max_new_tokens=longest), TURN_STREAM)
+        pending = PendingEpisodes(self, data, list(rows), step, sampling, submit, first)
         if ahead:
             pending.play_ahead()
         return pending
@@ -104,17 +106,17 @@ class EpisodeRunner:
         loop: asyncio.AbstractEventLoop,
         data: PromptDataset,
         rows: list[int],
-        n: int,
-        max_new_tokens: int,
+        sampling: SamplingArgs,
         submit: Submit,
         first: Any,
         show_progress: bool = False,
     ) -> list[Episode]:
         """Every turn of the episodes, to their end (environments called on `loop`)."""
+        max_new_tokens = sampling.max_new_tokens
         episodes = [
             Episode(row=r, prompt_ids=list(data.prompt_token_ids[r]))
             for r in rows
-            for _ in range(n)
+            for _ in range(sampling.n)
         ]
         self._reset(loop, episodes, data)
         batch = first.collect(show_progress)
@@ -126,7 +128,8 @@ class EpisodeRunner:
                 break
             turn_limit = [min(max_new_tokens, self.budget - len(episodes[i].ids)) for i in running]
             prompts = [episodes[i].prompt_ids + episodes[i].ids for i in running]
-            handle = submit(prompts, 1, max(turn_limit), f"{TURN_STREAM}/{turn}")
+            each = dataclasses.replace(sampling, n=1, max_new_tokens=max(turn_limit))
+            handle = submit(prompts, each, f"{TURN_STREAM}/{turn}")
             self._take_turn(loop, episodes, running, handle.collect(False), max_new_tokens)
             turn += 1
         return episodes
@@ -295,8 +298,7 @@ class PendingEpisodes:
     data: PromptDataset
     rows: list[int]
     step: int
-    n: int
-    max_new_tokens: int
+    sampling: SamplingArgs
     submit: Submit
     first: Any
     _thread: threading.Thread | None = None
@@ -324,8 +326,7 @@ class PendingEpisodes:
             loop,
             self.data,
             self.rows,
-            self.n,
-            self.max_new_tokens,
+            self.sampling,
             self.submit,
             self.first,
             show_progress,
@@ -340,7 +341,7 @@ class PendingEpisodes:
                 raise self._error
             assert self._played is not None
             episodes = self._played
-        return self.runner.finish(episodes, self.step, self.data, self.n)
+        return self.runner.finish(episodes, self.step, self.data, self.sampling.n)
 
 
 def episode_scores(batch: RolloutBatch) -> list[float]:

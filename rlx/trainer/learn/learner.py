@@ -25,10 +25,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from rlx.errors import RlxError
 from rlx.recipe.model import TrainerSettings
 from rlx.trainer import algos
 from rlx.trainer.batch import SequenceBatch, micro_batch_rows
-from rlx.trainer.learn import sharding
+from rlx.trainer.learn import lora, sharding
 from rlx.trainer.learn.models import (
     ResponseScorer,
     TokenScores,
@@ -111,8 +112,18 @@ def merge_update_stats(per_rank: Sequence[UpdateStats]) -> dict[str, float]:
     return merged
 
 
+# The checkpoint part that records LoRA adapters' base and config (lora.adapter_record);
+# checkpoint/training.py lists it among the learner's parts under the same name.
+LORA_PART = "lora"
 # The checkpoint's name for each model's optimiser state.
 OPTIMIZER_OF = {"policy": "optimizer", "critic": "critic_optimizer"}
+
+
+def _state_dict_options(strict: bool) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # A checkpoint holds what trains: a LoRA run's adapters, not its frozen base.
+    return StateDictOptions(ignore_frozen_params=True, strict=strict)
 
 
 class Learner:
@@ -127,15 +138,19 @@ class Learner:
         *,
         rank: int = 0,
         world_size: int = 1,
+        strategy: sharding.Strategy | None = None,
     ):
         self.settings = settings
+        self.policy_path, self.critic_path = policy_path, critic_path
         self.device = device
         self.rank = rank
         self.world_size = world_size
         self.dtype = compute_dtype(settings.model.dtype, device)
         self.temperature = settings.rollout.temperature
         algo = settings.algo
-        self.strategy = sharding.resolve_strategy(settings.parallel, world_size)
+        # Decided once for the run (rlx.plan.strategy.choose_strategy) and handed in; a
+        # Learner built on its own reads the recipe's explicit setting.
+        self.strategy = strategy or sharding.resolve_strategy(settings.parallel, world_size)
         trained_shard = frozen_shard = None
         agree = None
         if self.strategy == "fsdp":
@@ -158,13 +173,21 @@ class Learner:
             agree = self._all_ranks
 
         self.policy = load_causal_lm(
-            settings.model, policy_path, device, trainable=True, shard=trained_shard
+            settings.model,
+            policy_path,
+            device,
+            trainable=True,
+            shard=trained_shard,
+            seed=settings.seed,
         )
         self.optimizer, self.scheduler = make_optimizer(
             self.policy, settings.optim, settings.optim.lr, settings.steps
         )
         self.reference = self.reference_scorer = None
-        if algo.kl.coef > 0:
+        if algo.kl.coef > 0 and settings.model.lora is not None:
+            # The base the adapters start from is the reference: no second copy of it.
+            self.reference_scorer = ResponseScorer(self.policy, agree=agree, adapter_off=True)
+        elif algo.kl.coef > 0:
             self.reference = load_causal_lm(
                 settings.model, policy_path, device, trainable=False, shard=frozen_shard
             )
@@ -175,7 +198,7 @@ class Learner:
                 raise ValueError("ppo needs a critic model path")
             critic_settings = settings.critic_model or settings.model
             self.critic = load_value_model(
-                critic_settings, critic_path, device, shard=trained_shard
+                critic_settings, critic_path, device, shard=trained_shard, seed=settings.seed
             )
             self.critic_optimizer, self.critic_scheduler = make_optimizer(
                 self.critic, settings.optim, settings.optim.critic_lr, settings.steps
@@ -493,7 +516,14 @@ class Learner:
 
         state: dict[str, Any] = {}
         for name, module, optimizer in self._stateful():
-            state[name], state[OPTIMIZER_OF[name]] = get_state_dict(module, optimizer)
+            weights, state[OPTIMIZER_OF[name]] = get_state_dict(
+                module, optimizer, options=_state_dict_options(strict=True)
+            )
+            # A frozen weight tied to another (a LoRA base's output head) slips through.
+            frozen = {
+                n for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad
+            }
+            state[name] = {key: value for key, value in weights.items() if key not in frozen}
         return state
 
     def load_sharded_state(self, state: dict[str, Any]) -> None:
@@ -504,18 +534,57 @@ class Learner:
             key = OPTIMIZER_OF[name]
             if name not in state or key not in state:
                 raise ValueError(f"the checkpoint has no {name} (not a PPO run?)")
-            set_state_dict(
-                module, optimizer, model_state_dict=state[name], optim_state_dict=state[key]
+            result = set_state_dict(
+                module,
+                optimizer,
+                model_state_dict=state[name],
+                optim_state_dict=state[key],
+                options=_state_dict_options(strict=False),
             )
+            # Frozen weights (a LoRA base) are not in checkpoints; everything trained must be.
+            trained = {n for n, p in module.named_parameters() if p.requires_grad}
+            missing = trained & set(getattr(result, "missing_keys", ()))
+            if missing:
+                raise RlxError(
+                    f"the checkpoint's {name} lacks {sorted(missing)[0]} (and "
+                    f"{len(missing) - 1} more): it was saved by a run with another "
+                    "trainer.model.lora; set RLX_RUN_ID to start a new run"
+                )
+
+    def _adapted(self) -> list[tuple[str, nn.Module, str, str]]:
+        """(name, model, base as the recipe names it, its folder) of each model with LoRA."""
+        settings = self.settings
+        out = []
+        if settings.model.lora is not None:
+            out.append(("policy", self.policy, settings.model.path, self.policy_path))
+        critic = settings.critic_model or settings.model
+        if self.critic is not None and critic.lora is not None and self.critic_path is not None:
+            out.append(("critic", self.critic.body, critic.path, self.critic_path))
+        return out
 
     def state_parts(self) -> dict[str, Any]:
-        """The small state, identical on every rank: the schedules."""
+        """The small state, identical on every rank: the schedules and, with LoRA, what the
+        adapters were trained on and peft's config of them."""
         parts: dict[str, Any] = {"scheduler": self.scheduler.state_dict()}
         if self.critic_scheduler is not None:
             parts["critic_scheduler"] = self.critic_scheduler.state_dict()
+        adapted = self._adapted()
+        if adapted:
+            parts[LORA_PART] = {
+                name: lora.adapter_record(model, base, folder)
+                for name, model, base, folder in adapted
+            }
         return parts
 
     def load_parts(self, parts: dict[str, Any]) -> None:
+        records = parts.get(LORA_PART) or {}
+        for name, _, base, folder in self._adapted():
+            if name not in records:
+                raise RlxError(
+                    f"the checkpoint holds no {name} adapters (a run without "
+                    "trainer.model.lora?); set RLX_RUN_ID to start a new run"
+                )
+            lora.check_base(records[name], base, folder, name)
         self.scheduler.load_state_dict(parts["scheduler"])
         if self.critic_scheduler is not None:
             if "critic_scheduler" not in parts:

@@ -3,6 +3,7 @@ head), and the optimiser and learning-rate schedule that go with each trained on
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,30 +47,41 @@ def load_causal_lm(
     *,
     trainable: bool,
     shard: ShardSpec | None = None,
+    seed: int = 0,
 ) -> PreTrainedModel:
     """A causal LM on `device`. A trained model keeps float32 master weights on GPU (the
     forward runs in bf16: autocast, or FSDP's mixed precision); a frozen one is stored in the
-    compute dtype. With `shard`, FSDP2-sharded, each rank reading only its own rows."""
+    compute dtype. With settings.lora a trained model is the frozen base, in the compute
+    dtype, wrapped by peft with float32 adapters drawn from `seed` (lora.py). With `shard`,
+    FSDP2-sharded, each rank reading only its own rows."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from rlx.trainer.learn import lora
+
+    adapters = settings.lora if trainable else None
     dtype = compute_dtype(settings.dtype, device)
-    storage = torch.float32 if trainable and device.type == "cuda" else dtype
+    storage = torch.float32 if trainable and device.type == "cuda" and not adapters else dtype
     if shard is None:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=storage, trust_remote_code=settings.trust_remote_code
         ).to(device)
+        if adapters is not None:
+            model = lora.add_adapters(model, adapters)
     else:
         from rlx.trainer.learn.sharding import build_sharded
 
         config = AutoConfig.from_pretrained(path, trust_remote_code=settings.trust_remote_code)
         _prepare_config(config, settings, trainable)
-        model = build_sharded(
-            lambda: AutoModelForCausalLM.from_config(
+
+        def build() -> nn.Module:
+            model = AutoModelForCausalLM.from_config(
                 config, dtype=storage, trust_remote_code=settings.trust_remote_code
-            ),
-            path,
-            shard,
-        )
+            )
+            return model if adapters is None else lora.add_adapters(model, adapters)
+
+        model = build_sharded(build, path, shard, zero=lora.is_adapter)
+    if adapters is not None:
+        lora.init_adapters(model, seed)
     _prepare(model, settings, trainable)
     return model
 
@@ -119,17 +131,32 @@ class ValueModel(nn.Module):
 
 
 def load_value_model(
-    settings: ModelSettings, path: str, device: torch.device, *, shard: ShardSpec | None = None
+    settings: ModelSettings,
+    path: str,
+    device: torch.device,
+    *,
+    shard: ShardSpec | None = None,
+    seed: int = 0,
 ) -> ValueModel:
-    """The critic from a causal LM's folder: its body, and a value head at zero."""
+    """The critic from a causal LM's folder: its body, and a value head at zero. With
+    settings.lora the body is frozen in the compute dtype with adapters (lora.py); the value
+    head trains whole."""
     from transformers import AutoConfig, AutoModel
 
-    dtype = torch.float32 if device.type == "cuda" else compute_dtype(settings.dtype, device)
+    from rlx.trainer.learn import lora
+
+    adapters = settings.lora
+    dtype = compute_dtype(settings.dtype, device)
+    if device.type == "cuda" and adapters is None:
+        dtype = torch.float32
     if shard is None:
         body = AutoModel.from_pretrained(
             path, dtype=dtype, trust_remote_code=settings.trust_remote_code
         )
-        critic = ValueModel(body, body.config.hidden_size).to(device)
+        hidden = body.config.hidden_size
+        if adapters is not None:
+            body = lora.add_adapters(body, adapters, task="FEATURE_EXTRACTION")
+        critic = ValueModel(body, hidden).to(device)
     else:
         from rlx.trainer.learn.sharding import build_sharded
 
@@ -140,9 +167,18 @@ def load_value_model(
             body = AutoModel.from_config(
                 config, dtype=dtype, trust_remote_code=settings.trust_remote_code
             )
+            if adapters is not None:
+                body = lora.add_adapters(body, adapters, task="FEATURE_EXTRACTION")
             return ValueModel(body, config.hidden_size)
 
-        critic = build_sharded(build, path, shard, zero=lambda name: name.startswith("value_head"))
+        critic = build_sharded(
+            build,
+            path,
+            shard,
+            zero=lambda name: name.startswith("value_head") or lora.is_adapter(name),
+        )
+    if adapters is not None:
+        lora.init_adapters(critic, seed)
     if settings.gradient_checkpointing:
         critic.body.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False}
@@ -236,6 +272,7 @@ class ResponseScorer(nn.Module):
         *,
         chunk_tokens: int | None = None,
         agree: Callable[[bool], bool] | None = None,
+        adapter_off: bool = False,
     ):
         super().__init__()
         config = lm.config  # type: ignore[union-attr]
@@ -249,6 +286,8 @@ class ResponseScorer(nn.Module):
         # About LOGITS_CHUNK_BYTES of fp32 logits at once, whatever the micro-batch holds.
         self.chunk_tokens = chunk_tokens or chunk_tokens_for_vocab(vocab)
         self.agree = agree
+        # A LoRA policy scoring as its own reference: the base, with its adapters switched off.
+        self.adapter_off = adapter_off
 
     def forward(
         self,
@@ -262,17 +301,19 @@ class ResponseScorer(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         from rlx.trainer.learn.sharding import run_as_forward
 
-        return run_as_forward(
-            self.lm,
-            self._score,
-            input_ids,
-            attention_mask,
-            position_ids,
-            prompt_width,
-            response_mask,
-            temperature,
-            entropy_grad,
-        )
+        adapters = self.lm.disable_adapter() if self.adapter_off else contextlib.nullcontext()
+        with adapters:  # type: ignore[attr-defined]
+            return run_as_forward(
+                self.lm,
+                self._score,
+                input_ids,
+                attention_mask,
+                position_ids,
+                prompt_width,
+                response_mask,
+                temperature,
+                entropy_grad,
+            )
 
     def _can_share(self, input_ids: Tensor, attention_mask: Tensor, prompt_width: int) -> Any:
         width = input_ids.shape[1] - prompt_width  # R
@@ -422,10 +463,12 @@ def response_values(critic: nn.Module, batch: SequenceBatch) -> Tensor:
     return values[:, batch.prompt_width - 1 : -1]  # (B, R)
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def sequence_logprob(model: nn.Module, prompt_ids: list[int], response_ids: list[int]) -> float:
     """Sum of log-probs (temperature 1) of response_ids after prompt_ids: the policy's side of
-    the weight-sync probe (RolloutEngine.logprob_probe is the engines' side)."""
+    the weight-sync probe (RolloutEngine.logprob_probe is the engines' side). no_grad, not
+    inference mode: a sharded policy's gathered weights land in buffers FSDP2 writes again
+    in training (the caller, Learner.probe, picks inference mode where that is safe)."""
     device = next(model.parameters()).device
     ids = torch.tensor([prompt_ids + response_ids], device=device)  # (1, L)
     logits = model(input_ids=ids, use_cache=False).logits.float()  # (1, L, V)

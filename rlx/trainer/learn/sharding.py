@@ -30,10 +30,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from rlx.trainer.learn.dtensors import local_rows
+from rlx.trainer.learn.lora import base_name
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from rlx.recipe.model import ParallelSettings
+    from rlx.trainer.weights import BucketLayout, Traffic
 
 Strategy = Literal["single", "ddp", "fsdp"]
 
@@ -240,7 +244,8 @@ def _checkpoint_files(path: str) -> dict[str, str]:
     if not single.exists():
         raise FileNotFoundError(
             f"{folder} has no model.safetensors(.index.json): sharded loading reads "
-            "safetensors only; convert the checkpoint or use trainer.parallel.strategy: ddp"
+            "safetensors only; convert the checkpoint (save_pretrained(..., "
+            "safe_serialization=True)) and point the model's path at the new folder"
         )
     from safetensors import safe_open
 
@@ -249,32 +254,14 @@ def _checkpoint_files(path: str) -> dict[str, str]:
 
 
 def _file_key(name: str, files: dict[str, str]) -> str | None:
-    """The checkpoint name of parameter `name`: itself, or with the body prefix of a critic
-    built on a causal LM's folder ("body.layers.0..." -> "model.layers.0..." or "layers...")."""
-    candidates = [name]
+    """The checkpoint name of parameter `name`: itself, without peft's wrapping (LoRA), or
+    with the body prefix of a critic built on a causal LM's folder ("body.layers.0..." ->
+    "model.layers.0..." or "layers...")."""
+    candidates = [name, base_name(name)]
     if name.startswith("body."):
-        rest = name.removeprefix("body.")
+        rest = base_name(name.removeprefix("body."))
         candidates += [f"model.{rest}", rest]
     return next((key for key in candidates if key in files), None)
-
-
-def local_rows(tensor: Tensor) -> tuple[Tensor, int]:
-    """(this rank's local tensor, the first global row it holds): a DTensor sharded on dim 0
-    the way FSDP2 does it (torch.chunk: ceil(rows / ranks) per rank), or a plain tensor."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    if not isinstance(tensor, DTensor):
-        return tensor, 0
-    placements = tensor.placements
-    if len(placements) != 1 or placements[0] != Shard(0):
-        raise ValueError(f"unexpected placements {placements}: only Shard(0) is supported")
-    local = tensor.to_local()
-    ranks = tensor.device_mesh.size()
-    per_rank = -(-tensor.shape[0] // ranks)  # ceil
-    first = min(per_rank * tensor.device_mesh.get_local_rank(), tensor.shape[0])
-    if local.shape[0] != max(min(per_rank, tensor.shape[0] - first), 0):
-        raise ValueError(f"local shard of {tuple(tensor.shape)} has {local.shape[0]} rows")
-    return local, first
 
 
 @torch.no_grad()
@@ -358,36 +345,98 @@ def named_full_tensors(
         yield name, tensor.detach()
 
 
-def push_plan(module: nn.Module, dtype: torch.dtype | None, bucket_bytes: int) -> list[list[str]]:
-    """The module's parameters (tied ones once) grouped into buckets of at most bucket_bytes
-    in `dtype` (their own when None); the same on every rank (sizes are global)."""
-    from rlx.trainer.weights import bucket_plan
-
-    sizes = [
-        (name, param.numel() * (dtype or param.dtype).itemsize)
-        for name, param in module.named_parameters()
-    ]
-    return bucket_plan(sizes, bucket_bytes)
-
-
-def gather_bucket(
-    module: nn.Module, names: list[str], dtype: torch.dtype | None, keep: bool
-) -> list[tuple[str, Tensor]]:
-    """The named parameters as whole host tensors in `dtype`, gathered one at a time (a
-    collective per sharded one: every rank calls it); only where keep is true are they
-    returned, else an empty list."""
+def engine_tensors(module: nn.Module, dtype: torch.dtype | None) -> Iterator[tuple[str, Tensor]]:
+    """The module's parameters (tied ones once) as whole tensors in `dtype` (their own when
+    None), where they are, one at a time: what a colocated engine loads. A sharded one is
+    cast before it is gathered (half the bytes of gathering float32 master weights), a
+    collective of every rank."""
     from torch.distributed.tensor import DTensor
 
-    params = dict(module.named_parameters())
-    out = []
     with torch.no_grad():
-        for name in names:
-            tensor = params[name]
+        for name, param in module.named_parameters():
+            tensor = param.detach().to(dtype or param.dtype)
             if isinstance(tensor, DTensor):
                 tensor = tensor.full_tensor()
-            if keep:
-                out.append((name, tensor.detach().to("cpu", dtype=dtype or tensor.dtype)))
-    return out
+            yield name, tensor
+
+
+def push_layouts(
+    module: nn.Module, dtype: torch.dtype | None, bucket_bytes: int
+) -> list[BucketLayout]:
+    """The module's parameters (tied ones once) in buckets of at most bucket_bytes in `dtype`
+    (their own when None), each laid out in a flat buffer; the same on every rank (global
+    shapes)."""
+    from rlx.trainer.weights import BucketLayout, bucket_plan
+
+    params = dict(module.named_parameters())
+    if not params:
+        return []
+    dtype = dtype or next(iter(params.values())).dtype
+    plan = bucket_plan(
+        ((name, param.numel() * dtype.itemsize) for name, param in params.items()), bucket_bytes
+    )
+    return [
+        BucketLayout.of([(name, tuple(params[name].shape)) for name in names], dtype)
+        for names in plan
+    ]
+
+
+def _rows_of(rows: int, ranks: int, rank: int) -> tuple[int, int]:
+    """(first row, rows) rank holds of a tensor FSDP2 shards over `ranks` (torch.chunk)."""
+    per_rank = -(-rows // ranks)
+    first = min(per_rank * rank, rows)
+    return first, max(min(per_rank, rows - first), 0)
+
+
+@torch.no_grad()
+def fill_bucket(
+    module: nn.Module, layout: BucketLayout, buffer: Tensor | None, device: torch.device
+) -> Traffic:
+    """Rank 0 (`buffer` given): the bucket's tensors, whole and in the layout's dtype, written
+    into the buffer. Under FSDP every rank is called and sends its own rows, cast, straight
+    into their place in rank 0's buffer (point to point on the training ranks' group): only
+    rank 0 ever holds a whole tensor, and it copies just its own rows. Plain and DDP modules:
+    rank 0 copies, the others have nothing to do. Returns what this rank moved."""
+    from torch.distributed.tensor import DTensor
+
+    from rlx.trainer.weights import Traffic, as_bytes, dtype_named
+
+    params = dict(module.named_parameters())
+    dtype = dtype_named(layout.dtype)
+    views = layout.views(buffer) if buffer is not None else None
+    traffic = Traffic()
+    ops: list[Any] = []
+    outgoing: list[Tensor] = []  # kept alive until the sends are done
+    for index, name in enumerate(layout.names):
+        param = params[name]
+        if not isinstance(param, DTensor):
+            if views is not None:
+                views[index][1].copy_(param.detach())
+                traffic.copied += views[index][1].numel() * dtype.itemsize
+            continue
+        local, first = local_rows(param)
+        peers = param.device_mesh.mesh.flatten().tolist()  # global rank of each mesh rank
+        if views is None:
+            if local.numel():
+                shard = local.detach().to(device=device, dtype=dtype).contiguous()
+                outgoing.append(shard)
+                ops.append(dist.P2POp(dist.isend, as_bytes(shard), peers[0], tag=index))
+                traffic.sent += shard.numel() * dtype.itemsize
+            continue
+        target = views[index][1]
+        target[first : first + local.shape[0]].copy_(local.detach())
+        traffic.copied += local.numel() * dtype.itemsize
+        for mesh_rank, peer in enumerate(peers):
+            start, rows = _rows_of(param.shape[0], len(peers), mesh_rank)
+            if peer == peers[0] or rows == 0:
+                continue
+            piece = target[start : start + rows]
+            ops.append(dist.P2POp(dist.irecv, as_bytes(piece), peer, tag=index))
+            traffic.received += piece.numel() * dtype.itemsize
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return traffic
 
 
 def full_state_dict(module: nn.Module, *, rank0_only: bool = True) -> dict[str, Tensor]:

@@ -92,6 +92,7 @@ def build_tiny_model(
     num_kv_heads: int | None = None,
     intermediate_size: int | None = None,
     max_position_embeddings: int = 2048,
+    tie_word_embeddings: bool = True,
     seed: int = 0,
 ) -> Path:
     """Write a random causal LM and its tokenizer to `out_dir`; return the folder.
@@ -129,7 +130,7 @@ def build_tiny_model(
         num_key_value_heads=kv_heads,
         intermediate_size=intermediate_size or 4 * hidden_size,
         max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie_word_embeddings,
         **special,
     )
     out = Path(out_dir)

@@ -8,7 +8,7 @@ from rlx.runs import SUMMARY_WINDOW, RunPaths, RunResult
 
 def finish(result: RunResult, paths: RunPaths) -> None:
     """The plot and the summary figures, from the metrics file."""
-    from rlx.runs import REWARD_MEAN, read_metrics
+    from rlx.runs import GPU_PEAK, REWARD_MEAN, read_metrics
     from rlx.trainer.report.plots import summary, write_plot
 
     if paths.metrics.is_file():
@@ -23,9 +23,11 @@ def finish(result: RunResult, paths: RunPaths) -> None:
         result.last_val_reward = figures["last_val_reward_mean"]
         result.first_val_pass1 = figures["first_val_pass1"]
         result.last_val_pass1 = figures["last_val_pass1"]
-    rewards = [
-        r[REWARD_MEAN] for r in read_metrics(paths.metrics) if r.get(REWARD_MEAN) is not None
-    ]
+    records = read_metrics(paths.metrics)
+    rewards = [r[REWARD_MEAN] for r in records if r.get(REWARD_MEAN) is not None]
+    peaks = [r[GPU_PEAK] for r in records if r.get(GPU_PEAK) is not None]
+    if peaks:
+        result.gpu_peak_gib = max(peaks)
     if rewards:
         # Windows that never overlap: a short run compares its two halves.
         window = max(1, min(SUMMARY_WINDOW, len(rewards) // 2))
@@ -78,4 +80,10 @@ def summary_lines(result: RunResult) -> list[str]:
         lines.append(f"checkpoints: {result.checkpoints}{size}")
     if result.model:
         lines.append(f"model (Hugging Face folder): {result.model}")
+    if result.gpu_peak_gib is not None:
+        plan = "n/a" if result.plan_gpu_gib is None else f"{result.plan_gpu_gib:.1f} GiB"
+        lines.append(
+            f"GPU memory: at most {result.gpu_peak_gib:.1f} GiB allocated on a training GPU "
+            f"(rlx plan: {plan} at its peak)"
+        )
     return lines

@@ -16,16 +16,28 @@ import torch
 
 from rlx.recipe.model import TrainerSettings
 from rlx.trainer.batch import RolloutBatch
-from rlx.trainer.weights import DEFAULT_BUCKET_BYTES, NamedTensors, buckets
+from rlx.trainer.weights import (
+    DEFAULT_BUCKET_BYTES,
+    BucketLayout,
+    GroupAddress,
+    NamedTensors,
+    WeightGroup,
+    buckets,
+    receive_push,
+)
 
 
 @dataclass(frozen=True)
 class SamplingArgs:
+    """How an engine samples: n responses per prompt of at most max_new_tokens (at least
+    min_new_tokens: EOS is forbidden before), at this temperature (0: greedy) within the
+    top_p nucleus. The defaults sample from the model's own distribution."""
+
     n: int
     max_new_tokens: int
-    min_new_tokens: int
-    temperature: float
-    top_p: float
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
 
     @classmethod
     def from_settings(cls, settings: TrainerSettings) -> SamplingArgs:
@@ -46,15 +58,11 @@ class RolloutEngine(abc.ABC):
     def generate(
         self,
         prompt_token_ids: list[list[int]],
-        n: int,
+        sampling: SamplingArgs,
         *,
-        max_new_tokens: int,
-        min_new_tokens: int = 0,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
         seed: int | None = None,
     ) -> RolloutBatch:
-        """n samples per prompt; the same seed and inputs give the same samples.
+        """sampling.n samples per prompt; the same seed and inputs give the same samples.
         temperature 0 is greedy decoding (log-probs then of the untempered model)."""
 
     # A weight push is begin_weights, load_weight_bucket once per bucket, finish_weights:
@@ -88,6 +96,38 @@ class RolloutEngine(abc.ABC):
             raise ValueError("load_weights: no tensors given")
         self.finish_weights(version)
 
+    # Split layout: pushes come over the weight group (weights.py). The engine joins it once,
+    # taking `weight_receivers` consecutive ranks from first_rank (one per process that holds
+    # its weights); each push is then one receive_weights call.
+
+    @property
+    def weight_receivers(self) -> int:
+        return 1
+
+    @property
+    def push_device(self) -> torch.device:
+        """Where this engine receives pushed tensors (in-process engines)."""
+        return torch.device("cpu")
+
+    def join_weight_group(self, address: GroupAddress, first_rank: int) -> None:
+        self._weight_group = WeightGroup.join(address, first_rank, self.push_device)
+
+    def receive_weights(
+        self, layouts: Sequence[BucketLayout], version: int, *, drop: int = 0, skip: bool = False
+    ) -> int:
+        """Receive a whole push from the group's rank 0 and load it; with every tensor
+        loaded the engine holds weights `version`. Returns the tensors loaded. drop and skip
+        are test hooks (receive_push)."""
+        group = getattr(self, "_weight_group", None)
+        if group is None:
+            raise RuntimeError("receive_weights before join_weight_group")
+        if not skip:
+            self.begin_weights()
+        loaded = receive_push(group, layouts, self.load_weight_bucket, drop=drop, skip=skip)
+        if not skip and loaded == sum(len(layout.names) for layout in layouts):
+            self.finish_weights(version)
+        return loaded
+
     @property
     @abc.abstractmethod
     def weight_version(self) -> int:
@@ -106,28 +146,22 @@ class RolloutEngine(abc.ABC):
         """Release the engine's model and memory; the engine is unusable afterwards."""
 
 
-def check_sampling_args(
-    prompt_token_ids: Sequence[Sequence[int]],
-    n: int,
-    max_new_tokens: int,
-    min_new_tokens: int,
-    temperature: float,
-    top_p: float,
-) -> None:
+def check_sampling_args(prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingArgs) -> None:
     if not prompt_token_ids:
         raise ValueError("generate needs at least one prompt")
     for index, ids in enumerate(prompt_token_ids):
         if len(ids) == 0:
             raise ValueError(f"prompt {index} is empty; every prompt needs at least one token")
-    if n < 1:
-        raise ValueError(f"n must be at least 1, got {n}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    if not 0 <= min_new_tokens <= max_new_tokens:
+    if sampling.n < 1:
+        raise ValueError(f"n must be at least 1, got {sampling.n}")
+    longest, shortest = sampling.max_new_tokens, sampling.min_new_tokens
+    if longest < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {longest}")
+    if not 0 <= shortest <= longest:
+        raise ValueError(f"min_new_tokens must be in [0, max_new_tokens={longest}], got {shortest}")
+    if sampling.temperature < 0:
         raise ValueError(
-            f"min_new_tokens must be in [0, max_new_tokens={max_new_tokens}], got {min_new_tokens}"
+            f"temperature must be > 0 for sampling (0: greedy), got {sampling.temperature}"
         )
-    if temperature < 0:
-        raise ValueError(f"temperature must be > 0 for sampling (0: greedy), got {temperature}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if not 0 < sampling.top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {sampling.top_p}")

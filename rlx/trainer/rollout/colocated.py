@@ -12,11 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 from rlx.trainer.rollout.base import RolloutEngine
 from rlx.trainer.rollout.hf import HFEngine
-from rlx.trainer.weights import DEFAULT_BUCKET_BYTES
+from rlx.trainer.weights import DEFAULT_BUCKET_BYTES, dtype_named
 
 
 class SharedModuleEngine(HFEngine):
@@ -38,9 +39,11 @@ class ColocatedEngine:
         shares_policy: bool,
         can_sleep: bool = False,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        dtype: torch.dtype | None = None,
     ):
         self.engine = engine
         self.bucket_bytes = bucket_bytes
+        self.dtype = dtype  # the engine's: pushed tensors are cast to it before they move
         self._state_away = False  # the learner's optimiser state is on the host for now
         self.shares_policy = shares_policy
         self.can_sleep = can_sleep
@@ -58,25 +61,30 @@ class ColocatedEngine:
 
     def refresh(self, policy: nn.Module, version: int, learner: Any = None) -> None:
         """After the update: make the engine generate with the policy's new weights. A
-        sleeping engine wakes into the room the learner leaves: its optimiser state moves
-        to the host (gradients are already freed after each step), the allocator's cache
-        is emptied (in wake_up), then the engine maps its memory again."""
+        sleeping engine wakes into the room the learner leaves (its optimiser state moves to
+        the host; gradients are already freed after each step) in the order that keeps the
+        peak lowest: the weights' memory first, then the push (each parameter cast to the
+        engine's dtype where it lies, gathered whole under FSDP, handed to the in-process
+        engine without leaving the device), and only once the push's buffers are freed the
+        KV cache."""
         if self.shares_policy:
             assert isinstance(self.engine, SharedModuleEngine)
             self.engine.mark_version(version)
             return
-        if self._asleep:
+        engine: Any = self.engine
+        waking = self._asleep
+        if waking:
             if learner is not None and learner.device.type == "cuda":
                 self._state_away = learner.move_optimizer_state("cpu") > 0
-            self.engine.wake_up()  # type: ignore[attr-defined]
-            self._asleep = False
-        from rlx.trainer.learn.sharding import named_full_tensors
+            engine.wake_weights()
+        from rlx.trainer.learn.sharding import engine_tensors
 
         # Parameters one at a time (the engine streams them in buckets), not a state-dict
         # copy; tied weights appear once. A sharded policy gathers each on every rank.
-        self.engine.load_weights(
-            named_full_tensors(policy, parameters=True), version, self.bucket_bytes
-        )
+        engine.load_weights(engine_tensors(policy, self.dtype), version, self.bucket_bytes)
+        if waking:
+            engine.wake_cache()
+            self._asleep = False
 
 
 SLEEP_REFUSED = (
@@ -91,12 +99,13 @@ def make_colocated_engine(
     model_path: str,
     *,
     dtype: str,
-    vllm_options: Mapping[str, Any],
+    vllm_options: Mapping[str, Any] | None = None,
     collective: Callable[[bool], bool] | None = None,
     say: Callable[[str], None] | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> ColocatedEngine:
-    """kind is 'hf' or 'vllm' (already resolved from 'auto'). collective: the policy is
+    """kind is 'hf' or 'vllm' (already resolved from 'auto'); vllm_options: vLLM's arguments
+    (rollout.vllm_options.vllm_options, in_process). collective: the policy is
     sharded over the ranks (see HFEngine). `say` gets the one note about sleep mode where
     the platform refuses it (None: keep quiet)."""
     if kind == "hf":
@@ -110,6 +119,6 @@ def make_colocated_engine(
     can_sleep = sleep_mode_available()
     if not can_sleep and say is not None:
         say(SLEEP_REFUSED)
-    options = {"enable_sleep_mode": can_sleep, **vllm_options}
+    options = {"enable_sleep_mode": can_sleep, **(vllm_options or {})}
     engine = VLLMEngine(model_path, dtype=dtype, **options)
-    return ColocatedEngine(engine, False, can_sleep, bucket_bytes)
+    return ColocatedEngine(engine, False, can_sleep, bucket_bytes, dtype_named(dtype))

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlx.trainer.batch import RolloutBatch, pad_responses
-from rlx.trainer.rollout.base import RolloutEngine, check_sampling_args
+from rlx.trainer.rollout.base import RolloutEngine, SamplingArgs, check_sampling_args
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -136,7 +136,9 @@ class HFEngine(RolloutEngine):
         self.pad_token_id: int = self.eos_ids[0] if pad_token_id is None else int(pad_token_id)
         self.max_batch_size = max_batch_size
         self.collective = collective
-        self.model.generation_config = GenerationConfig(
+        # A LoRA policy (peft's wrapper) generates with its base model's generation config.
+        holder = model.get_base_model() if hasattr(model, "get_base_model") else model
+        holder.generation_config = GenerationConfig(
             eos_token_id=self.eos_ids, pad_token_id=self.pad_token_id
         )
         self._version = 0
@@ -157,23 +159,19 @@ class HFEngine(RolloutEngine):
 
     @torch.no_grad()
     def _generate_chunk(
-        self,
-        prompts: Sequence[Sequence[int]],
-        max_new_tokens: int,
-        min_new_tokens: int,
-        temperature: float,
-        top_p: float,
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingArgs
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One response per row of prompts (the rows already repeat each prompt n times)."""
         from transformers import LogitsProcessorList
 
         input_ids, attention_mask = self._left_pad(prompts)  # (B, P)
-        greedy = temperature == 0  # the most likely token; log-probs of the model's own
+        greedy = sampling.temperature == 0  # the most likely token; log-probs of the model's own
         distribution = _SamplingDistribution(
             input_ids.shape[1],
             self.eos_ids,
-            min_new_tokens,
-            1.0 if greedy else temperature,
-            1.0 if greedy else top_p,
+            sampling.min_new_tokens,
+            1.0 if greedy else sampling.temperature,
+            1.0 if greedy else sampling.top_p,
         )
         sequences = self.model.generate(
             input_ids=input_ids,
@@ -182,7 +180,7 @@ class HFEngine(RolloutEngine):
             temperature=1.0,
             top_k=0,
             top_p=1.0,
-            max_new_tokens=max_new_tokens,
+            max_new_tokens=sampling.max_new_tokens,
             logits_processor=LogitsProcessorList([distribution]),
             synced_gpus=self.collective is not None,
             **self._shared_prefill(input_ids, attention_mask),
@@ -213,20 +211,17 @@ class HFEngine(RolloutEngine):
         engines only): it runs the same forwards on one placeholder row and keeps nothing."""
         if self.collective is None:
             return
-        self._generate_chunk([[self.pad_token_id]], max_new_tokens, 0, 1.0, 1.0)
+        self._generate_chunk([[self.pad_token_id]], SamplingArgs(1, max_new_tokens))
 
     def generate(
         self,
         prompt_token_ids: list[list[int]],
-        n: int,
+        sampling: SamplingArgs,
         *,
-        max_new_tokens: int,
-        min_new_tokens: int = 0,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
         seed: int | None = None,
     ) -> RolloutBatch:
-        check_sampling_args(prompt_token_ids, n, max_new_tokens, min_new_tokens, temperature, top_p)
+        check_sampling_args(prompt_token_ids, sampling)
+        n = sampling.n
         rows = [list(ids) for ids in prompt_token_ids for _ in range(n)]
         chunk = self.max_batch_size or len(rows)
         responses: list[list[int]] = []
@@ -238,9 +233,7 @@ class HFEngine(RolloutEngine):
             if seed is not None:
                 torch.manual_seed(seed)
             for start in range(0, len(rows), chunk):
-                ids, lps = self._generate_chunk(
-                    rows[start : start + chunk], max_new_tokens, min_new_tokens, temperature, top_p
-                )
+                ids, lps = self._generate_chunk(rows[start : start + chunk], sampling)
                 mask = mask_after_eos(ids, self.eos_ids)  # (B, R)
                 lengths = mask.sum(dim=1).tolist()
                 for row, length in enumerate(lengths):
@@ -278,6 +271,10 @@ class HFEngine(RolloutEngine):
             target.data.copy_(tensor.to(device=target.device, dtype=target.dtype))
             loaded += 1
         return loaded
+
+    @property
+    def push_device(self) -> torch.device:
+        return self.device
 
     def _targets(self) -> dict[str, torch.Tensor]:
         if self._target_tensors is None:

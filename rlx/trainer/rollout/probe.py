@@ -21,6 +21,11 @@ PROBE_TEXT = "0123456789 abcdefghij"
 # half precision (and vLLM's kernels against torch's) only to about a hundredth.
 PROBE_TOLERANCE_PER_TOKEN = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 2e-2}
 PROBE_TOLERANCE_FLOOR = 1e-3
+# Plus a share of the log-probs' own size, in units of the dtype's resolution (its epsilon):
+# rounding in bf16 over many layers grows with the logits, and an unlikely probe token has a
+# large log-prob. A wrong or missing push moves the probe by far more.
+PROBE_RELATIVE_EPS = 2.0
+DTYPE_EPS = {"float32": 2.0**-23, "bfloat16": 2.0**-7, "float16": 2.0**-10}
 
 
 class StaleEngineError(RlxError):
@@ -34,9 +39,14 @@ class Probe:
     prompt_ids: list[int]
     response_ids: list[int]
 
-    def tolerance(self, dtype: str) -> float:
+    def tolerance(self, dtype: str, policy_logprob: float = 0.0) -> float:
+        """How far an engine in `dtype` may score the probe from the policy's value
+        (policy_logprob, the sum over the probe's tokens): a bound per token plus a share
+        of the value's size, both set by the dtype."""
         per_token = PROBE_TOLERANCE_PER_TOKEN.get(dtype, PROBE_TOLERANCE_PER_TOKEN["bfloat16"])
-        return max(per_token * len(self.response_ids), PROBE_TOLERANCE_FLOOR)
+        eps = DTYPE_EPS.get(dtype, DTYPE_EPS["bfloat16"])
+        relative = PROBE_RELATIVE_EPS * eps * abs(policy_logprob)
+        return max(per_token * len(self.response_ids) + relative, PROBE_TOLERANCE_FLOOR)
 
 
 @dataclass(frozen=True)

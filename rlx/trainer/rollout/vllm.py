@@ -2,26 +2,26 @@
 when this engine is chosen.
 
 Uses vLLM's offline API: `LLM(...)`, `SamplingParams(...)`, `LLM.generate` on token-id
-prompts, and `LLM.collective_rpc` to run small functions in the engine's worker processes:
-reseeding their sampler and loading new weights (vLLM's own `load_weights` shards them for
-tensor parallelism), streamed in buckets of a bounded size rather than one state dict.
-Log-probs are requested as "processed_logprobs" (after temperature and top-p), the same
-distribution HFEngine reports.
+prompts, and `LLM.collective_rpc` to call, by name, the methods rlx adds to every vLLM
+worker (vllm_worker.WeightReceiver, vLLM's worker_extension_cls): reseeding the sampler,
+joining the weight group and receiving pushes over it (split layout), and loading tensors
+handed over in-process (colocated). Log-probs are requested as "processed_logprobs" (after
+temperature and top-p), the same distribution HFEngine reports.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from rlx.trainer.batch import RolloutBatch, pad_responses
-from rlx.trainer.rollout.base import RolloutEngine, check_sampling_args
-from rlx.trainer.weights import DEFAULT_BUCKET_BYTES, NamedTensors
+from rlx.trainer.rollout.base import RolloutEngine, SamplingArgs, check_sampling_args
+from rlx.trainer.weights import DEFAULT_BUCKET_BYTES, BucketLayout, GroupAddress, NamedTensors
 
 INSTALL_HINT = (
     'the vllm rollout engine needs vLLM: pip install "rlx[vllm]" on a CUDA machine, or '
@@ -44,43 +44,18 @@ def sleep_mode_available() -> bool:
     return bool(current_platform.is_sleep_mode_available())
 
 
-# The functions below run inside each vLLM worker process (module level, so they pickle by
-# reference); collective_rpc passes the worker as the last argument (after _rpc's).
+WORKER_EXTENSION = "rlx.trainer.rollout.vllm_worker.WeightReceiver"
 
 
-def _seed_worker(seed: int, worker: Any) -> None:
-    """Requests without a seed of their own sample from the worker's global torch RNG."""
-    torch.manual_seed(seed)
+def _load_pickled(weights: list[tuple[str, torch.Tensor]], worker: Any) -> int:
+    """rlx_load for an engine in other processes: tensors nested in a list do not travel as
+    rpc arguments, so they ride in a pickled callable (tests, and the one-off load_weights)."""
+    return worker.rlx_load(weights)
 
 
-def _begin_reload(worker: Any) -> None:
-    """vLLM's in-place reload: each layer takes checkpoint-format weights again and is
-    reprocessed into its kernel layout once all of its tensors have arrived (the CPU
-    build repacks linear weights after loading, so a plain load_weights cannot reach them)."""
-    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-    initialize_layerwise_reload(worker.model_runner.get_model())
-
-
-def _load_bucket(weights: list[tuple[str, torch.Tensor]], worker: Any) -> int:
-    model = worker.model_runner.get_model()
-    device = worker.device if hasattr(worker, "device") else torch.device("cpu")
-    model.load_weights(weights=((name, t.to(device)) for name, t in weights))
-    return len(weights)
-
-
-def _finish_reload(worker: Any) -> None:
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-    model = worker.model_runner.get_model()
-    config = worker.vllm_config.model_config
-    finalize_layerwise_reload(model, config)
-    # A head tied to the embeddings receives no weights of its own, so the reload never
-    # reprocesses it: the CPU build's packed copy of it would keep the old embeddings.
-    lm_head = getattr(model, "lm_head", None)
-    method = getattr(lm_head, "quant_method", None)
-    if getattr(config.hf_text_config, "tie_word_embeddings", False) and method is not None:
-        method.process_weights_after_loading(lm_head)
+def _free_cached_memory() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
@@ -112,11 +87,20 @@ class VLLMEngine(RolloutEngine):
     ):
         vllm = _import_vllm()
         self._vllm = vllm
-        options = {"logprobs_mode": "processed_logprobs", **llm_options}
-        # collective_rpc ships functions to the engine's worker processes; vLLM pickles
-        # callables only when allowed. The workers are this job's own children.
+        options = {
+            "logprobs_mode": "processed_logprobs",
+            "worker_extension_cls": WORKER_EXTENSION,
+            **llm_options,
+        }
+        # load_weight_bucket hands an engine in other processes its tensors in a pickled
+        # callable, which vLLM's engine core unpickles only if allowed when it starts. The
+        # workers are this job's own children.
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         self.llm = vllm.LLM(model=str(model_path), dtype=dtype, **options)
+        # The engine core in this very process (VLLM_ENABLE_V1_MULTIPROCESSING=0 with the
+        # "uni" executor): collective_rpc then calls the worker directly, nothing pickled.
+        core = self.llm.llm_engine.engine_core
+        self.in_process = type(core).__name__ == "InprocClient"
         tokenizer = self.llm.get_tokenizer()
         self.pad_token_id: int = (
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -129,30 +113,26 @@ class VLLMEngine(RolloutEngine):
     def weight_version(self) -> int:
         return self._version
 
-    def _rpc(self, function: Callable[..., Any], *args: Any) -> list[Any]:
-        # Arguments ride in the pickled callable: vLLM's own encoding of rpc arguments does
-        # not carry tensors nested in lists.
-        return self.llm.collective_rpc(functools.partial(function, *args))
+    def _rpc(self, method: str, *args: Any) -> list[Any]:
+        """A WeightReceiver method in every worker; plain arguments only."""
+        return self.llm.collective_rpc(method, args=args)
 
     def generate(
         self,
         prompt_token_ids: list[list[int]],
-        n: int,
+        sampling: SamplingArgs,
         *,
-        max_new_tokens: int,
-        min_new_tokens: int = 0,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
         seed: int | None = None,
     ) -> RolloutBatch:
-        check_sampling_args(prompt_token_ids, n, max_new_tokens, min_new_tokens, temperature, top_p)
+        check_sampling_args(prompt_token_ids, sampling)
+        n = sampling.n
         params = functools.partial(
             self._vllm.SamplingParams,
-            temperature=temperature,
-            top_p=top_p,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
             top_k=-1,  # no top-k: the interface has only temperature and top-p
-            max_tokens=max_new_tokens,
-            min_tokens=min_new_tokens,
+            max_tokens=sampling.max_new_tokens,
+            min_tokens=sampling.min_new_tokens,
             logprobs=0,  # the sampled token's log-prob only
             detokenize=False,
         )
@@ -160,10 +140,10 @@ class VLLMEngine(RolloutEngine):
             requests = [
                 {"prompt_token_ids": list(ids)} for ids in prompt_token_ids for _ in range(n)
             ]
-            sampling: Any = [
+            per_sample: Any = [
                 params(n=1, seed=seed * 1_000_003 + row) for row in range(len(requests))
             ]
-            outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+            outputs = self.llm.generate(requests, per_sample, use_tqdm=False)
         else:
             requests = [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids]
             outputs = self._generate_batched(requests, params(n=n), seed)
@@ -194,17 +174,17 @@ class VLLMEngine(RolloutEngine):
             weight_version=self._version,
         )
 
-    def _generate_batched(self, requests: list[dict], sampling: Any, seed: int | None) -> list:
+    def _generate_batched(self, requests: list[dict], params: Any, seed: int | None) -> list:
         """One request per prompt. Seeded: the workers' RNG is reseeded and the scheduler
         paused until every request is queued, so the batches, and with them the samples,
         are the same whenever the call is repeated (the engine core runs in its own
         process and would otherwise start on whichever requests had arrived)."""
         if seed is None:
-            return self.llm.generate(requests, sampling, use_tqdm=False)
-        self._rpc(_seed_worker, seed)
+            return self.llm.generate(requests, params, use_tqdm=False)
+        self._rpc("rlx_seed", seed)
         self.llm.sleep(level=0)  # level 0: scheduling paused, requests still accepted
         try:
-            self.llm.enqueue(requests, sampling, use_tqdm=False)
+            self.llm.enqueue(requests, params, use_tqdm=False)
         finally:
             self.llm.wake_up(tags=["scheduling"])
         outputs = self.llm.wait_for_completion(use_tqdm=False)  # in request order
@@ -215,31 +195,61 @@ class VLLMEngine(RolloutEngine):
     def load_weights(
         self, weights: NamedTensors, version: int, bucket_bytes: int | None = None
     ) -> None:
-        """A whole push, streamed to every worker in buckets (of bucket_bytes, by default the
-        engine's own); the version changes only once every bucket has landed."""
-        items = weights.items() if isinstance(weights, Mapping) else weights
-        named = ((name, tensor.detach().to("cpu")) for name, tensor in items)
-        super().load_weights(named, version, bucket_bytes or self.bucket_bytes)
+        """A whole push handed over, streamed to every worker in buckets (of bucket_bytes,
+        by default the engine's own); the version changes only once every bucket has landed.
+        In-process the tensors stay where they are (a colocated policy's GPU tensors go
+        straight into the engine's weights)."""
+        super().load_weights(weights, version, bucket_bytes or self.bucket_bytes)
 
     def begin_weights(self) -> None:
-        self._rpc(_begin_reload)
+        self._rpc("rlx_begin_reload")
 
     def load_weight_bucket(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> int:
         """One collective_rpc per bucket: each worker loads the whole bucket (vLLM's own
         load_weights takes each worker's tensor-parallel slice of it)."""
-        # Pickling a view writes its whole storage: a view into a packed bucket's buffer
-        # would carry the whole bucket once per tensor. Such views travel as copies.
-        owned = [(name, _own_storage(tensor)) for name, tensor in bucket]
-        counts = self._rpc(_load_bucket, owned)
+        if self.in_process:
+            counts = self._rpc("rlx_load", list(bucket))
+        else:
+            # Pickling a view writes its whole storage: views travel as compact copies.
+            owned = [(name, _own_storage(tensor.detach().cpu())) for name, tensor in bucket]
+            counts = self.llm.collective_rpc(functools.partial(_load_pickled, owned))
         if any(count != len(bucket) for count in counts):
             raise RuntimeError(f"a vLLM worker loaded {counts} of {len(bucket)} tensors")
         return len(bucket)
 
     def finish_weights(self, version: int) -> None:
-        self._rpc(_finish_reload)
+        self._rpc("rlx_finish_reload")
+        self._take_version(version)
+
+    def _take_version(self, version: int) -> None:
         # Cached prefixes hold keys/values computed with the old weights.
         self.llm.reset_prefix_cache()
         self._version = int(version)
+
+    @property
+    def weight_receivers(self) -> int:
+        return int(self.llm.llm_engine.vllm_config.parallel_config.world_size)
+
+    def join_weight_group(self, address: GroupAddress, first_rank: int) -> None:
+        self._rpc(
+            "rlx_join_weight_group",
+            address.host,
+            address.port,
+            address.world_size,
+            address.timeout_s,
+            first_rank,
+        )
+
+    def receive_weights(
+        self, layouts: Sequence[BucketLayout], version: int, *, drop: int = 0, skip: bool = False
+    ) -> int:
+        """One call per push: every worker receives every bucket over the weight group and
+        loads it (only the layouts travel in the rpc)."""
+        wire = [layout.to_wire() for layout in layouts]
+        loaded = min(self._rpc("rlx_receive_push", wire, drop, skip))
+        if not skip and loaded == sum(len(layout.names) for layout in layouts):
+            self._take_version(version)
+        return loaded
 
     def logprob_probe(self, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> float:
         if not prompt_ids or not response_ids:
@@ -255,10 +265,15 @@ class VLLMEngine(RolloutEngine):
         """Free the weights and KV cache (level 2: the next push rewrites every weight)."""
         self.llm.sleep(level=2)
 
-    def wake_up(self) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()  # what the trainer freed goes back before vLLM maps again
-        self.llm.wake_up()
+    def wake_weights(self) -> None:
+        """Map the weights' memory again (their values are whatever the push writes)."""
+        _free_cached_memory()  # what the trainer freed goes back before vLLM maps again
+        self.llm.wake_up(tags=["weights"])
+
+    def wake_cache(self) -> None:
+        """Map the KV cache again, once the push's own buffers are freed."""
+        _free_cached_memory()
+        self.llm.wake_up(tags=["kv_cache"])
 
     def close(self) -> None:
         del self.llm

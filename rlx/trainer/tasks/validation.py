@@ -106,11 +106,10 @@ def validate(
 def _episode_mean(cluster: Any, episodes: Any, data: PromptDataset, sampling: Any, step: int):
     from rlx.trainer.episodes.runner import episode_scores
 
-    def submit(prompt_ids: list[list[int]], n: int, max_new: int, stream: str) -> Any:
-        args = dataclasses.replace(sampling, n=n, max_new_tokens=max_new)
+    def submit(prompt_ids: list[list[int]], args: Any, stream: str) -> Any:
         return cluster.submit_generate(prompt_ids, step, args, f"validate/{stream}")
 
     rows = list(range(len(data)))
-    pending = episodes.start(rows, step, submit, sampling.n, sampling.max_new_tokens, data)
+    pending = episodes.start(rows, step, submit, sampling, data)
     scores = episode_scores(pending.collect())
     return sum(scores) / max(len(scores), 1)

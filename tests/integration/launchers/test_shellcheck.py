@@ -60,3 +60,16 @@ def test_each_runtime_passes_shellcheck(runtime: str, tmp_path: Path) -> None:
     for name, body in node_scripts(recipe_for(runtime)).items():
         (tmp_path / f"{name}.sh").write_text(body)
         shellcheck(tmp_path / f"{name}.sh")
+
+
+@pytest.mark.parametrize("runtime", ["docker", "podman"])
+def test_rdma_devices_pass_shellcheck(runtime: str, tmp_path: Path) -> None:
+    """resources.fabric: the container's RDMA flags in the batch script and the node's."""
+    from tests.unit.launchers.test_fabric import fabric_box
+
+    recipe = fabric_box(runtime, "infiniband")
+    (tmp_path / "job.sbatch").write_text(render("slurm", recipe, "boxed.yaml"))
+    shellcheck(tmp_path / "job.sbatch")
+    for name, body in node_scripts(recipe).items():
+        (tmp_path / f"{name}.sh").write_text(body)
+        shellcheck(tmp_path / f"{name}.sh")

@@ -24,6 +24,7 @@ from rlx.trainer.checkpoint import (
     read_marker,
     resolve_resume,
 )
+from rlx.trainer.rollout.base import SamplingArgs
 from tests.conftest import REPO
 
 CRASHING_SAVE = textwrap.dedent(
@@ -197,9 +198,7 @@ def _save_at(rank: int, world: int, port: int, tmp: str, model: str, strategy: s
         TRAINER_STATE: {"step": 1, "world_size": world, "algorithm": "ppo"},
         CONTROLLER_RNG: capture_rng_state(),
     }
-    saved = worker.save_checkpoint(
-        SaveRequest(temporary[0], str(manager.root), "run", 2, 1, controller, rng_states)
-    )
+    saved = worker.save_checkpoint(SaveRequest(temporary[0], manager, 1, controller, rng_states))
     full = _full_state(worker)
     with torch.no_grad():
         logits = worker.learner.policy(batch.input_ids).logits  # (B, T, V)
@@ -217,7 +216,7 @@ def _resume_at(rank: int, world: int, port: int, tmp: str, model: str, strategy:
     folder = Path(tmp)
     worker = _start_worker(rank, world, port, folder, model, strategy)
     path = torch.load(folder / "reference.pt", weights_only=False)["saved"].path
-    report = worker.load_checkpoint(path)
+    report = worker.load_checkpoint(CheckpointManager(folder / "ckpt", "run", 2), path)
     full = _full_state(worker)
     reports: list[Any] = [None] * world
     dist.all_gather_object(reports, report)
@@ -245,7 +244,9 @@ def ppo_batch(tiny_model_dir: Path) -> Any:
 
     engine = HFEngine(tiny_model_dir)
     prompts = [[256, 72, 105], [256, 65, 66, 67, 68], [256, 49]]
-    batch = pack_rollout(engine.generate(prompts, 4, max_new_tokens=12, min_new_tokens=3, seed=0))
+    batch = pack_rollout(
+        engine.generate(prompts, SamplingArgs(4, max_new_tokens=12, min_new_tokens=3), seed=0)
+    )
     generator = torch.Generator().manual_seed(0)
     mask = batch.response_mask
     advantages = torch.where(mask, torch.randn(mask.shape, generator=generator), 0.0)

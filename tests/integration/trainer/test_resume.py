@@ -3,6 +3,8 @@ kill, and 3 resumed steps; a kill in the middle of a save falls back to the prev
 checkpoint; a run saved at 2 ranks resumes at 3 and trains on. Each run is a real `rlx
 train` process joining a Ray cluster of several nodes on this machine (ray.cluster_utils:
 one raylet per node), one training worker per node as on CPU clusters, gloo between them.
+The model (policy, reference and critic) is named by its hub id and served to every node
+from a hub cache the test fills, offline: FSDP at 2 and 3 ranks loads it as users name it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from rlx.trainer.checkpoint import MARKER
 from rlx.trainer.checkpoint.export import read_tensors, saved_tensors
 from tests.support.cli import run_rlx
 from tests.support.fixtures import ray_nodes_here
+from tests.support.hub import HUB_ID, HubCache
 from tests.support.recipes import write_recipe
 
 pytest.importorskip("ray")
@@ -52,8 +55,9 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ray_nodes() -> Iterator[Any]:
-    with ray_nodes_here(2) as cluster:
+def ray_nodes(hub_cache: HubCache) -> Iterator[Any]:
+    # Every node (raylet) is served the model from the test's own hub cache, offline.
+    with ray_nodes_here(2, env=hub_cache.env) as cluster:
         yield cluster
 
 
@@ -63,6 +67,7 @@ def ppo_recipe(workdir: Path, name: str, nodes: int, **overrides: Any) -> Path:
     back. 12 samples a step: they split over 2 and 3 ranks."""
     settings: dict[str, Any] = {
         "algorithm": "ppo",
+        "model": {"path": HUB_ID, "dtype": "float32"},  # as users name it: a hub id
         "algo": {"kl": {"coef": 0.05, "mode": "reward"}},
         "optim": {"critic_lr": 2.0e-3, "schedule": "cosine", "warmup_steps": 2},
         "rollout": {"n": 4, "max_new_tokens": 16},

@@ -26,7 +26,9 @@ from rlx.trainer.learn.learner import (
     UpdateStats,
     merge_update_stats,
 )
+from rlx.trainer.rollout.base import SamplingArgs
 from rlx.trainer.rollout.hf import HFEngine
+from rlx.trainer.weights import Traffic
 from tests.support.gradients import (
     assert_same_gradient,
     assert_same_gradients,
@@ -78,7 +80,7 @@ def one_update(learner: Learner, batch: SequenceBatch) -> tuple[dict, dict, Upda
 
 @pytest.fixture(scope="module")
 def ppo_step_batch(tiny_model_dir: Path) -> SequenceBatch:
-    rollout = HFEngine(tiny_model_dir).generate(PROMPTS, 3, max_new_tokens=10, seed=0)
+    rollout = HFEngine(tiny_model_dir).generate(PROMPTS, SamplingArgs(3, max_new_tokens=10), seed=0)
     batch = pack_rollout(rollout)
     generator = torch.Generator().manual_seed(0)
     mask = batch.response_mask
@@ -105,7 +107,9 @@ def unsharded(tmp_path_factory, tiny_model_dir: Path, ppo_step_batch: SequenceBa
     torch.save(batch, tmp / "batch.pt")
     engine = HFEngine(tiny_model_dir)
     generated = [
-        engine.generate(prompts, 2, max_new_tokens=6 + 2 * index, seed=index).response_ids
+        engine.generate(
+            prompts, SamplingArgs(2, max_new_tokens=6 + 2 * index), seed=index
+        ).response_ids
         for index, prompts in enumerate(RANK_PROMPTS)
         if prompts
     ]
@@ -242,7 +246,9 @@ def _run_strategy(rank: int, world: int, strategy: str, model: str, big_model: s
         prompts = RANK_PROMPTS[rank]
         with learner.no_grad():
             if prompts:
-                ids = engine.generate(prompts, 2, max_new_tokens=6 + 2 * rank, seed=rank)
+                ids = engine.generate(
+                    prompts, SamplingArgs(2, max_new_tokens=6 + 2 * rank), seed=rank
+                )
                 out = ids.response_ids
             else:
                 engine.take_part(8)
@@ -254,15 +260,19 @@ def _run_strategy(rank: int, world: int, strategy: str, model: str, big_model: s
             results["generated"] = [o for o in outs if o is not None]
             results["probe"] = probe
 
-        # A push to split engines: buckets gathered from the shards, rank 0 keeping them.
-        plan = parallel.push_plan(learner.policy, torch.bfloat16, 60_000)
-        pushed = [
-            pair
-            for names in plan
-            for pair in parallel.gather_bucket(learner.policy, names, torch.bfloat16, rank == 0)
-        ]
+        # A push to split engines, in bf16: each rank sends its rows straight into rank 0's
+        # bucket buffers; what every rank moved is counted.
+        layouts = parallel.push_layouts(learner.policy, torch.bfloat16, 60_000)
+        pushed, moved = [], Traffic()
+        for layout in layouts:
+            buffer = layout.empty() if rank == 0 else None
+            moved.add(parallel.fill_bucket(learner.policy, layout, buffer, torch.device("cpu")))
+            if buffer is not None:
+                pushed += [(name, view.clone()) for name, view in layout.views(buffer)]
+        traffic: list[Any] = [None] * world
+        dist.all_gather_object(traffic, moved)
         if rank == 0:
-            results["pushed"] = (len(plan), pushed, policy_state)
+            results["pushed"] = (len(layouts), pushed, policy_state, traffic)
 
     # Token-budget micro-batches: ranks make different numbers of passes, same gradient.
     # (The same learner, its settings swapped for ones with a budget: nothing has stepped.)
@@ -398,13 +408,31 @@ def test_ranks_train_like_one_unsharded_process(
             assert torch.equal(got_ids, want_ids)
         assert abs(got["probe"] - unsharded["probe"]) < 1e-4
 
-        buckets, pushed, whole = got["pushed"]
+        buckets, pushed, whole, traffic = got["pushed"]
         # Every parameter, in order; the head tied to the embeddings travels once.
         assert buckets > 2
         assert [name for name, _ in pushed] == [n for n in whole if n != "lm_head.weight"]
         for name, tensor in pushed:
             assert tensor.dtype == torch.bfloat16
             assert torch.equal(tensor, whole[name].to(torch.bfloat16)), name
+        # bf16 on the wire, whole tensors on rank 0 only: FSDP ranks send their own rows
+        # (2 bytes each), rank 0 receives the rest and copies only its own.
+        total = sum(tensor.numel() * 2 for _, tensor in pushed)
+        if strategy == "fsdp":
+            # FSDP2's rows of a tensor: ceil(rows / ranks) each, in rank order.
+            share = [0] * world
+            for _, tensor in pushed:
+                per = -(-tensor.shape[0] // world)
+                for r in range(world):
+                    first = min(per * r, tensor.shape[0])
+                    rows = max(min(per, tensor.shape[0] - first), 0)
+                    share[r] += rows * tensor[0].numel() * 2
+            assert traffic[0].copied == share[0] and traffic[0].received == total - share[0]
+            assert [t.sent for t in traffic] == [0, *share[1:]], traffic
+            assert all(t.received == 0 and t.copied == 0 for t in traffic[1:])
+        else:  # every rank has the whole tensors: rank 0 copies them, nobody sends
+            assert traffic[0].copied == total and all(t.sent == 0 for t in traffic)
+        report.append(f"push traffic per rank (bytes): {[(t.sent, t.received) for t in traffic]}")
 
         for variant in ("checkpointed", "offloaded"):
             if variant in got:

@@ -9,6 +9,7 @@ none). The executor is chosen explicitly and CPU engines get their cores split.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,7 +17,7 @@ import pytest
 
 from rlx.plan.actors import tensor_parallel_bundles
 from rlx.trainer.actors.placement import alive_nodes, reserve, rollout_actor_options
-from rlx.trainer.actors.workers import _vllm_options, cpu_binding
+from rlx.trainer.rollout.vllm_options import cpu_binding, vllm_options
 from tests.support.recipes import make_recipe
 
 pytest.importorskip("ray")
@@ -30,13 +31,19 @@ def test_cpu_workers_get_their_own_cores() -> None:
     assert cpu_binding(2, [5]) == "5|5"  # fewer cores than workers: shared
 
 
-def test_the_executor_is_chosen_explicitly(tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_the_executor_is_chosen_explicitly(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     settings = make_recipe(tmp_path, rollout={"engine": "vllm"}).trainer
-    gpu = _vllm_options(settings, 2, str(tiny_model_dir), use_gpu=True)
+    gpu = vllm_options(settings, 2, str(tiny_model_dir), use_gpu=True)
     assert gpu["distributed_executor_backend"] == "ray" and gpu["tensor_parallel_size"] == 2
-    cpu = _vllm_options(settings, 2, str(tiny_model_dir), use_gpu=False)
+    # Set here only for the test (restored after it): the options bind a CPU engine's workers.
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "")
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+    cpu = vllm_options(settings, 2, str(tiny_model_dir), use_gpu=False)
     assert cpu["distributed_executor_backend"] == "mp" and "gpu_memory_utilization" not in cpu
-    one = _vllm_options(settings, 1, str(tiny_model_dir), use_gpu=True)
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == cpu_binding(2)
+    one = vllm_options(settings, 1, str(tiny_model_dir), use_gpu=True)
     assert "distributed_executor_backend" not in one  # one GPU: vLLM runs in the actor
     # A prompt, the longest response, and the one token the probe's request generates.
     assert one["max_model_len"] == 64 + 32 + 1

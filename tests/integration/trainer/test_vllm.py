@@ -18,6 +18,7 @@ import pytest
 import torch
 import yaml
 
+from rlx.trainer.rollout.base import SamplingArgs
 from rlx.trainer.rollout.colocated import SLEEP_REFUSED
 from rlx.trainer.rollout.hf import top_p_filter
 from rlx.trainer.rollout.probe import Probe, StaleEngineError
@@ -57,11 +58,11 @@ def _policy(tiny_model_dir: Path):
 def test_samples_and_log_probs_match_the_policy_and_seeds_reproduce(
     engine, tiny_model_dir: Path
 ) -> None:
-    sampling = {"max_new_tokens": 12, "temperature": 0.7, "top_p": 0.9}
-    batch = engine.generate(PROMPTS, 4, seed=11, **sampling)
+    sampling = SamplingArgs(4, max_new_tokens=12, temperature=0.7, top_p=0.9)
+    batch = engine.generate(PROMPTS, sampling, seed=11)
     assert batch.response_ids.shape[0] == 12 and batch.prompt_ids[4] == PROMPTS[1]
-    again = engine.generate(PROMPTS, 4, seed=11, **sampling)
-    other = engine.generate(PROMPTS, 4, seed=12, **sampling)
+    again = engine.generate(PROMPTS, sampling, seed=11)
+    other = engine.generate(PROMPTS, sampling, seed=12)
     assert torch.equal(batch.response_ids, again.response_ids)
     assert torch.equal(batch.logprobs, again.logprobs)
     assert not torch.equal(batch.response_ids, other.response_ids)
@@ -79,7 +80,7 @@ def test_samples_and_log_probs_match_the_policy_and_seeds_reproduce(
             got = batch.logprobs[row, : len(response)]
             assert torch.allclose(got, expected, atol=2e-4), (row, got, expected)
 
-    greedy = engine.generate(PROMPTS, 1, max_new_tokens=6, temperature=0.0, seed=1)
+    greedy = engine.generate(PROMPTS, SamplingArgs(1, max_new_tokens=6, temperature=0.0), seed=1)
     with torch.no_grad():
         for row, prompt in enumerate(PROMPTS):
             ids = torch.tensor([prompt])
@@ -205,9 +206,10 @@ def test_a_tensor_parallel_engine_generates_and_takes_pushes(tmp_path: Path, mon
     try:
         policy = _policy(folder)
         probe = Probe(PROMPTS[0], [48, 49, 50, 51, 52])
-        first = engine.generate(PROMPTS, 4, max_new_tokens=8, seed=3)
+        first = engine.generate(PROMPTS, SamplingArgs(4, max_new_tokens=8), seed=3)
         assert torch.equal(
-            first.response_ids, engine.generate(PROMPTS, 4, max_new_tokens=8, seed=3).response_ids
+            first.response_ids,
+            engine.generate(PROMPTS, SamplingArgs(4, max_new_tokens=8), seed=3).response_ids,
         )
         assert abs(
             engine.logprob_probe(PROMPTS[0], probe.response_ids) - _probe(policy, probe)

@@ -60,10 +60,9 @@ def test_split_engines_get_every_update_and_a_stale_one_stops_the_run(tmp_path: 
         with pytest.raises(StaleEngineError, match="its weights are not the policy's"):
             check_engines([report], 2, policy, tolerance)
 
-        # Small buckets: a push is many objects, each landing on both engines.
+        # Small buckets: a push is many broadcasts, each landing on both engines.
         cluster.bucket_bytes = 40_000
-        plan = ray.get(cluster.train.handles[0].open_weight_stream.remote(None, 40_000))
-        assert len(plan) > 3
+        assert len(cluster.push_layouts()) > 3
         assert trainer.step(3)["sync/probe_diff"] <= tolerance
 
         # One bucket lost on the way to an engine: the push is partial and the run stops.
@@ -90,13 +89,10 @@ def test_split_engines_get_every_update_and_a_stale_one_stops_the_run(tmp_path: 
 
 
 def full_weights(ray, worker) -> dict[str, torch.Tensor]:
-    """The policy's parameters as a push streams them, collected in one dict."""
-    plan = ray.get(worker.open_weight_stream.remote(None, 2**30))
-    return {
-        name: tensor
-        for index in range(len(plan))
-        for name, tensor in ray.get(worker.weight_bucket.remote(index)).tensors()
-    }
+    """The policy's parameters, whole."""
+    state = ray.get(worker.policy_state.remote())
+    assert state is not None
+    return state
 
 
 def test_colocated_hf_engine_is_the_policy_module(tiny_model_dir: Path) -> None:

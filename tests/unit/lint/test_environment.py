@@ -327,7 +327,7 @@ def test_an_unknown_model_skips_the_context_check(tmp_path: Path, monkeypatch: p
 
 
 def test_the_probe_token_is_the_engines():
-    from rlx.trainer.actors.workers import max_model_len
+    from rlx.trainer.rollout.vllm_options import max_model_len
 
     for environment in (_env("tool_lookup"), _env("calculator", max_tokens=700)):
         settings = _settings(environment=environment)

@@ -121,6 +121,21 @@ BROKEN: dict[str, list[tuple[Callable[[dict[str, Any]], None], str]]] = {
             "trainer.rollout_gpus",
         ),
     ],
+    "check_lora_target_modules": [
+        (
+            _set("trainer.model.lora", {"rank": 8, "target_modules": []}),
+            "trainer.model.lora.target_modules",
+        )
+    ],
+    "check_lora_rank_servable": [
+        (
+            _all(_set("trainer.rollout.engine", "vllm"), _set("trainer.model.lora", {"rank": 600})),
+            "trainer.model.lora.rank",
+        )
+    ],
+    "check_lora_engine": [
+        (_all(SPLIT, _set("trainer.model.lora", {"rank": 8})), "trainer.model.lora"),
+    ],
     "check_trainer_specs": [
         (_set("trainer.model.path", "tiny:gpt9-h64-l2"), "trainer.model.path"),
         (_set("trainer.model.path", "tiny:qwen2-h96-l2"), "trainer.model.path"),

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from rlx.cli import app
 from rlx.plan import find_shape, plan_recipe
 from rlx.plan import memory as mem
-from rlx.plan.planner import micro_batch_tokens, sequence_tokens
+from rlx.plan.budget import micro_batch_tokens, sequence_tokens
 from rlx.recipe import load_recipe
 from rlx.recipe.model import Recipe, TrainerSettings
 from tests.conftest import RECIPES

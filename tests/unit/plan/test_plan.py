@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 from typer.testing import CliRunner
 
 from rlx.cli import app
@@ -16,6 +15,7 @@ from rlx.plan import ModelShape, PlanError, find_shape, plan_recipe, training_st
 from rlx.plan import memory as mem
 from rlx.recipe import load_recipe
 from tests.conftest import RECIPES
+from tests.support.recipes import write_shipped_variant
 
 runner = CliRunner()
 GIB = 2**30
@@ -65,7 +65,8 @@ def test_training_state_by_hand(small: ModelShape) -> None:
     ddp = training_state_bytes(small, ranks=4, strategy="ddp")
     assert ddp["weights"] == ddp["ddp_buckets"] == 87104 * 4
     assert ddp["device"] == 5 * 87104 * 4
-    assert training_state_bytes(small, ranks=4, strategy="auto") == fsdp
+    with pytest.raises(ValueError, match="choose_strategy"):  # auto is decided before
+        training_state_bytes(small, ranks=4, strategy="auto")
     single = training_state_bytes(small, ranks=1, strategy="fsdp")  # one rank: no sharding
     assert single["weights"] == 87104 * 4 and single["ddp_buckets"] == 0
     offloaded = training_state_bytes(small, ranks=4, strategy="fsdp", offload_optimizer=True)
@@ -86,16 +87,17 @@ def test_activation_logits_and_cache_by_hand(small: ModelShape) -> None:
         small, 10, dtype="bfloat16", residual_dtype="bfloat16", checkpointing=True
     )
     assert ckpt == 2560 + 21760
-    # one chunk of 4 tokens: bf16 and fp32 logits and their gradients, 4*100*(2*2 + 8)
-    assert mem.logits_peak_bytes(small, 8, dtype="bfloat16", chunk_tokens=4) == 4800
-    assert mem.logits_peak_bytes(small, 8, dtype="bfloat16", chunk_tokens=None) == 9600
+    # one chunk of 4 tokens in the backward: bf16 logits and their gradient, fp32 logits,
+    # log-softmax and both gradients, 4*100*(2*2 + 16)
+    assert mem.logits_peak_bytes(small, 8, dtype="bfloat16", chunk_tokens=4) == 8000
+    assert mem.logits_peak_bytes(small, 8, dtype="bfloat16", chunk_tokens=None) == 16000
     assert mem.logits_chunk_tokens(small) == (1 << 28) // 400
     # K and V, 2 layers, 2 kv heads of 16, 2 bytes; kv heads split over tensor parallel GPUs
     assert mem.kv_bytes_per_token(small, dtype="bfloat16") == 256
     assert mem.kv_bytes_per_token(small, dtype="bfloat16", tensor_parallel=2) == 128
     assert mem.kv_bytes_per_token(small, dtype="bfloat16", tensor_parallel=4) == 128
     gathered = mem.gathered_params_bytes(
-        small, strategy="auto", ranks=4, dtype="bfloat16", reshard_after_forward=True
+        small, strategy="fsdp", ranks=4, dtype="bfloat16", reshard_after_forward=True
     )
     assert gathered == (12864 + 2 * 37120) * 2
     assert mem.checkpoint_bytes(87104, 80769, param_dtype="float32") == 3 * 167873 * 4
@@ -118,6 +120,8 @@ def test_model_shapes_from_folder_cache_and_table(tmp_path: Path) -> None:
     snapshot = tmp_path / "hf" / "hub" / "models--acme--small" / "snapshots" / "abc123"
     snapshot.mkdir(parents=True)
     (snapshot / "config.json").write_text(json.dumps(SMALL))
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("abc123")  # the main revision
     assert find_shape("acme/small", {"HF_HOME": str(tmp_path / "hf")}).params == 87104
     assert find_shape("Qwen/Qwen2.5-32B-Instruct", {}).layers == 64
     assert find_shape("tiny:qwen2-h64-l2", {}).vocab == 260
@@ -207,19 +211,7 @@ def test_plan_json() -> None:
 
 
 def _variant(tmp_path: Path, source: str, **changes: object) -> Path:
-    data = yaml.safe_load((RECIPES / source).read_text())
-    for dotted, value in changes.items():
-        *parents, last = dotted.split("__")
-        node = data
-        for key in parents:
-            node = node.setdefault(key, {})
-        if value is None:
-            node.pop(last, None)
-        else:
-            node[last] = value
-    path = tmp_path / f"variant-{len(list(tmp_path.iterdir()))}.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
+    return write_shipped_variant(tmp_path, source, **changes)
 
 
 def _lint_errors(path: Path) -> list[str]:
@@ -232,7 +224,7 @@ def _lint_errors(path: Path) -> list[str]:
 def test_ddp_at_7b_on_80gb_fails_lint_with_the_numbers(tmp_path: Path) -> None:
     path = _variant(tmp_path, "ppo-7b.yaml", trainer__parallel__strategy="ddp")
     (error,) = _lint_errors(path)
-    assert "does not fit: training GPU: needs 295.2 GiB of 80.0 GiB" in error
+    assert "does not fit: training GPU: needs 295.7 GiB of 80.0 GiB" in error
     assert "parallel.strategy: fsdp" in error
     result = runner.invoke(app, ["plan", str(path)])
     assert result.exit_code == 1 and "does not fit" in result.output
@@ -241,7 +233,7 @@ def test_ddp_at_7b_on_80gb_fails_lint_with_the_numbers(tmp_path: Path) -> None:
 def test_32b_on_l4s_fails_lint_with_the_numbers(tmp_path: Path) -> None:
     path = _variant(tmp_path, "grpo-large.yaml", resources__accelerators="L4:8")
     (error,) = _lint_errors(path)
-    assert "needs 49.1 GiB of 24.0 GiB" in error and "policy optimizer (AdamW) 15.3" in error
+    assert "needs 58.3 GiB of 24.0 GiB" in error and "policy optimizer (AdamW) 15.3" in error
 
 
 def test_colocated_tensor_parallel_fails_lint(tmp_path: Path) -> None:
@@ -321,8 +313,8 @@ def test_a_split_push_holds_two_buckets_not_the_model(tmp_path: Path) -> None:
 
 def test_cpu_kv_cache_is_sized_per_token_as_the_plan_counts(tmp_path: Path) -> None:
     from rlx.recipe import parse_recipe
-    from rlx.trainer.actors.workers import cpu_kv_cache_bytes
     from rlx.trainer.resolve import resolve_model_path
+    from rlx.trainer.rollout.vllm_options import cpu_kv_cache_bytes
 
     folder = resolve_model_path("tiny:qwen2-h64-l2", tmp_path, seed=0)
     recipe = parse_recipe(

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from rlx.errors import RlxError
-from rlx.plan.actors import plan_actors
+from rlx.plan.actors import plan_actors, training_groups
 from rlx.recipe import parse_recipe
 from rlx.trainer.actors.placement import NodeView, check_resources
 from rlx.trainer.job import TrainJob
@@ -15,6 +15,7 @@ from rlx.trainer.resolve import (
     resolve_reward_fn,
     run_paths,
 )
+from tests.conftest import RECIPES
 from tests.support.recipes import make_recipe
 
 
@@ -46,7 +47,6 @@ def test_bad_model_specs(tmp_path: Path, spec: str, message: str) -> None:
 def test_a_folder_without_config_is_refused(tmp_path: Path) -> None:
     with pytest.raises(RlxError, match=r"has no config\.json"):
         resolve_model_path(str(tmp_path), tmp_path / "cache", seed=0)
-    assert resolve_model_path("Qwen/Qwen2.5-0.5B", tmp_path, seed=0) == "Qwen/Qwen2.5-0.5B"
 
 
 def test_synthetic_data_is_generated_in_the_run_folder(tmp_path: Path) -> None:
@@ -108,6 +108,13 @@ def test_actor_plans(tmp_path: Path) -> None:
     ).recipe
     plan = plan_actors(gpu)
     assert (plan.train_workers, plan.rollout_workers, plan.rollout_gpus) == (12, 2, 2)
+    # Training ranks take whole nodes: one group packed on each node's 8 GPUs, the rest
+    # on a node of their own, beside the engines; on CPU one group spread over the nodes.
+    assert training_groups(plan) == [8, 4]
+    assert training_groups(plan_actors(split)) == [1]
+    for name, groups in (("ppo-7b", [8]), ("grpo-large", [8, 8]), ("gsm8k-grpo", [1, 1])):
+        shipped = parse_recipe((RECIPES / f"{name}.yaml").read_text()).recipe
+        assert training_groups(plan_actors(shipped)) == groups, name
 
 
 def test_batch_must_split_over_cpu_nodes(tmp_path: Path) -> None:

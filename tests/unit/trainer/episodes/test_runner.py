@@ -20,6 +20,7 @@ from rlx.trainer.episodes.env import Row, Step, Turn
 from rlx.trainer.episodes.runner import EnvironmentFailures, EpisodeRunner
 from rlx.trainer.episodes.trajectory import check_trajectories
 from rlx.trainer.learn.learner import ADVANTAGES, Learner
+from rlx.trainer.rollout.base import SamplingArgs
 from rlx.trainer.rollout.hf import HFEngine
 from rlx.trainer.rollout.probe import PROBE_TOLERANCE_FLOOR, PROBE_TOLERANCE_PER_TOKEN
 from rlx.trainer.tasks.data import load_recipe_prompts
@@ -89,11 +90,11 @@ def episodes_of(tmp_path, tiny_model_dir, env, **environment):
     engine = HFEngine(tiny_model_dir)
     seeds = iter(range(100))
 
-    def submit(prompt_ids, n, max_new, stream):
-        return Ready(engine.generate(prompt_ids, n, max_new_tokens=max_new, seed=next(seeds)))
+    def submit(prompt_ids, sampling, stream):
+        return Ready(engine.generate(prompt_ids, sampling, seed=next(seeds)))
 
     try:
-        batch = runner.start([0, 1, 2, 3], 7, submit, 2, 8).collect()
+        batch = runner.start([0, 1, 2, 3], 7, submit, SamplingArgs(2, 8)).collect()
     finally:
         runner.close()
     return batch, said
@@ -176,17 +177,17 @@ def test_episodes_played_ahead_go_on_before_collect_and_equal_ones_played_there(
         streams: list[tuple[str, str]] = []
         later_turn = threading.Event()
 
-        def submit(prompt_ids, n, max_new, stream):
+        def submit(prompt_ids, sampling, stream):
             streams.append((stream, threading.current_thread().name))
             if stream == fail_at:
                 raise RuntimeError("the engine died")
             if stream != "generate":
                 later_turn.set()
             seed = {"generate": 0}.get(stream, len(stream))
-            return Ready(engine.generate(prompt_ids, n, max_new_tokens=max_new, seed=seed))
+            return Ready(engine.generate(prompt_ids, sampling, seed=seed))
 
         try:
-            pending = runner.start([0, 1, 2, 3], 7, submit, 2, 8, ahead=ahead)
+            pending = runner.start([0, 1, 2, 3], 7, submit, SamplingArgs(2, 8), ahead=ahead)
             if ahead and fail_at is None:  # turns 1 and 2 go on before anyone collects
                 assert later_turn.wait(60), streams
             return pending.collect(), streams

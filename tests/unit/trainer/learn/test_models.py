@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from rlx.trainer.batch import SequenceBatch, pack_rollout
 from rlx.trainer.learn.models import ResponseScorer, prompt_groups, score_responses
+from rlx.trainer.rollout.base import SamplingArgs
 from rlx.trainer.rollout.hf import HFEngine
 
 pytestmark = pytest.mark.timeout(300)
@@ -21,7 +22,7 @@ PROMPTS = [[256, 72, 105], [256, 65, 66, 67, 68, 69, 70], [256, 49]]
 
 @pytest.fixture(scope="module")
 def grouped_batch(tiny_model_dir: Path) -> SequenceBatch:
-    rollout = HFEngine(tiny_model_dir).generate(PROMPTS, 3, max_new_tokens=10, seed=0)
+    rollout = HFEngine(tiny_model_dir).generate(PROMPTS, SamplingArgs(3, max_new_tokens=10), seed=0)
     return pack_rollout(rollout)
 
 

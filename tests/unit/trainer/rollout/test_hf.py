@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from rlx.trainer.batch import RolloutBatch, pad_responses
 from rlx.trainer.learn.tiny import build_tiny_model, token_id
 from rlx.trainer.rollout import choose_engine, make_engine
+from rlx.trainer.rollout.base import SamplingArgs
 from rlx.trainer.rollout.hf import HFEngine, mask_after_eos, top_p_filter
 
 EOS = token_id("<|im_end|>")
@@ -109,7 +110,7 @@ def test_mask_after_eos_and_pad_responses() -> None:
 
 def test_shapes_grouping_and_logprobs_match_a_teacher_forced_pass(tiny_model_dir: Path) -> None:
     engine = HFEngine(tiny_model_dir)
-    batch = engine.generate(PROMPTS, 4, max_new_tokens=12, seed=0)
+    batch = engine.generate(PROMPTS, SamplingArgs(4, max_new_tokens=12), seed=0)
     _assert_well_formed(batch, n=4, max_new_tokens=12)
     _assert_logprobs_match_teacher_forcing(_load(tiny_model_dir), batch)
     # samples of one prompt differ from each other (it is sampling, not greedy)
@@ -119,7 +120,7 @@ def test_shapes_grouping_and_logprobs_match_a_teacher_forced_pass(tiny_model_dir
 def test_eos_ends_responses_and_everything_after_is_masked(tiny_model_dir: Path) -> None:
     model = _eos_heavy_model(tiny_model_dir)
     engine = HFEngine(model)
-    batch = engine.generate(PROMPTS, 8, max_new_tokens=24, seed=1)
+    batch = engine.generate(PROMPTS, SamplingArgs(8, max_new_tokens=24), seed=1)
     _assert_well_formed(batch, n=8, max_new_tokens=24)
     lengths = batch.response_lengths.tolist()
     assert batch.finished.any() and not batch.finished.all()  # the test sees both kinds
@@ -135,7 +136,7 @@ def test_eos_ends_responses_and_everything_after_is_masked(tiny_model_dir: Path)
 
 def test_generation_that_stops_early_keeps_logprobs_aligned(tiny_model_dir: Path) -> None:
     model = _eos_heavy_model(tiny_model_dir, eos_bias=6.0)
-    batch = HFEngine(model).generate(PROMPTS, 6, max_new_tokens=64, seed=4)
+    batch = HFEngine(model).generate(PROMPTS, SamplingArgs(6, max_new_tokens=64), seed=4)
     assert batch.finished.all()
     assert batch.response_ids.shape[1] < 64  # every row ended, so generate stopped early
     assert batch.response_ids.shape[1] == int(batch.response_lengths.max())
@@ -144,9 +145,9 @@ def test_generation_that_stops_early_keeps_logprobs_aligned(tiny_model_dir: Path
 
 def test_min_new_tokens_holds_eos_back(tiny_model_dir: Path) -> None:
     engine = HFEngine(_eos_heavy_model(tiny_model_dir, eos_bias=5.0))
-    free = engine.generate(PROMPTS, 8, max_new_tokens=16, seed=2)
+    free = engine.generate(PROMPTS, SamplingArgs(8, max_new_tokens=16), seed=2)
     assert (free.response_lengths < 6).any()  # without the floor, some stop early
-    held = engine.generate(PROMPTS, 8, max_new_tokens=16, min_new_tokens=6, seed=2)
+    held = engine.generate(PROMPTS, SamplingArgs(8, max_new_tokens=16, min_new_tokens=6), seed=2)
     _assert_well_formed(held, n=8, max_new_tokens=16)
     assert (held.response_lengths >= 6).all()
     assert not (held.response_ids[:, :5] == EOS).any()
@@ -158,7 +159,9 @@ def test_tempered_and_top_p_logprobs_are_of_the_sampling_distribution(tiny_model
     reference = _load(tiny_model_dir)
     for temperature, top_p in ((0.7, 1.0), (1.3, 0.9)):
         batch = engine.generate(
-            PROMPTS[:2], 3, max_new_tokens=8, temperature=temperature, top_p=top_p, seed=3
+            PROMPTS[:2],
+            SamplingArgs(3, max_new_tokens=8, temperature=temperature, top_p=top_p),
+            seed=3,
         )
         for row, response in enumerate(batch.response_lists()):
             with torch.no_grad():
@@ -174,22 +177,22 @@ def test_tempered_and_top_p_logprobs_are_of_the_sampling_distribution(tiny_model
 
 def test_top_p_restricts_what_is_sampled(tiny_model_dir: Path) -> None:
     engine = HFEngine(tiny_model_dir)
-    batch = engine.generate([[1, 2, 3]], 32, max_new_tokens=1, top_p=0.05, seed=0)
+    batch = engine.generate([[1, 2, 3]], SamplingArgs(32, max_new_tokens=1, top_p=0.05), seed=0)
     # a nucleus of 5% over a near-uniform 260-way distribution holds ~13 tokens
     assert len(set(batch.response_ids[:, 0].tolist())) <= 20
-    full = engine.generate([[1, 2, 3]], 32, max_new_tokens=1, seed=0)
+    full = engine.generate([[1, 2, 3]], SamplingArgs(32, max_new_tokens=1), seed=0)
     assert full.logprobs[:, 0].max() < batch.logprobs[:, 0].min()  # renormalised nucleus
 
 
 def test_seeded_sampling_is_reproducible_and_private(tiny_model_dir: Path) -> None:
     engine = HFEngine(tiny_model_dir)
-    first = engine.generate(PROMPTS, 2, max_new_tokens=10, seed=11)
+    first = engine.generate(PROMPTS, SamplingArgs(2, max_new_tokens=10), seed=11)
     torch.manual_seed(0)
     expected_global = torch.rand(2)
     torch.manual_seed(0)
-    second = engine.generate(PROMPTS, 2, max_new_tokens=10, seed=11)
+    second = engine.generate(PROMPTS, SamplingArgs(2, max_new_tokens=10), seed=11)
     assert torch.equal(torch.rand(2), expected_global)  # the seeded call left it alone
-    other = engine.generate(PROMPTS, 2, max_new_tokens=10, seed=12)
+    other = engine.generate(PROMPTS, SamplingArgs(2, max_new_tokens=10), seed=12)
     assert torch.equal(first.response_ids, second.response_ids)
     assert torch.equal(first.logprobs, second.logprobs)
     assert not torch.equal(first.response_ids, other.response_ids)
@@ -197,7 +200,7 @@ def test_seeded_sampling_is_reproducible_and_private(tiny_model_dir: Path) -> No
 
 def test_chunked_generation_gives_the_same_kind_of_batch(tiny_model_dir: Path) -> None:
     engine = HFEngine(tiny_model_dir, max_batch_size=5)
-    batch = engine.generate(PROMPTS, 4, max_new_tokens=6, seed=0)
+    batch = engine.generate(PROMPTS, SamplingArgs(4, max_new_tokens=6), seed=0)
     _assert_well_formed(batch, n=4, max_new_tokens=6)
 
 
@@ -208,7 +211,7 @@ def test_checkpoint_sampling_defaults_do_not_leak(tmp_path: Path) -> None:
         config.replace('"bos_token_id"', '"top_k": 1, "temperature": 0.01, "bos_token_id"')
     )
     assert AutoModelForCausalLM.from_pretrained(folder).generation_config.top_k == 1
-    batch = HFEngine(folder).generate([[1, 2, 3]], 8, max_new_tokens=6, seed=0)
+    batch = HFEngine(folder).generate([[1, 2, 3]], SamplingArgs(8, max_new_tokens=6), seed=0)
     assert len({tuple(r) for r in batch.response_lists()}) > 1  # top_k=1 would make them equal
 
 
@@ -230,7 +233,7 @@ def test_load_weights_changes_the_probe_and_the_version(
     assert engine.weight_version == 1
     assert abs(after - before) > 1e-3
     assert after == pytest.approx(HFEngine(other).logprob_probe(prompt, response), abs=1e-5)
-    assert engine.generate(PROMPTS, 1, max_new_tokens=2, seed=0).weight_version == 1
+    assert engine.generate(PROMPTS, SamplingArgs(1, max_new_tokens=2), seed=0).weight_version == 1
 
     # an iterator of (name, tensor) pairs works too, e.g. streamed from another process
     engine.load_weights(iter(_load(tiny_model_dir).named_parameters()), version=2)
@@ -262,11 +265,11 @@ def test_load_weights_errors(tiny_model_dir: Path) -> None:
 )
 def test_generate_argument_errors(tiny_model_dir: Path, kwargs: dict, message: str) -> None:
     engine = HFEngine(tiny_model_dir)
-    args = {"n": 1, "max_new_tokens": 4, **kwargs}
+    sampling = SamplingArgs(**{"n": 1, "max_new_tokens": 4, **kwargs})
     with pytest.raises(ValueError, match=message):
-        engine.generate(PROMPTS, **args)
+        engine.generate(PROMPTS, sampling)
     with pytest.raises(ValueError, match="prompt 1 is empty"):
-        engine.generate([[1], []], 1, max_new_tokens=2)
+        engine.generate([[1], []], SamplingArgs(1, max_new_tokens=2))
 
 
 # ----------------------------------------------------------------------------- factory
@@ -327,36 +330,43 @@ def test_buckets_follow_the_plan_and_keep_their_bound() -> None:
     assert bucket_plan([], 160) == []
 
 
-def test_a_packed_bucket_gives_back_every_tensor_exactly() -> None:
-    from rlx.trainer.weights import PackedBucket
+def test_a_bucket_layout_places_every_tensor_in_one_buffer() -> None:
+    from rlx.trainer.weights import ALIGN, BucketLayout
 
     gen = torch.Generator().manual_seed(0)
     tensors = [
         ("a", torch.randn(3, 5, generator=gen)),
-        ("b", torch.randn(7, generator=gen).to(torch.bfloat16)),  # odd byte count
-        ("c", torch.randn(2, 3, generator=gen).double().t()),  # not contiguous
-        ("d", torch.arange(5)),
-        ("e", torch.randn((), generator=gen)),
+        ("b", torch.randn(7, generator=gen)),  # odd byte count in bf16
+        ("c", torch.randn(2, 3, generator=gen).t()),  # not contiguous
+        ("d", torch.randn((), generator=gen)),
     ]
-    packed = PackedBucket.pack(tensors)
-    assert all(offset % PackedBucket.ALIGN == 0 for offset in packed.offsets)
-    back = packed.tensors()
-    assert [name for name, _ in back] == list("abcde")
+    layout = BucketLayout.of([(n, tuple(t.shape)) for n, t in tensors], torch.bfloat16)
+    assert all(offset % ALIGN == 0 for offset in layout.offsets)
+    assert BucketLayout.from_wire(layout.to_wire()) == layout  # travels as plain values
+    buffer = layout.empty()
+    for (_, view), (_, tensor) in zip(layout.views(buffer), tensors, strict=True):
+        view.copy_(tensor)  # the sender writes each tensor, cast, into its place
+    back = layout.views(buffer.clone())  # what a receiver's buffer holds
+    assert [name for name, _ in back] == list("abcd")
     for (_, want), (_, got) in zip(tensors, back, strict=True):
-        assert got.dtype == want.dtype and got.shape == want.shape
-        assert torch.equal(got, want)
+        assert got.dtype == torch.bfloat16 and got.shape == want.shape
+        assert torch.equal(got, want.to(torch.bfloat16))
 
 
-def test_views_of_a_packed_bucket_pickle_as_themselves() -> None:
+def test_views_of_a_bucket_pickle_as_themselves() -> None:
     """A tensor that views a larger buffer is copied before it is pickled to vLLM's workers:
     pickle writes a view's whole storage, so a bucket would travel once per tensor."""
     import pickle
 
     from rlx.trainer.rollout.vllm import _own_storage
-    from rlx.trainer.weights import PackedBucket
+    from rlx.trainer.weights import BucketLayout
 
     tensors = [(f"t{i}", torch.full((1000,), float(i))) for i in range(8)]
-    views = PackedBucket.pack(tensors).tensors()
+    layout = BucketLayout.of([(n, tuple(t.shape)) for n, t in tensors], torch.float32)
+    buffer = layout.empty()
+    views = layout.views(buffer)
+    for (_, view), (_, tensor) in zip(views, tensors, strict=True):
+        view.copy_(tensor)
     whole = sum(len(pickle.dumps(t)) for _, t in views)
     owned = [_own_storage(t) for _, t in views]
     assert sum(len(pickle.dumps(t)) for t in owned) < whole / 4

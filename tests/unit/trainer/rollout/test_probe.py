@@ -38,3 +38,18 @@ def test_probe_tolerance_scales_with_length_and_dtype() -> None:
     assert probe.tolerance("float32") == pytest.approx(2e-3)
     assert probe.tolerance("bfloat16") == pytest.approx(1.0)
     assert Probe([1], [2]).tolerance("float32") == pytest.approx(1e-3)  # the floor
+
+
+def test_probe_tolerance_grows_with_the_probe_value_by_the_dtype_resolution() -> None:
+    probe = Probe([1, 2], list(range(20)))
+    # An unlikely probe (sum -200 over 20 tokens): bf16 allows two of its epsilons (2^-7)
+    # of the value on top of 0.05 per token; float32's epsilon adds next to nothing.
+    assert probe.tolerance("bfloat16", -200.0) == pytest.approx(1.0 + 2 * 2**-7 * 200)
+    assert probe.tolerance("float16", -200.0) == pytest.approx(0.4 + 2 * 2**-10 * 200)
+    assert probe.tolerance("float32", -200.0) == pytest.approx(2e-3 + 2 * 2**-23 * 200)
+    # A stale bf16 engine of a 64-layer model that misses a push moves the probe by whole
+    # nats: still caught, and a bf16 rounding difference of 2 nats is not.
+    tolerance = probe.tolerance("bfloat16", -200.0)
+    assert 2.0 < tolerance < 5.0
+    with pytest.raises(StaleEngineError):
+        check_engines([report(5, -206.0)], 5, -200.0, tolerance)

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlx.trainer.rollout.base import SamplingArgs
 from rlx.trainer.tasks.rewards import resolve_reward, score
 from rlx.trainer.tasks.synthetic import (
     CHARSETS,
@@ -84,7 +85,7 @@ def test_random_policy_scores_low(tiny_model_dir: Path, tiny_tokenizer) -> None:
     engine = HFEngine(tiny_model_dir)
     kinds = sorted(CHARSETS)
     prompts = [_chat_prompt_ids(tiny_tokenizer, kind) for kind in kinds]
-    batch = engine.generate(prompts, 64, max_new_tokens=32, seed=0)
+    batch = engine.generate(prompts, SamplingArgs(64, max_new_tokens=32), seed=0)
     texts = [tiny_tokenizer.decode(r, skip_special_tokens=True) for r in batch.response_lists()]
     answers = [kind for kind in kinds for _ in range(64)]
     mean = sum(score(letters_or_digits_reward, [""] * len(texts), texts, answers)) / len(texts)
@@ -121,7 +122,7 @@ def test_plain_grpo_learns_the_task_in_a_few_dozen_steps(tmp_path: Path) -> None
     for step in range(50):
         rows = next(sampler)
         batch = engine.generate(
-            [data.prompt_token_ids[i] for i in rows], n, max_new_tokens=32, seed=step
+            [data.prompt_token_ids[i] for i in rows], SamplingArgs(n, max_new_tokens=32), seed=step
         )
         texts = [tokenizer.decode(r, skip_special_tokens=True) for r in batch.response_lists()]
         answers = [data.answers[i] for i in rows for _ in range(n)]

@@ -1,0 +1,101 @@
+"""What a run's checkpoints look like to the code that saves and loads them, whichever holds
+them: a folder (store.py) or a prefix in an object store (remote.py). Store-or-local is
+decided once, when the manager is opened (resume.open_manager); everything after calls the
+manager it is handed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+Location = Path | str  # a checkpoint's folder, or its URL in a store
+PhaseHook = Callable[[str], None]  # told each phase of a save as it ends (crash tests)
+
+
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    """What rank 0 answers to a SaveRequest: the complete checkpoint and its size on disk."""
+
+    path: str
+    bytes: int | None
+
+
+class Checkpoints(Protocol):
+    """One run's checkpoints under root/run_id/: found, saved and loaded. Two kinds follow
+    it, a folder (store.CheckpointManager) and a prefix in an object store
+    (remote.StoreCheckpointManager); resume.open_manager picks one from checkpoint.dir, once,
+    and the controller and every training rank call the one they are handed.
+
+    A save: the controller picks its temporary folder (begin) and hands it to every training
+    rank with this manager (training.SaveRequest). Each rank writes its shard under the
+    folder the manager gives it (rank_folder), rank 0 the small parts too (write_parts); then
+    each rank calls save_shard, rank 0 commit_save, which makes the checkpoint complete, and
+    every rank discard. Where `background` is set, those three run in a thread of each rank
+    while training goes on (a store's upload)."""
+
+    run_id: str
+    keep: int
+    background: bool  # save_shard and commit_save go on after the ranks have returned
+
+    @property
+    def run_dir(self) -> Location:
+        """Where this run's checkpoints are."""
+        ...
+
+    def checkpoints(self) -> Sequence[Location]:
+        """Every complete checkpoint of this run, oldest step first."""
+        ...
+
+    def latest(self) -> Location | None:
+        """The complete checkpoint with the highest step, or None."""
+        ...
+
+    def location(self, step: int) -> Location:
+        """Where step's checkpoint is once it is complete."""
+        ...
+
+    def begin(self, step: int) -> Path:
+        """The controller's first move of a save: clear what interrupted saves left and
+        pick the save's temporary folder."""
+        ...
+
+    def rank_folder(self, folder: Path, rank: int) -> Path:
+        """Where rank writes its share of the save whose temporary folder is `folder`."""
+        ...
+
+    def write_parts(
+        self, folder: Path, parts: Mapping[str, Any], _after_phase: PhaseHook | None = None
+    ) -> dict[str, dict[str, str]]:
+        """Rank 0: each small part as one file in folder; returns the entries commit_save
+        records."""
+        ...
+
+    def save_shard(self, folder: Path, step: int, rank: int, shard: str) -> None:
+        """Rank `rank` has written its files of part `shard` (a DCP folder) under folder:
+        make them part of step's checkpoint."""
+        ...
+
+    def commit_save(
+        self,
+        folder: Path,
+        step: int,
+        entries: Mapping[str, Mapping[str, str]],
+        world_size: int,
+        shard: str,
+        _after_phase: PhaseHook | None = None,
+    ) -> SavedCheckpoint:
+        """Rank 0, after its own save_shard: once all world_size ranks' shards are in, make
+        step's checkpoint complete (the COMPLETE marker last) and rotate older ones out."""
+        ...
+
+    def discard(self, folder: Path) -> None:
+        """A rank's part of a save is over (done or failed): what only it needed goes."""
+        ...
+
+    def load_parts(self, location: Location, names: Iterable[str]) -> dict[str, Any]:
+        """The named parts of the complete checkpoint at location (those it has), each
+        checked against its marker, plus "step". A DCP part comes back as where it lies (a
+        folder, or its URL in a store, read in place)."""
+        ...
