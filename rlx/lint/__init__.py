@@ -57,7 +57,6 @@ STARTUP_CHECKS: tuple[Check, ...] = (
     trainer.check_trainer_specs,
     lora.check_lora_target_modules,
     lora.check_lora_rank_servable,
-    lora.check_lora_engine,
     groups.check_groups_layout,
     groups.check_groups_accelerators,
     groups.check_groups_rollout_gpus,

@@ -85,24 +85,6 @@ def check_lora_rank_servable(recipe: Recipe) -> Iterator[Problem]:
         )
 
 
-def check_lora_engine(recipe: Recipe) -> Iterator[Problem]:
-    """Adapters reach the rollout engine today only where the engine runs the learner's own
-    peft model: the HF engine, colocated. A split layout or vLLM would be handed weights it
-    cannot load, so they are refused before anything starts."""
-    trainer = recipe.trainer
-    if trainer is None or trainer.model.lora is None:
-        return
-    engine = choose_engine(trainer.rollout.engine, recipe.resources.engine_gpus_per_node)
-    if engine != "hf" or trainer.layout != "colocated":
-        yield Problem(
-            ("trainer", "model", "lora"),
-            ERROR,
-            f"adapters are served only by the HF engine in the colocated layout, not by "
-            f"{engine} in the {trainer.layout} layout; write rollout.engine: hf and "
-            "layout: colocated, or train without lora",
-        )
-
-
 def check_critic_lora_unused(recipe: Recipe) -> Iterator[Problem]:
     """critic_model.lora without a critic (grpo, rloo) trains nothing."""
     trainer = recipe.trainer
@@ -133,7 +115,6 @@ def check_lora_offload_reference(recipe: Recipe) -> Iterator[Problem]:
 CHECKS: list[Check] = [
     check_lora_target_modules,
     check_lora_rank_servable,
-    check_lora_engine,
     check_critic_lora_unused,
     check_lora_offload_reference,
 ]

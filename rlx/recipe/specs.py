@@ -1,8 +1,11 @@
 """The names a recipe may give things rlx makes itself, and what a local path looks like.
 
-- `tiny:<arch>-h<hidden>-l<layers>`: a small random model built locally (nothing is
+- `tiny:<arch>-h<hidden>-l<layers>[-e<std>]`: a small random model built locally (nothing is
   downloaded), e.g. tiny:qwen2-h64-l2. Its heads have TINY_HEAD_DIM dimensions, the size
-  vLLM's CPU attention supports, so a tiny model runs on either engine.
+  vLLM's CPU attention supports, so a tiny model runs on either engine. `-e<std>` draws its
+  token embeddings (and so its tied LM head) with that standard deviation instead of
+  transformers' 0.02: at 0.02 a frozen random head can hardly move the output, so LoRA
+  adapters on a tiny base learn only with a stronger one (tiny:qwen2-h64-l2-e0.1).
 - `synthetic:<task>`: a prompt file generated locally, e.g. synthetic:letters_or_digits.
 
 One grammar for lint, the planner and the trainer: each asks the functions here, and each
@@ -15,7 +18,10 @@ import re
 from dataclasses import dataclass
 
 TINY_PREFIX = "tiny:"
-TINY_SPEC = re.compile(r"tiny:(?P<arch>[a-z0-9]+)-h(?P<hidden>[0-9]+)-l(?P<layers>[0-9]+)")
+TINY_SPEC = re.compile(
+    r"tiny:(?P<arch>[a-z0-9]+)-h(?P<hidden>[0-9]+)-l(?P<layers>[0-9]+)"
+    r"(?:-e(?P<embed>[0-9]*\.?[0-9]+))?"
+)
 TINY_ARCHS = ("qwen2", "llama")
 TINY_HEAD_DIM = 64
 # The byte-level tokenizer: token ids 0..255 are the bytes, the special tokens follow.
@@ -38,6 +44,13 @@ class TinyModel:
     arch: str
     hidden: int
     layers: int
+    embed_std: float | None = None  # the token embeddings' std (None: transformers' own)
+
+    @property
+    def name(self) -> str:
+        """The spec's part after tiny:, e.g. qwen2-h64-l2 or qwen2-h64-l2-e0.1."""
+        base = f"{self.arch}-h{self.hidden}-l{self.layers}"
+        return base if self.embed_std is None else f"{base}-e{self.embed_std:g}"
 
     @property
     def heads(self) -> int:
@@ -49,7 +62,7 @@ def tiny_spec_problem(spec: str) -> str | None:
     match = TINY_SPEC.fullmatch(spec)
     if match is None:
         return (
-            "is not a tiny model spec; write tiny:<arch>-h<hidden>-l<layers>, e.g. "
+            "is not a tiny model spec; write tiny:<arch>-h<hidden>-l<layers>[-e<std>], e.g. "
             "tiny:qwen2-h64-l2"
         )
     hidden = int(match["hidden"])
@@ -62,6 +75,8 @@ def tiny_spec_problem(spec: str) -> str | None:
         )
     if int(match["layers"]) < 1:
         return "has no layers; tiny models need at least one"
+    if match["embed"] is not None and not 0 < float(match["embed"]) <= 1:
+        return f"asks for embeddings of std {match['embed']}; write -e with a value in (0, 1]"
     return None
 
 
@@ -71,7 +86,8 @@ def tiny_model(spec: str) -> TinyModel | None:
     match = TINY_SPEC.fullmatch(spec)
     if match is None or tiny_spec_problem(spec) is not None:
         return None
-    return TinyModel(match["arch"], int(match["hidden"]), int(match["layers"]))
+    embed = None if match["embed"] is None else float(match["embed"])
+    return TinyModel(match["arch"], int(match["hidden"]), int(match["layers"]), embed)
 
 
 def synthetic_task_problem(spec: str) -> str | None:

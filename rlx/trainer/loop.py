@@ -389,6 +389,9 @@ class Trainer:
             metrics["value/mean"] = float(algos.masked_mean(extra[VALUES], mask))
         if probe_diff is not None:  # with rollouts ahead: the previous step's push's proof
             metrics["sync/probe_diff"] = probe_diff
+        pushed = self.cluster.push_bytes()
+        if pushed:  # per engine: the adapters alone with LoRA
+            metrics["sync/bytes"] = float(pushed)
         if self.max_staleness > 0:
             metrics.update(staleness_metrics(versions, policy_version, self.max_staleness))
             square = metrics.pop("offpolicy/weight_sq_mean", None)

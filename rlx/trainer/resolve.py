@@ -177,7 +177,7 @@ def build_tiny_cached(model: TinyModel, cache_dir: Path, seed: int) -> Path:
     """The folder of a tiny model (built once per spec and seed, then reused)."""
     from rlx.trainer.learn.tiny import build_tiny_model
 
-    target = cache_dir / f"tiny-{model.arch}-h{model.hidden}-l{model.layers}-seed{seed}"
+    target = cache_dir / f"tiny-{model.name}-seed{seed}"
     if (target / "config.json").is_file():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -191,6 +191,7 @@ def build_tiny_cached(model: TinyModel, cache_dir: Path, seed: int) -> Path:
             hidden_size=model.hidden,
             num_layers=model.layers,
             num_heads=model.heads,
+            embedding_std=model.embed_std,
             seed=seed,
         )
         with contextlib.suppress(OSError):  # another process won the race: use theirs

@@ -4,6 +4,7 @@ a fixture that runs one fails here and says where it belongs."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing.process
 import os
 import subprocess
@@ -23,10 +24,8 @@ PROCESS_FIXTURES = {
 # matplotlib lists the machine's fonts (fc-list, a process) the first time it is imported on
 # a machine and caches them; import it here, before the guard, so a unit test that plots
 # does not trip the guard on a fresh machine.
-try:
+with contextlib.suppress(ImportError):  # without matplotlib the plots' own tests say so
     import matplotlib.font_manager  # noqa: F401
-except ImportError:  # the plots' own tests say so
-    pass
 
 MOVE = "a unit test starts no process; move it to tests/integration (or tests/hosts)"
 

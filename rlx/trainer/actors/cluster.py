@@ -125,6 +125,7 @@ class Cluster:
         self.sampling = SamplingArgs.from_settings(self.settings)
         self._queued: QueuedPush | None = None  # a push the engines take after their rollouts
         self._layouts: dict[int, list[Any]] = {}  # a push's bucket layouts, by bucket bytes
+        self._push_bytes: int | None = None
         # Held while calls are handed to the engines: a generate from a thread that plays
         # episodes ahead (max_staleness > 0) never lands between the calls of a push.
         self._engine_calls = threading.RLock()
@@ -481,6 +482,19 @@ class Cluster:
             )[0]
             self._layouts[self.bucket_bytes] = layouts
         return layouts
+
+    def push_bytes(self) -> int:
+        """Bytes one push hands each engine: the pushed tensors (with LoRA the adapters
+        alone) in the engines' dtype; 0 where the engine runs the policy's own module."""
+        if self._push_bytes is None:
+            if self.rollout.handles:
+                self._push_bytes = sum(layout.nbytes for layout in self.push_layouts())
+            else:
+                worker = self.train.handles[0]
+                self._push_bytes = gather(
+                    [worker.push_bytes.remote(self.engine_dtype)], "training worker"
+                )[0]
+        return self._push_bytes
 
     def _push(self, version: int, probe: Probe, *, queued: bool) -> tuple[list[Any], list[Any]]:
         """Start a push of `version` over the weight group: every training rank sends (rank

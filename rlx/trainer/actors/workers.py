@@ -268,6 +268,7 @@ class TrainWorker:
             collective=collective,
             say=notes.append,
             bucket_bytes=spec.settings.rollout.weight_sync_bucket_mb * 2**20,
+            lora=spec.settings.model.lora,
         )
 
     def _learner(self) -> Learner:
@@ -334,6 +335,19 @@ class TrainWorker:
             value = engine.logprob_probe(probe.prompt_ids, probe.response_ids)
         own = value if self.engine.shares_policy else learner.probe(*_probe_ids(probe))
         return EngineReport(self.spec.rank, _node_ip(), engine.weight_version, value), own
+
+    def push_bytes(self, dtype: str | None) -> int:
+        """Colocated: bytes a refresh hands this worker's engine (the pushed parameters in
+        the engine's dtype); 0 when the engine runs the policy's own module."""
+        from rlx.trainer.learn.sharding import pushed_parameters
+
+        if self.engine is None or self.engine.shares_policy:
+            return 0
+        wanted = None if dtype in (None, "auto") else dtype_named(dtype)
+        return sum(
+            p.numel() * (wanted or p.dtype).itemsize
+            for _, p in pushed_parameters(self._learner().policy)
+        )
 
     def policy_probe(self, probe: Probe) -> float:
         """The policy's probe log-prob; every rank is called (a collective under FSDP)."""
@@ -539,6 +553,7 @@ class RolloutWorker:
             dtype=dtype_name(compute_dtype(spec.settings.model.dtype, self.device)),
             device=str(self.device),
             vllm_options=options,
+            lora=spec.settings.model.lora,
         )
         self._skip_pushes = 0
         self._drop_buckets = 0

@@ -352,7 +352,8 @@ def write_merged(
     dcp_folder: Path, out: Path, adapter: dict[str, Any], dtype_name: str
 ) -> tuple[int, int, int]:
     """The adapter merged into its base (read where the run read it: a hub id from this
-    machine's hub cache, or a folder), saved whole in the run's dtype."""
+    machine's hub cache, else the folder the run read, else the base as a folder), saved
+    whole in the run's dtype."""
     import torch
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
     from transformers import AutoModelForCausalLM
@@ -361,7 +362,11 @@ def write_merged(
     from rlx.trainer.learn.lora import base_fingerprint
 
     base = adapter["base"]
-    folder = str(snapshot(base, field="the adapter's base")) if is_hub_id(base) else base
+    if is_hub_id(base):
+        folder = str(snapshot(base, field="the adapter's base"))
+    else:
+        read = adapter.get("folder")
+        folder = read if read and Path(read).is_dir() else base
     if not Path(folder).is_dir() or base_fingerprint(folder) != adapter["fingerprint"]:
         raise RlxError(
             f"the adapter's base {base} is not the model it was trained on here ({folder}); "

@@ -48,6 +48,18 @@ def lora_config(settings: LoraSettings, task: str = "CAUSAL_LM") -> Any:
     )
 
 
+def served_config(settings: LoraSettings) -> dict[str, Any]:
+    """What an engine serving these adapters needs of their config (vLLM's PEFTHelper):
+    rank, alpha (the scale is alpha / rank), the targets."""
+    targets = settings.target_modules
+    return {
+        "r": settings.rank,
+        "lora_alpha": settings.scale_alpha,
+        "target_modules": targets if isinstance(targets, str) else list(targets),
+        "bias": "none",
+    }
+
+
 def add_adapters(model: nn.Module, settings: LoraSettings, task: str = "CAUSAL_LM") -> nn.Module:
     """The model wrapped by peft with fresh adapters (their values: init_adapters)."""
     from peft import get_peft_model
@@ -134,6 +146,7 @@ def adapter_record(model: nn.Module, base: str, folder: str) -> dict[str, Any]:
     config = model.peft_config[ADAPTER].to_dict()  # type: ignore[union-attr, index]
     return {
         "base": base,
+        "folder": folder,  # where this run read it (a tiny: base or a store's copy)
         "fingerprint": base_fingerprint(folder),
         "peft_config": json.loads(json.dumps(config, default=lambda v: sorted(v))),
     }

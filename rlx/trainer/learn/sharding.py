@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from rlx.trainer.learn.dtensors import local_rows
-from rlx.trainer.learn.lora import base_name
+from rlx.trainer.learn.lora import base_name, is_adapter
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -345,15 +345,24 @@ def named_full_tensors(
         yield name, tensor.detach()
 
 
+def pushed_parameters(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """What a weight push carries of the policy: every parameter (tied ones once), or, for a
+    model with LoRA adapters, the adapters alone (the engines hold the frozen base)."""
+    params = list(module.named_parameters())
+    if any(is_adapter(name) for name, _ in params):
+        params = [(name, param) for name, param in params if is_adapter(name)]
+    yield from params
+
+
 def engine_tensors(module: nn.Module, dtype: torch.dtype | None) -> Iterator[tuple[str, Tensor]]:
-    """The module's parameters (tied ones once) as whole tensors in `dtype` (their own when
+    """The pushed parameters (pushed_parameters) as whole tensors in `dtype` (their own when
     None), where they are, one at a time: what a colocated engine loads. A sharded one is
     cast before it is gathered (half the bytes of gathering float32 master weights), a
     collective of every rank."""
     from torch.distributed.tensor import DTensor
 
     with torch.no_grad():
-        for name, param in module.named_parameters():
+        for name, param in pushed_parameters(module):
             tensor = param.detach().to(dtype or param.dtype)
             if isinstance(tensor, DTensor):
                 tensor = tensor.full_tensor()
@@ -363,12 +372,12 @@ def engine_tensors(module: nn.Module, dtype: torch.dtype | None) -> Iterator[tup
 def push_layouts(
     module: nn.Module, dtype: torch.dtype | None, bucket_bytes: int
 ) -> list[BucketLayout]:
-    """The module's parameters (tied ones once) in buckets of at most bucket_bytes in `dtype`
-    (their own when None), each laid out in a flat buffer; the same on every rank (global
-    shapes)."""
+    """The pushed parameters (pushed_parameters) in buckets of at most bucket_bytes in
+    `dtype` (their own when None), each laid out in a flat buffer; the same on every rank
+    (global shapes)."""
     from rlx.trainer.weights import BucketLayout, bucket_plan
 
-    params = dict(module.named_parameters())
+    params = dict(pushed_parameters(module))
     if not params:
         return []
     dtype = dtype or next(iter(params.values())).dtype

@@ -93,6 +93,7 @@ def build_tiny_model(
     intermediate_size: int | None = None,
     max_position_embeddings: int = 2048,
     tie_word_embeddings: bool = True,
+    embedding_std: float | None = None,
     seed: int = 0,
 ) -> Path:
     """Write a random causal LM and its tokenizer to `out_dir`; return the folder.
@@ -101,7 +102,8 @@ def build_tiny_model(
     `AutoTokenizer.from_pretrained`. The same arguments give byte-identical files.
     `num_heads` defaults to hidden_size // HEAD_DIM (one head below HEAD_DIM);
     `num_kv_heads` defaults to `num_heads` (no grouped-query attention);
-    `intermediate_size` defaults to 4 * hidden_size.
+    `intermediate_size` defaults to 4 * hidden_size. `embedding_std` redraws the token
+    embeddings (and an untied LM head) with that standard deviation.
     """
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config
@@ -139,6 +141,11 @@ def build_tiny_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        if embedding_std is not None:
+            with torch.no_grad():
+                model.get_input_embeddings().weight.normal_(0.0, embedding_std)
+                if not tie_word_embeddings:
+                    model.get_output_embeddings().weight.normal_(0.0, embedding_std)
     model.generation_config = GenerationConfig(**special)
     model.save_pretrained(out)
     build_tokenizer().save_pretrained(out)

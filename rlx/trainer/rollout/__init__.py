@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rlx.recipe.model import LoraSettings
 
 # Engine name -> "module:class", imported when chosen.
 ENGINES = {
@@ -53,10 +56,19 @@ def make_engine(
     device: str | None = None,
     max_batch_size: int | None = None,
     vllm_options: dict[str, Any] | None = None,
+    lora: LoraSettings | None = None,
 ) -> Any:
     """An engine of `kind` ("hf" or "vllm", as choose_engine decided) over the model folder.
-    vllm_options go to vllm.LLM (tensor_parallel_size, gpu_memory_utilization, ...)."""
+    vllm_options go to vllm.LLM (tensor_parallel_size, gpu_memory_utilization, ...). lora:
+    the policy trains these adapters, and pushes carry them alone: the HF engine wraps its
+    model with them, vLLM serves each pushed version as an adapter of its own."""
     engine = engine_class(kind)
     if kind == "vllm":
-        return engine(model_path, dtype=dtype or "auto", **dict(vllm_options or {}))
-    return engine(model_path, dtype=dtype, device=device, max_batch_size=max_batch_size)
+        adapter = None
+        if lora is not None:
+            from rlx.trainer.learn.lora import served_config
+
+            adapter = served_config(lora)
+        options = dict(vllm_options or {})
+        return engine(model_path, dtype=dtype or "auto", adapter_config=adapter, **options)
+    return engine(model_path, dtype=dtype, device=device, max_batch_size=max_batch_size, lora=lora)

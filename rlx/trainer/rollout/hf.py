@@ -16,6 +16,8 @@ from rlx.trainer.rollout.base import RolloutEngine, SamplingArgs, check_sampling
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from rlx.recipe.model import LoraSettings
+
 
 def mask_after_eos(response_ids: torch.Tensor, eos_ids: Sequence[int]) -> torch.Tensor:
     """True up to and including each row's first EOS, False after it."""
@@ -104,10 +106,13 @@ class HFEngine(RolloutEngine):
         dtype: torch.dtype | str | None = None,
         max_batch_size: int | None = None,
         collective: Callable[[bool], bool] | None = None,
+        lora: LoraSettings | None = None,
     ):
         """collective: for a model sharded over ranks (FSDP), the AND of a flag over all
         ranks. Every rank then runs as many forwards as the longest generation needs
-        (transformers' synced_gpus) and takes the same prefill path."""
+        (transformers' synced_gpus) and takes the same prefill path. lora: the policy
+        trains these adapters; a loaded model gets them too (pushes then carry only
+        them), starting as the policy's do: switched off in effect (B is zero)."""
         from transformers import AutoModelForCausalLM, GenerationConfig
 
         if isinstance(dtype, str) and dtype != "auto":
@@ -116,6 +121,10 @@ class HFEngine(RolloutEngine):
             model = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype or "auto")
         elif isinstance(dtype, torch.dtype):
             model = model.to(dtype=dtype)
+        if lora is not None and not hasattr(model, "peft_config"):
+            from rlx.trainer.learn.lora import add_adapters
+
+            model = add_adapters(model, lora)
         if device is not None:
             model = model.to(device)
         self.model = model.eval()

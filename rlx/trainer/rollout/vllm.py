@@ -74,6 +74,14 @@ class VLLMEngine(RolloutEngine):
     weights give the same samples, without a per-request generator (vLLM's slower path).
     per_sample_seeds=True instead gives every sample its own seeded request (kept for the
     benchmark that compares the two).
+
+    adapter_config (the policy trains LoRA adapters; vllm_options asked vLLM for enable_lora,
+    the rank slot and max_loras): pushes carry the adapters alone, and each pushed version
+    becomes an adapter of its own (id version + 1), built in the workers from the pushed
+    tensors (no file); requests of a version ask for its adapter. The newest max_loras
+    versions stay served, so rollouts under max_staleness k still find theirs; older ones
+    are unloaded. Version 0, the policy as it starts, is the base itself (peft starts B at
+    zero).
     """
 
     def __init__(
@@ -83,6 +91,7 @@ class VLLMEngine(RolloutEngine):
         dtype: str = "auto",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         per_sample_seeds: bool = False,
+        adapter_config: dict[str, Any] | None = None,
         **llm_options: Any,
     ):
         vllm = _import_vllm()
@@ -108,10 +117,23 @@ class VLLMEngine(RolloutEngine):
         self.bucket_bytes = bucket_bytes
         self.per_sample_seeds = per_sample_seeds
         self._version = 0
+        self.adapter_config = adapter_config
+        self._keep = int(llm_options.get("max_loras", 1))
+        self._served: list[int] = []  # versions whose adapters the workers hold, oldest first
 
     @property
     def weight_version(self) -> int:
         return self._version
+
+    def _adapter(self, version: int | None = None) -> Any:
+        """The LoRARequest of a version's adapter (the current one by default), or None: no
+        LoRA, or version 0 (the base)."""
+        version = self._version if version is None else version
+        if self.adapter_config is None or version not in self._served:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(f"rlx-v{version}", version + 1, f"rlx-memory://v{version}")
 
     def _rpc(self, method: str, *args: Any) -> list[Any]:
         """A WeightReceiver method in every worker; plain arguments only."""
@@ -143,7 +165,9 @@ class VLLMEngine(RolloutEngine):
             per_sample: Any = [
                 params(n=1, seed=seed * 1_000_003 + row) for row in range(len(requests))
             ]
-            outputs = self.llm.generate(requests, per_sample, use_tqdm=False)
+            outputs = self.llm.generate(
+                requests, per_sample, use_tqdm=False, lora_request=self._adapter()
+            )
         else:
             requests = [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids]
             outputs = self._generate_batched(requests, params(n=n), seed)
@@ -179,12 +203,13 @@ class VLLMEngine(RolloutEngine):
         paused until every request is queued, so the batches, and with them the samples,
         are the same whenever the call is repeated (the engine core runs in its own
         process and would otherwise start on whichever requests had arrived)."""
+        adapter = self._adapter()
         if seed is None:
-            return self.llm.generate(requests, params, use_tqdm=False)
+            return self.llm.generate(requests, params, use_tqdm=False, lora_request=adapter)
         self._rpc("rlx_seed", seed)
         self.llm.sleep(level=0)  # level 0: scheduling paused, requests still accepted
         try:
-            self.llm.enqueue(requests, params, use_tqdm=False)
+            self.llm.enqueue(requests, params, use_tqdm=False, lora_request=adapter)
         finally:
             self.llm.wake_up(tags=["scheduling"])
         outputs = self.llm.wait_for_completion(use_tqdm=False)  # in request order
@@ -202,7 +227,7 @@ class VLLMEngine(RolloutEngine):
         super().load_weights(weights, version, bucket_bytes or self.bucket_bytes)
 
     def begin_weights(self) -> None:
-        self._rpc("rlx_begin_reload")
+        self._rpc("rlx_begin_adapter" if self.adapter_config is not None else "rlx_begin_reload")
 
     def load_weight_bucket(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> int:
         """One collective_rpc per bucket: each worker loads the whole bucket (vLLM's own
@@ -218,12 +243,30 @@ class VLLMEngine(RolloutEngine):
         return len(bucket)
 
     def finish_weights(self, version: int) -> None:
-        self._rpc("rlx_finish_reload")
+        if self.adapter_config is not None:
+            self._rpc("rlx_finish_adapter", *self._adapter_args(version))
+        else:
+            self._rpc("rlx_finish_reload")
         self._take_version(version)
 
+    def _kept_versions(self, version: int) -> list[int]:
+        """The versions served once version's adapter is in: the newest max_loras."""
+        older = [v for v in self._served if v != version]
+        return [*older[max(len(older) - (self._keep - 1), 0) :], version]
+
+    def _adapter_args(self, version: int) -> tuple[int, dict[str, Any], list[int]]:
+        """What the workers need to serve version's adapter: its id, its config, and the
+        ids to keep."""
+        kept = self._kept_versions(version)
+        return version + 1, dict(self.adapter_config or {}), [v + 1 for v in kept]
+
     def _take_version(self, version: int) -> None:
-        # Cached prefixes hold keys/values computed with the old weights.
-        self.llm.reset_prefix_cache()
+        if self.adapter_config is not None:
+            self._served = self._kept_versions(version)
+        else:
+            # Cached prefixes hold keys/values computed with the old weights (an adapter's
+            # requests are cached under the adapter's own id).
+            self.llm.reset_prefix_cache()
         self._version = int(version)
 
     @property
@@ -246,7 +289,8 @@ class VLLMEngine(RolloutEngine):
         """One call per push: every worker receives every bucket over the weight group and
         loads it (only the layouts travel in the rpc)."""
         wire = [layout.to_wire() for layout in layouts]
-        loaded = min(self._rpc("rlx_receive_push", wire, drop, skip))
+        adapter = self._adapter_args(version) if self.adapter_config is not None else None
+        loaded = min(self._rpc("rlx_receive_push", wire, drop, skip, adapter))
         if not skip and loaded == sum(len(layout.names) for layout in layouts):
             self._take_version(version)
         return loaded
@@ -256,14 +300,18 @@ class VLLMEngine(RolloutEngine):
             raise ValueError("logprob_probe needs a non-empty prompt and response")
         ids = list(prompt_ids) + list(response_ids)
         params = self._vllm.SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=1.0)
-        (output,) = self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        (output,) = self.llm.generate(
+            [{"prompt_token_ids": ids}], params, use_tqdm=False, lora_request=self._adapter()
+        )
         # One dict per prompt position (None at 0); each holds the actual token's entry.
         per_position = output.prompt_logprobs
         return float(sum(per_position[i][ids[i]].logprob for i in range(len(prompt_ids), len(ids))))
 
     def sleep(self) -> None:
-        """Free the weights and KV cache (level 2: the next push rewrites every weight)."""
-        self.llm.sleep(level=2)
+        """Free the weights and KV cache: level 2 (the next push rewrites every weight), or
+        with LoRA level 1 (the base goes to host memory and comes back: pushes carry only
+        the adapters)."""
+        self.llm.sleep(level=1 if self.adapter_config is not None else 2)
 
     def wake_weights(self) -> None:
         """Map the weights' memory again (their values are whatever the push writes)."""

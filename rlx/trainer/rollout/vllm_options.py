@@ -48,6 +48,20 @@ def vllm_options(
         options["distributed_executor_backend"] = "ray" if use_gpu else "mp"
         if not use_gpu:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(tensor_parallel))
+    lora = settings.model.lora
+    if lora is not None:
+        # Pushes carry adapters: vLLM serves each version as one, the policy's and the
+        # max_staleness older ones, at the smallest rank slot that holds the rank (its
+        # memory, and on CPU its ops' scratch, grow with the slot).
+        from rlx.plan.lora import vllm_lora_rank, vllm_max_loras
+
+        slot = vllm_lora_rank(lora.rank)
+        if slot is None:
+            raise ValueError(f"LoRA rank {lora.rank} is more than vLLM serves")
+        versions = vllm_max_loras(rollout)
+        options.update(
+            enable_lora=True, max_lora_rank=slot, max_loras=versions, max_cpu_loras=versions
+        )
     if use_gpu:
         options["gpu_memory_utilization"] = rollout.gpu_memory_utilization
     else:

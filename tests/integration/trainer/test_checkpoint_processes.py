@@ -119,19 +119,25 @@ def test_a_killed_save_is_never_taken_for_complete(tmp_path: Path) -> None:
         resolve_resume(str(tmp_path / "run" / "step-000002"), manager)
 
 
-STRATEGIES = ("ddp", "fsdp")
+# fsdp-lora: FSDP with rank-4 adapters on the policy and (sharing its model settings) the
+# critic, the frozen base sharded too.
+STRATEGIES = ("ddp", "fsdp", "fsdp-lora")
 
 
 def _worker_settings(tmp: Path, strategy: str) -> Any:
     from tests.support.recipes import make_recipe
 
+    model: dict[str, Any] = {"path": "tiny:qwen2-h64-l2", "dtype": "float32"}
+    if strategy.endswith("-lora"):
+        model["lora"] = {"rank": 4}
     recipe = make_recipe(
         tmp,
         algorithm="ppo",
+        model=model,
         rollout={"n": 4, "max_new_tokens": 12},
         batch={"prompts_per_step": 3, "micro_batch_size": 2},
         optim={"critic_lr": 2.0e-3},
-        parallel={"strategy": strategy},
+        parallel={"strategy": strategy.removesuffix("-lora")},
     )
     return recipe.trainer
 
@@ -290,6 +296,9 @@ def test_a_save_at_two_ranks_resumes_at_three_and_exports(
         assert 0 <= report.host_bytes < 256 * 2**20 + 4 * learner_bytes
     assert math.isfinite(resumed["stats"].same["grad_norm"]) and resumed["stats"].updates > 0
 
+    if strategy.endswith("-lora"):
+        _check_adapter_exports(saved, tmp_path, model, ppo_batch.input_ids, reference["logits"])
+        return
     out = tmp_path / "exported"
     exported = export_checkpoint(saved, out)
     assert exported.dtype == "float32" and (out / "model.safetensors").is_file()
@@ -305,6 +314,36 @@ def test_a_save_at_two_ranks_resumes_at_three_and_exports(
         with torch.no_grad():
             logits = hf_model(ppo_batch.input_ids).logits  # (B, T, V)
         assert float((logits - reference["logits"]).abs().max()) <= 1e-5
+
+
+def _check_adapter_exports(saved: Path, tmp: Path, base: str, input_ids: Any, logits: Any) -> None:
+    """A LoRA checkpoint exports its adapter in PEFT's format, and with merge a whole model:
+    both give the learner's logits (base + adapter) within 1e-5."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from rlx.trainer.checkpoint.export import export_checkpoint
+
+    adapter = tmp / "adapter"
+    export_checkpoint(saved, adapter)
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {
+        p.name for p in adapter.iterdir()
+    }
+    assert not (adapter / "model.safetensors").exists()
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "tiny:qwen2-h64-l2"  # as the run named it
+    merged = tmp / "merged"
+    export_checkpoint(saved, merged, merge=True)
+    models = {
+        "adapter": PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter
+        ).eval(),
+        "merged": AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval(),
+    }
+    for kind, model in models.items():
+        with torch.no_grad():
+            got = model(input_ids).logits
+        assert float((got - logits).abs().max()) <= 1e-5, kind
 
 
 def rlx_export(*args: Path) -> subprocess.CompletedProcess[str]:

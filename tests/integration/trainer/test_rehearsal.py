@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from rlx.node.env import environment
 from rlx.recipe import load_recipe
@@ -37,9 +38,17 @@ pytest.importorskip("ray")
 pytest.importorskip("vllm", reason="the rehearsals run vLLM's CPU build")
 pytestmark = pytest.mark.timeout(1500)
 
-GPU_RECIPES = ("ppo-7b", "grpo-large", "grpo-async", "gsm8k-grpo", "gsm8k-tools")
+
+def _asks_for_gpus(path: Path) -> bool:
+    resources = yaml.safe_load(path.read_text()).get("resources") or {}
+    groups = (resources.get("groups") or {}).values()
+    return any(part.get("accelerators") for part in (resources, *groups))
+
+
+# Every shipped recipe that asks for GPUs.
+GPU_RECIPES = tuple(sorted(path.stem for path in RECIPES.glob("*.yaml") if _asks_for_gpus(path)))
 S3_BUCKETS = ("rlx-ppo-7b", "rlx-grpo-large", "rlx-grpo-async")
-GCS_BUCKETS = ("rlx-gsm8k",)
+GCS_BUCKETS = ("rlx-gsm8k", "rlx-gsm8k-lora")
 
 
 @pytest.fixture(scope="module")

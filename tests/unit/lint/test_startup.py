@@ -133,9 +133,6 @@ BROKEN: dict[str, list[tuple[Callable[[dict[str, Any]], None], str]]] = {
             "trainer.model.lora.rank",
         )
     ],
-    "check_lora_engine": [
-        (_all(SPLIT, _set("trainer.model.lora", {"rank": 8})), "trainer.model.lora"),
-    ],
     "check_trainer_specs": [
         (_set("trainer.model.path", "tiny:gpt9-h64-l2"), "trainer.model.path"),
         (_set("trainer.model.path", "tiny:qwen2-h96-l2"), "trainer.model.path"),

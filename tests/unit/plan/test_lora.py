@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,13 +19,11 @@ from rlx.plan import memory as mem
 from rlx.plan.budget import Budget, Item, adapter_compute
 from rlx.plan.strategy import choose_strategy
 from rlx.recipe.model import LoraSettings
+from tests.conftest import RECIPES
 from tests.unit.plan.test_plan import SMALL
 from tests.unit.plan.test_strategy import recipe
 
 runner = CliRunner()
-
-# A 7B LoRA recipe on 2 x L4 (not shipped: its engine is vLLM)
-LORA_7B = Path(__file__).with_name("gsm8k-lora-7b.yaml")
 
 # Qwen2.5-7B: hidden 3584, 28 layers, q 28 x 128 = 3584, kv 4 x 128 = 512, intermediate 18944.
 # One decoder layer's linear layers, sum of (in + out): q 7168, k 4096, v 4096, o 7168,
@@ -222,7 +219,7 @@ def test_vllm_slots_and_scratch_by_hand(small: ModelShape) -> None:
 
 
 def test_the_7b_lora_recipe_by_hand() -> None:
-    plan = plan_recipe(recipe(str(LORA_7B)), {})
+    plan = plan_recipe(recipe("gsm8k-lora-7b.yaml"), {})
     assert plan.fits and not plan.warnings and plan.strategy == "single"
     adapter = 80_740_352
     training = items(named(plan.gpus, "training"))
@@ -265,7 +262,7 @@ def test_the_7b_lora_recipe_by_hand() -> None:
 def test_lora_sharded_replicated_and_the_root() -> None:
     # 4 L4s: 2 train, 2 generate; one node, so auto shards (FSDP)
     four = {"resources__accelerators": "L4:4", "trainer__rollout_gpus": 2}
-    fsdp = plan_recipe(recipe(str(LORA_7B), **four), {}, advise=False)
+    fsdp = plan_recipe(recipe("gsm8k-lora-7b.yaml", **four), {}, advise=False)
     assert fsdp.strategy == "fsdp"
     training = items(named(fsdp.gpus, "training"))
     assert training["policy base (frozen)"].bytes == QWEN7B_PARAMS // 2 * 2
@@ -279,7 +276,7 @@ def test_lora_sharded_replicated_and_the_root() -> None:
     assert "root grads, unsharded (FSDP)" not in training  # the policy's root is frozen
     # DDP: the base replicated, gradient buckets for the adapters alone
     ddp = plan_recipe(
-        recipe(str(LORA_7B), **four, trainer__parallel={"strategy": "ddp"}), {}
+        recipe("gsm8k-lora-7b.yaml", **four, trainer__parallel={"strategy": "ddp"}), {}
     )
     training = items(named(ddp.gpus, "training"))
     assert training["policy base (frozen)"].bytes == QWEN7B_PARAMS * 2
@@ -352,7 +349,7 @@ def test_offload_reference_with_lora_neither_counts_nor_chooses_fsdp() -> None:
 
 
 def test_plan_says_the_reference_is_the_base() -> None:
-    result = runner.invoke(app, ["plan", str(LORA_7B)])
+    result = runner.invoke(app, ["plan", str(RECIPES / "gsm8k-lora-7b.yaml")])
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
     assert "policy LoRA: rank 32 (alpha 64) on 7 linear layers x 28" in text
@@ -361,7 +358,7 @@ def test_plan_says_the_reference_is_the_base() -> None:
     assert "vLLM serves it at max_lora_rank 32, max_loras 1" in text
     assert "export 0.3 GiB (the adapter; merged 14.2 GiB)" in text
     data = json.loads(
-        runner.invoke(app, ["plan", str(LORA_7B), "--json"]).output
+        runner.invoke(app, ["plan", str(RECIPES / "gsm8k-lora-7b.yaml"), "--json"]).output
     )
     assert data["lora"]["policy"]["adapter_params"] == 80_740_352
     assert data["lora"]["policy"]["layers"][0] == "q_proj"
@@ -370,7 +367,7 @@ def test_plan_says_the_reference_is_the_base() -> None:
 
 def test_lora_fits_where_full_training_does_not() -> None:
     # the same recipe without LoRA: the policy's float32 state alone is 4 x 28.4 GiB
-    full = plan_recipe(recipe(str(LORA_7B), trainer__model__lora=None), {}, advise=False)
+    full = plan_recipe(recipe("gsm8k-lora-7b.yaml", trainer__model__lora=None), {}, advise=False)
     assert not full.fits
     assert "training GPU: needs 132.1 GiB of 24.0 GiB" in full.problems[0]
     assert mem.DTYPE_BYTES["bfloat16"] * QWEN7B_PARAMS < 24 * 2**30  # the base alone fits
