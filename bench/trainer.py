@@ -30,6 +30,11 @@ Measured per run:
 The table pools the post-warm-up steps of all runs of a side (median and p90) and takes the
 largest peak over its runs. It is a measurement, not a test: nothing passes or fails.
 
+--lora: rlx against itself instead of TRL: full fine-tuning ("rlx"), rank-8 LoRA on every
+linear layer ("lora", learning rate 10x: 1e-3), and the same LoRA run without the KL term
+("lora-nokl"). With LoRA the reference is the policy with its adapters off, so the KL term
+should cost no memory: lora's peak over lora-nokl's is that cost.
+
 Figures measured on 2 CPU cores (3 rounds x 14 steps, first 4 dropped): README, Benchmarks.
 """
 
@@ -63,6 +68,9 @@ SEED = 0
 DATA_ROWS = 256
 SAMPLE_EVERY_S = 0.2
 SIDES = ("rlx", "trl")
+LORA_SIDES = ("rlx", "lora", "lora-nokl")
+LORA_RANK = 8
+LORA_LEARNING_RATE = 10 * LEARNING_RATE
 PSS_EVERY = 10  # samples between two PSS readings (2 s)
 
 
@@ -106,14 +114,19 @@ def read_rows(data: Path) -> list[dict[str, str]]:
 # --------------------------------------------------------------------------- rlx (child)
 
 
-def rlx_recipe(model: Path, data: Path, steps: int, out: Path) -> Any:
+def rlx_recipe(model: Path, data: Path, steps: int, out: Path, side: str = "rlx") -> Any:
+    """The bench's recipe for an rlx side: rlx (full fine-tuning), lora, lora-nokl."""
     from rlx.recipe import parse_recipe
 
+    lora = side.startswith("lora")
+    settings: dict[str, Any] = {"path": str(model), "dtype": "float32"}
+    if lora:
+        settings["lora"] = {"rank": LORA_RANK}
     recipe = {
         "name": "bench-rlx",
         "trainer": {
             "algorithm": "grpo",
-            "model": {"path": str(model), "dtype": "float32"},
+            "model": settings,
             "data": {"train": str(data), "shuffle": False, "max_prompt_length": 64},
             "reward": {"function": "letters_or_digits"},
             "rollout": {
@@ -125,10 +138,18 @@ def rlx_recipe(model: Path, data: Path, steps: int, out: Path) -> Any:
             },
             "algo": {
                 "clip_eps": CLIP_EPS,
-                "kl": {"coef": BETA, "estimator": "k3", "mode": "loss"},
+                "kl": {
+                    "coef": 0.0 if side.endswith("nokl") else BETA,
+                    "estimator": "k3",
+                    "mode": "loss",
+                },
                 "loss_agg": "token-mean",
             },
-            "optim": {"lr": LEARNING_RATE, "schedule": "constant", "grad_clip": 1.0},
+            "optim": {
+                "lr": LORA_LEARNING_RATE if lora else LEARNING_RATE,
+                "schedule": "constant",
+                "grad_clip": 1.0,
+            },
             "batch": {
                 "prompts_per_step": PROMPTS_PER_STEP,
                 "micro_batch_size": PROMPTS_PER_STEP * GENERATIONS,
@@ -141,7 +162,7 @@ def rlx_recipe(model: Path, data: Path, steps: int, out: Path) -> Any:
     return parse_recipe(json.dumps(recipe), "bench-rlx.yaml").recipe
 
 
-def run_rlx(model: Path, data: Path, steps: int, out: Path) -> list[float]:
+def run_rlx(model: Path, data: Path, steps: int, out: Path, side: str = "rlx") -> list[float]:
     """Ends of steps (time.time() at each step's log line), from rlx's metrics file."""
     from rlx.trainer.main import run_training
 
@@ -149,7 +170,7 @@ def run_rlx(model: Path, data: Path, steps: int, out: Path) -> list[float]:
     env["RLX_NUM_THREADS"] = str(THREADS)
     env["RLX_RUN_ID"] = "bench"
     os.environ["RLX_NUM_THREADS"] = str(THREADS)
-    result = run_training(rlx_recipe(model, data, steps, out), env, print_summary=False)
+    result = run_training(rlx_recipe(model, data, steps, out, side), env, print_summary=False)
     lines = Path(result.metrics).read_text().splitlines()
     return [json.loads(line)["time"] for line in lines if line.strip()]
 
@@ -231,7 +252,10 @@ def run_trl(model: Path, data: Path, steps: int, out: Path) -> list[float]:
 
 
 def child(side: str, model: Path, data: Path, steps: int, out: Path) -> None:
-    ends = (run_rlx if side == "rlx" else run_trl)(model, data, steps, out)
+    if side == "trl":
+        ends = run_trl(model, data, steps, out)
+    else:
+        ends = run_rlx(model, data, steps, out, side)
     (out / "ends.json").write_text(json.dumps(ends))
 
 
@@ -362,6 +386,23 @@ def side_figures(runs: Sequence[RunResult]) -> dict[str, float]:
     }
 
 
+def print_lora_table(results: Sequence[RunResult]) -> None:
+    """Full fine-tuning, LoRA and LoRA without KL, with LoRA's ratios to each."""
+    figures = {
+        side: side_figures(runs) if (runs := [r for r in results if r.side == side]) else None
+        for side in LORA_SIDES
+    }
+    full, lora, nokl = (figures[side] for side in LORA_SIDES)
+    head = f"{'':<15} {'full':>8} {'lora':>8} {'lora-nokl':>10} {'lora/full':>10} {'KL/noKL':>8}"
+    print(head)
+    for key, label, fmt in TABLE_ROWS:
+        cells = [f"{f[key]:{fmt}}" if f else "n/a" for f in (full, lora, nokl)]
+        to_full = f"{lora[key] / full[key]:.2f}x" if lora and full else "n/a"
+        to_nokl = f"{lora[key] / nokl[key]:.2f}x" if lora and nokl else "n/a"
+        row = f"{label:<15} {cells[0]:>8} {cells[1]:>8} {cells[2]:>10} {to_full:>10} {to_nokl:>8}"
+        print(row)
+
+
 def print_table(results: Sequence[RunResult]) -> None:
     """The two sides' figures and their ratio (a side that did not run shows n/a)."""
     figures = {
@@ -382,8 +423,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, help="runs per side (default: per model)")
     parser.add_argument("--steps", type=int, help="steps per run (default: per model)")
     parser.add_argument("--warmup", type=int, help="steps dropped per run (default: per model)")
-    parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
-    parser.add_argument("--child", choices=("rlx", "trl"), help=argparse.SUPPRESS)
+    parser.add_argument("--sides", nargs="+", choices=SIDES + LORA_SIDES)
+    parser.add_argument("--lora", action="store_true", help="full vs LoRA vs LoRA without KL")
+    parser.add_argument("--child", choices=SIDES + LORA_SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -392,6 +434,7 @@ def main() -> None:
     if args.child:
         child(args.child, args.model_dir, args.data, args.steps, args.out)
         return
+    args.sides = args.sides or list(LORA_SIDES if args.lora else SIDES)
     defaults = MODELS[args.shape]
     args.rounds = args.rounds or defaults.rounds
     args.steps = args.steps or defaults.steps
@@ -402,7 +445,8 @@ def main() -> None:
         model, data = build_inputs(Path(scratch), args.shape)
         print(
             f"model {args.shape}, {args.rounds} rounds x {args.steps} steps "
-            f"({args.warmup} dropped), torch threads {THREADS}, load {load_average()}",
+            f"({args.warmup} dropped), torch threads {THREADS}, load {load_average()}"
+            + (f", LoRA rank {LORA_RANK} all-linear" if args.lora else ""),
             flush=True,
         )
         results = []
@@ -420,7 +464,7 @@ def main() -> None:
                     flush=True,
                 )
     print()
-    print_table(results)
+    (print_lora_table if args.lora else print_table)(results)
 
 
 if __name__ == "__main__":

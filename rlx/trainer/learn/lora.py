@@ -18,6 +18,7 @@ vLLM load.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 PEFT_PREFIX = "base_model.model."
 ADAPTER = "default"  # peft's name of the one adapter rlx trains
 LORA_MARKERS = (".lora_A.", ".lora_B.")
+SAMPLE_BYTES = 4096  # read from the start of each tensor of a base, for base_fingerprint
 
 
 def lora_config(settings: LoraSettings, task: str = "CAUSAL_LM") -> Any:
@@ -124,8 +126,10 @@ def adapter_bytes(model: nn.Module) -> int:
 
 
 def base_fingerprint(folder: str) -> str:
-    """What names a base model's weights, cheaply: its config and every weight file's name and
-    size (a hub snapshot's commit changes them all the same)."""
+    """What names a base model's weights, cheaply: its config and, per weight file, its name,
+    its size and its content: a hub cache's blob name where the file is one (the content's
+    hash), else its header and the first bytes of every tensor. Two bases of
+    the same shapes and other weights (a fine-tuned variant) differ."""
     from pathlib import Path
 
     root = Path(folder)
@@ -133,7 +137,29 @@ def base_fingerprint(folder: str) -> str:
     config = root / "config.json"
     digest.update(config.read_bytes() if config.is_file() else b"")
     for weights in sorted(root.glob("*.safetensors")):
-        digest.update(f"{weights.name}:{weights.stat().st_size}\n".encode())
+        size = weights.stat().st_size
+        digest.update(f"{weights.name}:{size}\n".encode())
+        target = weights.resolve()
+        if target.parent.name == "blobs":  # the hub cache's layout: named by its hash
+            digest.update(target.name.encode())
+            continue
+        with weights.open("rb") as handle:
+            header = handle.read(8)
+            length = int.from_bytes(header, "little") if len(header) == 8 else 0
+            table = handle.read(min(length, size))
+            digest.update(header + table)
+            try:
+                entries = json.loads(table)
+            except ValueError:
+                entries = {}
+            starts = sorted(
+                int(entry["data_offsets"][0])
+                for name, entry in entries.items()
+                if name != "__metadata__" and isinstance(entry, dict) and "data_offsets" in entry
+            )
+            for at in starts:  # the first bytes of every tensor
+                handle.seek(8 + length + at)
+                digest.update(handle.read(SAMPLE_BYTES))
     return digest.hexdigest()[:16]
 
 
@@ -141,8 +167,6 @@ def adapter_record(model: nn.Module, base: str, folder: str) -> dict[str, Any]:
     """What a checkpoint keeps of a model's adapters besides their tensors: the base they
     were trained on (as the recipe names it, and its fingerprint) and peft's config of them
     (what adapter_config.json holds)."""
-    import json
-
     config = model.peft_config[ADAPTER].to_dict()  # type: ignore[union-attr, index]
     return {
         "base": base,

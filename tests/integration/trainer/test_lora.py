@@ -99,6 +99,32 @@ def test_the_split_hf_engine_takes_adapter_pushes(tmp_path: Path, local_ray) -> 
         assert record["sync/probe_diff"] <= 1e-5
 
 
+def test_split_vllm_serves_the_older_adapter_to_rollouts_a_step_behind(
+    tmp_path: Path, local_ray
+) -> None:
+    """max_staleness 1: the engine makes the next step's rollouts while the learner
+    updates, with the adapter of the version before, served beside the new one (which
+    version serves which request: test_pushed_versions_are_served_side_by_side...)."""
+    from rlx.trainer.main import run_training
+
+    recipe = make_recipe(
+        tmp_path,
+        model={"path": "tiny:qwen2-h64-l2", "dtype": "float32", "lora": {"rank": 4}},
+        layout="split",
+        rollout_gpus=1,
+        rollout={"engine": "vllm", "n": 4, "max_new_tokens": 12, "max_staleness": 1},
+        batch={"prompts_per_step": 2, "micro_batch_size": 8},
+        steps=4,
+    )
+    result = run_training(recipe, {"RLX_RUN_ID": "stale-lora"})
+    assert result.state == "SUCCEEDED" and result.last_step == 4
+    records = [r for r in read_metrics(Path(result.metrics)) if r["step"] >= 2]
+    assert records and all(r["staleness/share_1"] == 1.0 for r in records)
+    for record in records:
+        assert abs(record["offpolicy/weight_mean"] - 1.0) < 0.02, record
+        assert record["sync/bytes"] == 2 * 4 * (4 * 128 + 3 * 320) * 4
+
+
 @pytest.fixture(scope="module")
 def engine(run) -> Any:
     """vLLM over the run's base with LoRA on: 2 adapters served at once (max_staleness 1)."""

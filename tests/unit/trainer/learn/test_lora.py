@@ -128,6 +128,19 @@ def test_a_checkpoint_holds_the_adapters_and_puts_a_learner_back(
         plain.load_sharded_state(plain_state)
 
 
+def test_the_base_fingerprint_sees_other_weights_of_the_same_shapes(tmp_path) -> None:
+    from rlx.trainer.learn.tiny import build_tiny_model
+
+    one = build_tiny_model(tmp_path / "one", seed=0)
+    same = build_tiny_model(tmp_path / "same", seed=0)
+    wider = build_tiny_model(tmp_path / "wider", seed=0, embedding_std=0.1)  # embeddings only
+    other = build_tiny_model(tmp_path / "other", seed=1)
+    fingerprint = lora.base_fingerprint(str(one))
+    assert lora.base_fingerprint(str(same)) == fingerprint
+    assert lora.base_fingerprint(str(wider)) != fingerprint
+    assert lora.base_fingerprint(str(other)) != fingerprint
+
+
 def test_a_target_the_model_lacks_is_one_line(tmp_path, tiny_model_dir) -> None:
     conf = small_trainer(
         tmp_path,
