@@ -268,7 +268,6 @@ class TrainWorker:
             collective=collective,
             say=notes.append,
             bucket_bytes=spec.settings.rollout.weight_sync_bucket_mb * 2**20,
-            lora=spec.settings.model.lora,
         )
 
     def _learner(self) -> Learner:

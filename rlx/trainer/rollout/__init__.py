@@ -59,16 +59,10 @@ def make_engine(
     lora: LoraSettings | None = None,
 ) -> Any:
     """An engine of `kind` ("hf" or "vllm", as choose_engine decided) over the model folder.
-    vllm_options go to vllm.LLM (tensor_parallel_size, gpu_memory_utilization, ...). lora:
-    the policy trains these adapters, and pushes carry them alone: the HF engine wraps its
-    model with them, vLLM serves each pushed version as an adapter of its own."""
+    vllm_options: vLLM's engine arguments (rollout.vllm_options.vllm_options, which also
+    says how vLLM serves LoRA adapters). lora: the policy trains these adapters and pushes
+    carry them alone; the HF engine wraps its model with them."""
     engine = engine_class(kind)
     if kind == "vllm":
-        adapter = None
-        if lora is not None:
-            from rlx.trainer.learn.lora import served_config
-
-            adapter = served_config(lora)
-        options = dict(vllm_options or {})
-        return engine(model_path, dtype=dtype or "auto", adapter_config=adapter, **options)
+        return engine(model_path, dtype=dtype or "auto", **dict(vllm_options or {}))
     return engine(model_path, dtype=dtype, device=device, max_batch_size=max_batch_size, lora=lora)

@@ -10,7 +10,7 @@ in actors of their own instead: actors/cluster.py, Cluster.sync_weights.)
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,9 +18,6 @@ from torch import nn
 from rlx.trainer.rollout.base import RolloutEngine
 from rlx.trainer.rollout.hf import HFEngine
 from rlx.trainer.weights import DEFAULT_BUCKET_BYTES, dtype_named
-
-if TYPE_CHECKING:
-    from rlx.recipe.model import LoraSettings
 
 
 class SharedModuleEngine(HFEngine):
@@ -106,7 +103,6 @@ def make_colocated_engine(
     collective: Callable[[bool], bool] | None = None,
     say: Callable[[str], None] | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    lora: LoraSettings | None = None,
 ) -> ColocatedEngine:
     """kind is 'hf' or 'vllm' (already resolved from 'auto'); vllm_options: vLLM's arguments
     (rollout.vllm_options.vllm_options, in_process). collective: the policy is
@@ -124,10 +120,5 @@ def make_colocated_engine(
     if not can_sleep and say is not None:
         say(SLEEP_REFUSED)
     options = {"enable_sleep_mode": can_sleep, **(vllm_options or {})}
-    adapter = None
-    if lora is not None:  # pushes carry the adapters (sharding.pushed_parameters)
-        from rlx.trainer.learn.lora import served_config
-
-        adapter = served_config(lora)
-    engine = VLLMEngine(model_path, dtype=dtype, adapter_config=adapter, **options)
+    engine = VLLMEngine(model_path, dtype=dtype, **options)
     return ColocatedEngine(engine, False, can_sleep, bucket_bytes, dtype_named(dtype))

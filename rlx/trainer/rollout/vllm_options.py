@@ -52,15 +52,21 @@ def vllm_options(
     if lora is not None:
         # Pushes carry adapters: vLLM serves each version as one, the policy's and the
         # max_staleness older ones, at the smallest rank slot that holds the rank (its
-        # memory, and on CPU its ops' scratch, grow with the slot).
+        # memory, and on CPU its ops' scratch, grow with the slot). adapter_config is
+        # VLLMEngine's own: the served adapters' config.
         from rlx.plan.lora import vllm_lora_rank, vllm_max_loras
+        from rlx.trainer.learn.lora import served_config
 
         slot = vllm_lora_rank(lora.rank)
         if slot is None:
             raise ValueError(f"LoRA rank {lora.rank} is more than vLLM serves")
         versions = vllm_max_loras(rollout)
         options.update(
-            enable_lora=True, max_lora_rank=slot, max_loras=versions, max_cpu_loras=versions
+            enable_lora=True,
+            max_lora_rank=slot,
+            max_loras=versions,
+            max_cpu_loras=versions,
+            adapter_config=served_config(lora),
         )
     if use_gpu:
         options["gpu_memory_utilization"] = rollout.gpu_memory_utilization
