@@ -263,10 +263,9 @@ class VLLMEngine(RolloutEngine):
     def _take_version(self, version: int) -> None:
         if self.adapter_config is not None:
             self._served = self._kept_versions(version)
-        else:
-            # Cached prefixes hold keys/values computed with the old weights (an adapter's
-            # requests are cached under the adapter's own id).
-            self.llm.reset_prefix_cache()
+        # Cached prefixes hold keys/values computed with the old weights (or with an adapter
+        # of the same id pushed before).
+        self.llm.reset_prefix_cache()
         self._version = int(version)
 
     @property

@@ -116,6 +116,7 @@ class WeightReceiver:
         for old in [i for i in kept if i not in keep]:
             kept.pop(old)
             manager.remove_adapter(old)
+        manager.remove_adapter(adapter_id)  # a version pushed again: its new tensors, not the old
         manager.add_adapter(
             LoRARequest(f"rlx-{adapter_id}", adapter_id, f"rlx-memory://{adapter_id}")
         )

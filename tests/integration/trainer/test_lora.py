@@ -125,6 +125,31 @@ def test_split_vllm_serves_the_older_adapter_to_rollouts_a_step_behind(
         assert record["sync/bytes"] == 2 * 4 * (4 * 128 + 3 * 320) * 4
 
 
+def test_multi_turn_episodes_run_on_the_served_adapters(tmp_path: Path, local_ray) -> None:
+    """recipes/tool-lookup.yaml (three-turn episodes with a lookup tool) with LoRA on vLLM:
+    every turn of every episode generated with the current adapter, every push proven."""
+    from rlx.recipe import parse_recipe
+    from rlx.trainer.main import run_training
+
+    data = shipped_recipe_data("tool-lookup.yaml")
+    trainer = data["trainer"]
+    trainer["model"] = {"path": "tiny:qwen2-h64-l2-e0.1", "dtype": "float32", "lora": {"rank": 8}}
+    trainer["rollout"]["engine"] = "vllm"
+    trainer["steps"] = 3
+    trainer.pop("validation")
+    trainer["checkpoint"].update(dir=str(tmp_path / "checkpoints"), every=3)
+    trainer["logging"] = {"dir": str(tmp_path / "runs"), "tensorboard": False}
+    recipe = parse_recipe(yaml.safe_dump(data), "tool-lookup.yaml").recipe
+    result = run_training(recipe, {"RLX_RUN_ID": "tools-lora"})
+    assert result.state == "SUCCEEDED" and result.last_step == 3
+    records = read_metrics(Path(result.metrics))
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for record in records:
+        assert record["sync/bytes"] == 2 * 8 * (4 * 128 + 3 * 320) * 4
+        assert record["sync/probe_diff"] <= 32 * 1e-5
+        assert record["episode/turns"] >= 1
+
+
 @pytest.fixture(scope="module")
 def engine(run) -> Any:
     """vLLM over the run's base with LoRA on: 2 adapters served at once (max_staleness 1)."""
