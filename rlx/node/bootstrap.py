@@ -153,9 +153,17 @@ class Bootstrap:
             grace = SIGNALLED_STOP_GRACE
             return stop.code
         finally:
-            for sig, old in previous.items():
-                signal.signal(sig, old)
-            raynode.stop_own_ray(self.address, self.recipe.ray.port, grace=grace)
+            # The clean-up is not cut short by a signal: a scheduler's cancel (SIGTERM) that
+            # lands while it runs would otherwise end this process with Ray's daemons still
+            # up, re-parented out of the job's process tree (Slurm's proctrack/linuxproc then
+            # never kills them); past the scheduler's kill wait its SIGKILL takes the tree.
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, signal.SIG_IGN)
+            try:
+                raynode.stop_own_ray(self.address, self.recipe.ray.port, grace=grace)
+            finally:
+                for sig, old in previous.items():
+                    signal.signal(sig, old)
 
     def check_ports(self) -> None:
         """Fail at once, naming the recipe field, when another program holds one of our
