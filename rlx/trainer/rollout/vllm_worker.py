@@ -164,7 +164,10 @@ class WeightReceiver:
             raise RuntimeError("rlx_receive_push before rlx_join_weight_group")
         plan = [BucketLayout.from_wire(layout) for layout in layouts]
         if not skip:
-            self.rlx_begin_adapter() if adapter is not None else self.rlx_begin_reload()
+            if adapter is not None:
+                self.rlx_begin_adapter()
+            else:
+                self.rlx_begin_reload()
         loaded = receive_push(group, plan, self.rlx_load, drop=drop, skip=skip)
         if not skip and loaded == sum(len(layout.names) for layout in plan):
             if adapter is not None:

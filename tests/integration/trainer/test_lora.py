@@ -28,6 +28,14 @@ pytestmark = pytest.mark.timeout(900)
 
 STEPS = 24
 PROMPT = [257, 72, 105, 33]
+
+
+def _tiny_adapter_bytes(rank: int) -> int:
+    """A rank-r adapter on every linear layer of tiny:qwen2-h64-l2 in float32: 2 layers, A and
+    B holding rank x (in + out) of q, k, v, o (64 + 64) and gate, up, down (64 + 256)."""
+    return 2 * rank * (4 * 128 + 3 * 320) * 4
+
+
 RESPONSE = [65, 66, 67, 68, 69]
 
 
@@ -91,9 +99,7 @@ def test_the_split_hf_engine_takes_adapter_pushes(tmp_path: Path, local_ray) -> 
     )
     result = run_training(recipe, {"RLX_RUN_ID": "split-lora"})
     assert result.state == "SUCCEEDED" and result.last_step == 2
-    # rank 4 on 2 layers of h64 (intermediate 256): A and B hold rank x (in + out) of each
-    # of q, k, v, o (64 + 64) and gate, up, down (64 + 256), float32
-    adapter = 2 * 4 * (4 * 128 + 3 * 320) * 4
+    adapter = _tiny_adapter_bytes(4)
     for record in metrics_of(Path(result.metrics))[1:]:
         assert record["sync/bytes"] == adapter
         assert record["sync/probe_diff"] <= 1e-5
@@ -122,7 +128,7 @@ def test_split_vllm_serves_the_older_adapter_to_rollouts_a_step_behind(
     assert records and all(r["staleness/share_1"] == 1.0 for r in records)
     for record in records:
         assert abs(record["offpolicy/weight_mean"] - 1.0) < 0.02, record
-        assert record["sync/bytes"] == 2 * 4 * (4 * 128 + 3 * 320) * 4
+        assert record["sync/bytes"] == _tiny_adapter_bytes(4)
 
 
 def test_multi_turn_episodes_run_on_the_served_adapters(tmp_path: Path, local_ray) -> None:
@@ -145,7 +151,7 @@ def test_multi_turn_episodes_run_on_the_served_adapters(tmp_path: Path, local_ra
     records = read_metrics(Path(result.metrics))
     assert [r["step"] for r in records] == [1, 2, 3]
     for record in records:
-        assert record["sync/bytes"] == 2 * 8 * (4 * 128 + 3 * 320) * 4
+        assert record["sync/bytes"] == _tiny_adapter_bytes(8)
         assert record["sync/probe_diff"] <= 32 * 1e-5
         assert record["episode/turns"] >= 1
 
