@@ -1,6 +1,7 @@
 """Seconds per GRPO step and peak memory: rlx's trainer next to TRL's GRPOTrainer.
 
-    python bench/trainer.py [--model tiny|qwen2.5-0.5b] [--rounds R] [--steps S] [--warmup W]
+    python bench/trainer.py [--model tiny|qwen2.5-0.5b] [--lengths fixed|skewed]
+                            [--rounds R] [--steps S] [--warmup W]
 
 Both sides train the same saved model, on the synthetic letters_or_digits prompts in file
 order. --model tiny (the default): a tiny Qwen2 (hidden 256, 4 layers, built once with
@@ -29,6 +30,15 @@ Measured per run:
     between processes (the torch libraries) once in all instead of once per process.
 The table pools the post-warm-up steps of all runs of a side (median and p90) and takes the
 largest peak over its runs. It is a measurement, not a test: nothing passes or fails.
+
+--lengths skewed: responses of unequal length, as in real RL, instead of exactly 32 tokens:
+the saved model's end-of-sequence row (the output embedding's, shared with the input
+embedding) is set along the mean direction of its final hidden states, scaled so that the
+model ends a response with probability 1/48 at each token on average; generation stops at
+EOS or at 192 tokens. Response lengths then follow a geometric-like distribution (a rate
+that varies a little by token): most responses short, a tail reaching the limit; the run
+prints the lengths both sides saw. Both sides sample the same model at temperature 1, so
+the mix is the same on both; each runs its defaults otherwise (rlx packs its passes, TRL pads).
 
 --lora: rlx against itself instead of TRL: full fine-tuning ("rlx"), rank-8 LoRA on every
 linear layer ("lora", learning rate 10x: 1e-3), and the same LoRA run without the KL term
@@ -64,6 +74,9 @@ BETA = 0.04  # KL coefficient on both sides
 CLIP_EPS = 0.2
 LEARNING_RATE = 1e-4
 THREADS = 2
+SKEWED_MEAN = 48  # mean response tokens of the skewed mix (the EOS rate's inverse)
+SKEWED_MAX = 192  # max_new_tokens of the skewed mix
+LENGTH_MIXES = ("fixed", "skewed")
 SEED = 0
 DATA_ROWS = 256
 SAMPLE_EVERY_S = 0.2
@@ -90,7 +103,54 @@ MODELS: dict[str, ModelChoice] = {
 }
 
 
-def build_inputs(folder: Path, choice: str) -> tuple[Path, Path]:
+def end_at_rate(model_dir: Path, rate: float, seed: int = SEED) -> None:
+    """Rewrite the saved model so that its responses end (EOS) about as often as if EOS came
+    with probability `rate` at every token: EOS's output row is set along the mean final
+    hidden state, scaled (bisection) so that the expected length of the model's own samples
+    (EOS kept out of them: 32 of 128 tokens) matches a geometric one of that rate. The
+    lengths the runs then see differ from prompt to prompt; the bench prints them."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    eos = AutoTokenizer.from_pretrained(model_dir).eos_token_id
+    torch.manual_seed(seed)
+    prompts, tokens = torch.randint(3, 260, (32, 8)), 128
+    with torch.no_grad():
+        sampled = model.generate(
+            prompts,
+            attention_mask=torch.ones_like(prompts),
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            pad_token_id=eos,
+        )
+        hidden = model.get_decoder()(input_ids=sampled).last_hidden_state[:, 7:-1]  # (S, T, H)
+        head = model.get_output_embeddings().weight  # (V, H)
+        logits = hidden @ head.T  # (S, T, V)
+        logits[..., eos] = -torch.inf
+        others = torch.logsumexp(logits, dim=-1)  # (S, T)
+        mean = hidden.flatten(0, 1).mean(dim=0)  # (H,)
+        along = hidden @ mean / mean.dot(mean)  # (S, T), about 1
+        target = (1 - (1 - rate) ** tokens) / rate  # E[min(length, T)], geometric
+
+        def expected_length(scale: float) -> float:
+            ends = torch.sigmoid(scale * along - others)  # (S, T) EOS's probability
+            alive = torch.cumprod(1 - ends, dim=1)  # (S, T) P(length > t + 1)
+            return float((1 + alive[:, :-1].sum(dim=1)).mean())
+
+        low, high = -50.0, 50.0
+        for _ in range(60):
+            middle = (low + high) / 2
+            low, high = (middle, high) if expected_length(middle) > target else (low, middle)
+        head[eos] = high * mean / mean.dot(mean)
+    model.save_pretrained(model_dir)
+
+
+def build_inputs(folder: Path, choice: str, lengths: str = "fixed") -> tuple[Path, Path]:
     """The saved model and the prompt file both sides read."""
     from rlx.trainer.learn.tiny import build_tiny_model
     from rlx.trainer.tasks.synthetic import write_synthetic_dataset
@@ -103,8 +163,15 @@ def build_inputs(folder: Path, choice: str) -> tuple[Path, Path]:
         from shapes import QWEN25_05B_LAYERS, write_qwen25_05b
 
         model = write_qwen25_05b(folder / "model", QWEN25_05B_LAYERS, seed=SEED)
+    if lengths == "skewed":
+        end_at_rate(model, 1.0 / SKEWED_MEAN)
     data = write_synthetic_dataset(folder / "prompts.jsonl", DATA_ROWS, seed=SEED)
     return model, data
+
+
+def completion_tokens(lengths: str) -> tuple[int, int]:
+    """(max_new_tokens, min_new_tokens) of a length mix."""
+    return (COMPLETION_TOKENS, COMPLETION_TOKENS) if lengths == "fixed" else (SKEWED_MAX, 0)
 
 
 def read_rows(data: Path) -> list[dict[str, str]]:
@@ -114,10 +181,13 @@ def read_rows(data: Path) -> list[dict[str, str]]:
 # --------------------------------------------------------------------------- rlx (child)
 
 
-def rlx_recipe(model: Path, data: Path, steps: int, out: Path, side: str = "rlx") -> Any:
+def rlx_recipe(
+    model: Path, data: Path, steps: int, out: Path, side: str = "rlx", lengths: str = "fixed"
+) -> Any:
     """The bench's recipe for an rlx side: rlx (full fine-tuning), lora, lora-nokl."""
     from rlx.recipe import parse_recipe
 
+    most, least = completion_tokens(lengths)
     lora = side.startswith("lora")
     settings: dict[str, Any] = {"path": str(model), "dtype": "float32"}
     if lora:
@@ -132,8 +202,8 @@ def rlx_recipe(model: Path, data: Path, steps: int, out: Path, side: str = "rlx"
             "rollout": {
                 "engine": "hf",
                 "n": GENERATIONS,
-                "max_new_tokens": COMPLETION_TOKENS,
-                "min_new_tokens": COMPLETION_TOKENS,
+                "max_new_tokens": most,
+                "min_new_tokens": least,
                 "temperature": 1.0,
             },
             "algo": {
@@ -162,7 +232,9 @@ def rlx_recipe(model: Path, data: Path, steps: int, out: Path, side: str = "rlx"
     return parse_recipe(json.dumps(recipe), "bench-rlx.yaml").recipe
 
 
-def run_rlx(model: Path, data: Path, steps: int, out: Path, side: str = "rlx") -> list[float]:
+def run_rlx(
+    model: Path, data: Path, steps: int, out: Path, side: str = "rlx", lengths: str = "fixed"
+) -> list[float]:
     """Ends of steps (time.time() at each step's log line), from rlx's metrics file."""
     from rlx.trainer.main import run_training
 
@@ -170,15 +242,23 @@ def run_rlx(model: Path, data: Path, steps: int, out: Path, side: str = "rlx") -
     env["RLX_NUM_THREADS"] = str(THREADS)
     env["RLX_RUN_ID"] = "bench"
     os.environ["RLX_NUM_THREADS"] = str(THREADS)
-    result = run_training(rlx_recipe(model, data, steps, out, side), env, print_summary=False)
-    lines = Path(result.metrics).read_text().splitlines()
-    return [json.loads(line)["time"] for line in lines if line.strip()]
+    recipe = rlx_recipe(model, data, steps, out, side, lengths)
+    result = run_training(recipe, env, print_summary=False)
+    rows = [json.loads(line) for line in Path(result.metrics).read_text().splitlines() if line]
+    for row in rows:
+        print(
+            f"lengths: mean {row['response_length/mean']:.1f} max "
+            f"{row['response_length/max']:.0f}, padding "
+            f"{row.get('perf/padding_fraction', 0.0):.3f}",
+            flush=True,
+        )
+    return [row["time"] for row in rows]
 
 
 # --------------------------------------------------------------------------- TRL (child)
 
 
-def run_trl(model: Path, data: Path, steps: int, out: Path) -> list[float]:
+def run_trl(model: Path, data: Path, steps: int, out: Path, lengths: str = "fixed") -> list[float]:
     """Ends of steps (time.time() in on_step_end)."""
     import torch
     from datasets import Dataset
@@ -208,14 +288,22 @@ def run_trl(model: Path, data: Path, steps: int, out: Path) -> list[float]:
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             ends.append(time.time())
 
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **_: Any) -> None:
+            if logs and "completions/mean_length" in logs:
+                print(
+                    f"lengths: mean {logs['completions/mean_length']:.1f} max "
+                    f"{logs.get('completions/max_length', 0):.0f}",
+                    flush=True,
+                )
+
     config = GRPOConfig(
         output_dir=str(out / "trl"),
         per_device_train_batch_size=PROMPTS_PER_STEP * GENERATIONS,
         num_generations=GENERATIONS,
         gradient_accumulation_steps=1,
         num_iterations=1,
-        max_completion_length=COMPLETION_TOKENS,
-        generation_kwargs={"min_new_tokens": COMPLETION_TOKENS},
+        max_completion_length=completion_tokens(lengths)[0],
+        generation_kwargs={"min_new_tokens": completion_tokens(lengths)[1]},
         temperature=1.0,
         top_p=1.0,
         top_k=0,
@@ -251,11 +339,11 @@ def run_trl(model: Path, data: Path, steps: int, out: Path) -> list[float]:
     return ends
 
 
-def child(side: str, model: Path, data: Path, steps: int, out: Path) -> None:
+def child(side: str, model: Path, data: Path, steps: int, out: Path, lengths: str) -> None:
     if side == "trl":
-        ends = run_trl(model, data, steps, out)
+        ends = run_trl(model, data, steps, out, lengths)
     else:
-        ends = run_rlx(model, data, steps, out, side)
+        ends = run_rlx(model, data, steps, out, side, lengths)
     (out / "ends.json").write_text(json.dumps(ends))
 
 
@@ -329,11 +417,14 @@ class RunResult:
     wall: float
 
 
-def one_run(side: str, model: Path, data: Path, steps: int, warmup: int) -> RunResult:
+def one_run(
+    side: str, model: Path, data: Path, steps: int, warmup: int, lengths: str = "fixed"
+) -> RunResult:
     with tempfile.TemporaryDirectory(prefix=f"bench-{side}-") as scratch:
         out = Path(scratch)
         argv = [sys.executable, __file__, "--child", side, "--model-dir", str(model)]
         argv += ["--data", str(data), "--steps", str(steps), "--out", str(out)]
+        argv += ["--lengths", lengths]
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
         env["TOKENIZERS_PARALLELISM"] = "false"
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
@@ -351,6 +442,9 @@ def one_run(side: str, model: Path, data: Path, steps: int, warmup: int) -> RunR
             sys.stderr.write(log.read_text()[-4000:])
             raise SystemExit(f"the {side} run failed (exit {code})")
         ends = json.loads((out / "ends.json").read_text())
+        seen = [line for line in log.read_text().splitlines() if line.startswith("lengths: ")]
+    if seen:
+        print(f"  {side} {seen[len(seen) // 2]} (a step midway)", flush=True)
     if len(ends) != steps:
         raise SystemExit(f"the {side} run logged {len(ends)} steps, expected {steps}")
     seconds = [b - a for a, b in itertools.pairwise(ends)][warmup - 1 :]
@@ -425,6 +519,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, help="steps dropped per run (default: per model)")
     parser.add_argument("--sides", nargs="+", choices=SIDES + LORA_SIDES)
     parser.add_argument("--lora", action="store_true", help="full vs LoRA vs LoRA without KL")
+    parser.add_argument("--lengths", choices=LENGTH_MIXES, default="fixed")
     parser.add_argument("--child", choices=SIDES + LORA_SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
@@ -432,7 +527,7 @@ def main() -> None:
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))  # this checkout's rlx, here and in the children
     if args.child:
-        child(args.child, args.model_dir, args.data, args.steps, args.out)
+        child(args.child, args.model_dir, args.data, args.steps, args.out, args.lengths)
         return
     args.sides = args.sides or list(LORA_SIDES if args.lora else SIDES)
     defaults = MODELS[args.shape]
@@ -442,18 +537,18 @@ def main() -> None:
     if not 1 <= args.warmup < args.steps:
         parser.error("--warmup must be at least 1 and below --steps")
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as scratch:
-        model, data = build_inputs(Path(scratch), args.shape)
+        model, data = build_inputs(Path(scratch), args.shape, args.lengths)
         print(
-            f"model {args.shape}, {args.rounds} rounds x {args.steps} steps "
-            f"({args.warmup} dropped), torch threads {THREADS}, load {load_average()}"
-            + (f", LoRA rank {LORA_RANK} all-linear" if args.lora else ""),
+            f"model {args.shape}, {args.lengths} lengths, {args.rounds} rounds x "
+            f"{args.steps} steps ({args.warmup} dropped), torch threads {THREADS}, "
+            f"load {load_average()}" + (f", LoRA rank {LORA_RANK} all-linear" if args.lora else ""),
             flush=True,
         )
         results = []
         for round_index in range(args.rounds):
             for side in args.sides:
                 before = load_average()
-                result = one_run(side, model, data, args.steps, args.warmup)
+                result = one_run(side, model, data, args.steps, args.warmup, args.lengths)
                 results.append(result)
                 print(
                     f"round {round_index + 1} {side:<3}: median "

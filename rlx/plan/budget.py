@@ -220,10 +220,22 @@ def sequence_tokens(trainer: TrainerSettings) -> int:
     return trainer.data.max_prompt_length + episode_token_budget(trainer)
 
 
+def packed_pass_tokens(trainer: TrainerSettings) -> int:
+    """The most tokens a packed pass holds: max_tokens_per_micro_batch, or micro_batch_size
+    sequences of the longest length, so that a packed pass needs no more memory than the
+    padded micro-batch it replaces (micro_batch_tokens sizes both alike)."""
+    batch = trainer.batch
+    if batch.max_tokens_per_micro_batch is not None:
+        return batch.max_tokens_per_micro_batch
+    return batch.micro_batch_size * sequence_tokens(trainer)
+
+
 def micro_batch_tokens(trainer: TrainerSettings, ranks: int) -> tuple[int, int]:
     """(tokens, response tokens) of the largest micro-batch: max_tokens_per_micro_batch, or
     min(micro_batch_size, a rank's share of a minibatch) sequences of prompt + response (with
-    an environment, the longest episode: every turn and observation after the prompt)."""
+    an environment, the longest episode: every turn and observation after the prompt). A
+    packed pass (packed_pass_tokens) holds at most as many: its sequences are the same ones,
+    without the padding."""
     batch = trainer.batch
     prompt, response = trainer.data.max_prompt_length, episode_token_budget(trainer)
     if batch.max_tokens_per_micro_batch is not None:

@@ -589,8 +589,22 @@ class BatchSettings(StrictModel):
     max_tokens_per_micro_batch: int | None = Field(
         None,
         ge=1,
-        description="Cut micro-batches by a token budget (prompt + response tokens, padding "
-        "excluded) instead of micro_batch_size sequences; unset: fixed counts.",
+        description="The token budget of one forward/backward (prompt + response tokens). "
+        "Packed: the most tokens a pass holds; unset, micro_batch_size sequences of the "
+        "longest length (max_prompt_length + the response budget), so a pass needs no more "
+        "memory than a padded micro-batch would. Not packed: micro-batches are cut by this "
+        "budget (rows sorted by length, padding excluded) instead of micro_batch_size "
+        "sequences; unset: fixed counts.",
+    )
+    packing: bool | None = Field(
+        None,
+        description="Pack sequences end to end (no padding) into the passes of every forward "
+        "and backward: the policy's update, old and reference log-probs, the critic. Exact: "
+        "each sequence attends to itself only (position ids restart per sequence; "
+        "FlashAttention's varlen kernels where installed on GPU, a block-diagonal mask "
+        "elsewhere), checked on the first step. Unset: on where the model's attention can be "
+        "packed exactly (falls back to padded micro-batches with one line where not); false: "
+        "padded micro-batches.",
     )
 
 

@@ -365,6 +365,8 @@ class Trainer:
         timer.move("update", "prepare", update.prepare_seconds)
         timer.move("update", "sync", update.sync_seconds)
         stats, probe_diff = update.metrics, update.probe_diff
+        for note in update.notes:
+            self.say(note)
 
         lengths = mask.sum(dim=1).float()  # (B,) the model's tokens
         response_tokens = float(lengths.sum())

@@ -20,6 +20,7 @@ from typing import Any
 from rlx.errors import RlxError
 from rlx.plan.actors import tensor_parallel_bundles, training_groups
 from rlx.plan.strategy import StrategyChoice
+from rlx.trainer import packing
 from rlx.trainer.actors.placement import NodeView, reserve, rollout_actor_options, thread_override
 from rlx.trainer.actors.workers import (
     RolloutWorker,
@@ -99,6 +100,7 @@ class StepUpdate:
     probe_diff: float | None  # None: no push was proven in this step (one is still queued)
     prepare_seconds: float
     sync_seconds: float
+    notes: tuple[str, ...] = ()  # lines for the run's log (packing turned off on its check)
 
 
 class Cluster:
@@ -130,6 +132,8 @@ class Cluster:
         # episodes ahead (max_staleness > 0) never lands between the calls of a push.
         self._engine_calls = threading.RLock()
         self.notes: list[str] = []  # what the workers said at start-up, for the run's log
+        # Packed passes: b/a of a sequence's cost a*L + b*L^2, to balance the ranks' shares.
+        self.attention_weight: float | None = None
         self.last_tolerance = 0.0  # the probe tolerance of the last check
 
     # ------------------------------------------------------------------ start and stop
@@ -257,8 +261,11 @@ class Cluster:
         train = self.train.handles
         master_addr = self.train.ips[0]
         master_port = gather([train[0].free_port.remote()], "training worker")[0]
-        notes = gather([w.setup.remote(master_addr, master_port) for w in train], "training worker")
-        self.notes = notes[0]  # every rank says the same: once is enough
+        reports = gather(
+            [w.setup.remote(master_addr, master_port) for w in train], "training worker"
+        )
+        # every rank says the same: once is enough
+        self.notes, self.attention_weight = reports[0]
         if self.rollout.handles:  # the engines load at construction; wait for them here
             gather([r.node_ip.remote() for r in self.rollout.handles], "rollout worker")
             self._open_weight_group()
@@ -297,24 +304,35 @@ class Cluster:
 
     # ------------------------------------------------------------------ training calls
 
+    def share_rows(self, batch: SequenceBatch) -> list[list[int]]:
+        """Rank r's rows of the batch: as many as every other rank's (give or take one).
+        Packed: about the same cost too (rlx.trainer.packing.balanced_split), so that no
+        rank waits for another; otherwise the r-th of N consecutive slices."""
+        ranks = self.plan.train_workers
+        if self.attention_weight is None or ranks == 1:
+            return [list(rows) for rows in split_evenly(len(batch), ranks)]
+        weight = self.attention_weight
+        costs = [packing.sequence_cost(n, weight) for n in packing.sequence_lengths(batch)]
+        return packing.balanced_split(costs, ranks)
+
     def shard(self, batch: SequenceBatch) -> list[SequenceBatch]:
-        """Rank r's samples: the r-th of N equal consecutive slices."""
-        ranges = split_evenly(len(batch), self.plan.train_workers)
-        return [batch.select(rows) for rows in ranges]
+        return [batch.select(rows) for rows in self.share_rows(batch)]
 
     def prepare(self, batch: SequenceBatch, old_logprobs: bool) -> dict[str, Any]:
         """Reference log-probs, values, old log-probs of the whole batch, (B, R) each."""
         import torch
 
-        shards = self.shard(batch)
+        shares = self.share_rows(batch)
         outs = gather(
             [
-                w.prepare.remote(s, old_logprobs)
-                for w, s in zip(self.train.handles, shards, strict=True)
+                w.prepare.remote(batch.select(rows), old_logprobs)
+                for w, rows in zip(self.train.handles, shares, strict=True)
             ],
             "training worker",
         )
-        return {name: torch.cat([out[name] for out in outs]) for name in outs[0]}
+        order = torch.tensor([row for rows in shares for row in rows])
+        back = torch.argsort(order)  # the ranks' rows, concatenated, back in batch order
+        return {name: torch.cat([out[name] for out in outs])[back] for name in outs[0]}
 
     def update(self, batch: SequenceBatch, step: int, *, prepare: bool, probe: Probe) -> StepUpdate:
         """The step's update on every rank, then every engine brought to the new weights
@@ -331,6 +349,7 @@ class Cluster:
             "training worker",
         )
         metrics = merge_update_stats([outcome.stats for outcome in outcomes])
+        notes = tuple(outcomes[0].stats.notes)  # every rank decides alike
         metrics.update(merge_gpu_memory([outcome.gpu for outcome in outcomes]))
         prepare_seconds = max(outcome.prepare_seconds for outcome in outcomes)
         if not colocated:
@@ -339,13 +358,14 @@ class Cluster:
                 probe_diff = self.queue_weights(step, probe)
             else:
                 probe_diff = self.sync_weights(step, probe)
-            return StepUpdate(metrics, probe_diff, prepare_seconds, time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            return StepUpdate(metrics, probe_diff, prepare_seconds, seconds, notes)
         refreshed = [outcome.refresh for outcome in outcomes if outcome.refresh is not None]
         if len(refreshed) != len(outcomes):
             raise RuntimeError("a colocated training worker did not refresh its engine")
         probe_diff = self._check_colocated(refreshed, step, probe)
         refresh_seconds = max(outcome.refresh_seconds for outcome in outcomes)
-        return StepUpdate(metrics, probe_diff, prepare_seconds, refresh_seconds)
+        return StepUpdate(metrics, probe_diff, prepare_seconds, refresh_seconds, notes)
 
     def call_all(self, method: str, *args: Any) -> list[Any]:
         refs = [getattr(w, method).remote(*args) for w in self.train.handles]

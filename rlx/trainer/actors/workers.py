@@ -216,9 +216,10 @@ class TrainWorker:
             sock.bind(("", 0))
             return int(sock.getsockname()[1])
 
-    def setup(self, master_addr: str, master_port: int) -> list[str]:
+    def setup(self, master_addr: str, master_port: int) -> tuple[list[str], float | None]:
         """Join the process group, build the Learner and (colocated) the engine; returns
-        notes for the run's log."""
+        notes for the run's log and, when the passes are packed, what a sequence's length
+        costs (rlx.trainer.packing.attention_weight) for balancing the ranks' shares."""
         spec = self.spec
         notes: list[str] = []
         if spec.world_size > 1:
@@ -250,7 +251,8 @@ class TrainWorker:
             self.engine = self._colocated_engine(
                 self.learner.policy, self.learner.collective, notes
             )
-        return notes
+        notes.append(self.learner.packing_note)
+        return notes, self.learner.attention_weight if self.learner.packing else None
 
     def _colocated_engine(self, policy: Any, collective: Any, notes: list[str]) -> ColocatedEngine:
         spec = self.spec

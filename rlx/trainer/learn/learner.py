@@ -17,6 +17,7 @@ under FSDP every rank runs the same number of forwards (see _passes).
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,8 +27,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from rlx.errors import RlxError
+from rlx.plan.budget import packed_pass_tokens
 from rlx.recipe.model import TrainerSettings
 from rlx.trainer import algos
+from rlx.trainer import packing as pack
 from rlx.trainer.batch import SequenceBatch, micro_batch_rows
 from rlx.trainer.learn import lora, sharding
 from rlx.trainer.learn.models import (
@@ -38,9 +41,11 @@ from rlx.trainer.learn.models import (
     load_causal_lm,
     load_value_model,
     make_optimizer,
+    packing_obstacle,
     response_values,
     score_responses,
     sequence_logprob,
+    uses_varlen_attention,
 )
 from rlx.trainer.seeding import derive_seed
 
@@ -86,6 +91,7 @@ class UpdateStats:
     sums: dict[str, float] = field(default_factory=dict)
     same: dict[str, float] = field(default_factory=dict)
     updates: int = 0
+    notes: list[str] = field(default_factory=list)  # lines for the run's log
 
     def mean(self, name: str, value: Tensor | float, tokens: int) -> None:
         self.weighted[name] = self.weighted.get(name, 0.0) + float(value) * tokens
@@ -110,6 +116,30 @@ def merge_update_stats(per_rank: Sequence[UpdateStats]) -> dict[str, float]:
     for name, value in first.same.items():
         merged[name] = value / updates
     return merged
+
+
+# Metrics of the passes (forward + backward) of the update: the share of the positions
+# computed that were padding, and real (prompt + response) tokens per second of the passes
+# (their mean weighted by tokens, over ranks).
+PADDING_FRACTION = "perf/padding_fraction"
+PASS_TOKENS_PER_S = "perf/pass_tokens_per_s"
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One forward/backward: rows of the batch, whether it counts (see Learner._passes) and,
+    packed, how those rows (indices into `rows`) share packed rows."""
+
+    rows: list[int]
+    counts: bool
+    packed: list[list[int]] | None = None
+
+
+def packing_tolerance(dtype: torch.dtype, scale: float) -> float:
+    """The largest mean difference of log-probs between a packed row and its sequences run
+    alone that is rounding, not sequences attending to each other: a few units of the
+    dtype's resolution at the log-probs' size (contamination moves them by tenths)."""
+    return 8 * torch.finfo(dtype).eps * (1.0 + scale)
 
 
 # The checkpoint part that records LoRA adapters' base and config (lora.adapter_record);
@@ -208,6 +238,42 @@ class Learner:
         self.critic_ddp = self._data_parallel(self.critic) if self.critic is not None else None
         self.kl_estimator = algos.get_kl_estimator(algo.kl.estimator)
         self.policy.eval()  # generation (colocated) and probes see eval mode; update() flips
+        self.packing, self.packing_note = self._decide_packing()
+        self.packing_checked = False
+        self.row_tokens = self.packing_budget if self._varlen else pack.MASKED_ROW_TOKENS
+        self.attention_weight = pack.attention_weight(
+            getattr(self.policy.config, "hidden_size", 1)  # type: ignore[union-attr]
+        )
+        self._notes: list[str] = []
+
+    @property
+    def packing_budget(self) -> int:
+        return packed_pass_tokens(self.settings)
+
+    @property
+    def _varlen(self) -> bool:
+        return uses_varlen_attention(self.policy)
+
+    def _decide_packing(self) -> tuple[bool, str]:
+        """Whether the passes are packed, and the line that says so. trainer.batch.packing
+        unset: packed wherever every model's attention keeps packed sequences apart."""
+        wanted = self.settings.batch.packing
+        if wanted is False:
+            return False, "packing: off (trainer.batch.packing: false); padded micro-batches"
+        models = [m for m in (self.policy, self.reference, self.critic) if m is not None]
+        for model in models:
+            obstacle = packing_obstacle(model)
+            if obstacle is not None:
+                return False, f"packing: off, {obstacle}; padded micro-batches instead"
+        path = (
+            "FlashAttention varlen"
+            if self._varlen
+            else "block-diagonal causal mask from restarting position ids"
+        )
+        return True, (
+            f"packing: on, up to {self.packing_budget} tokens a pass ({path}); checked against "
+            "sequences run alone on the first step"
+        )
 
     def _all_ranks(self, flag: bool) -> bool:
         return sharding.all_ranks(flag, self.device)
@@ -234,41 +300,128 @@ class Learner:
 
     # ------------------------------------------------------------------ forwards
 
-    def _scores(self, scorer: nn.Module, mb: SequenceBatch, *, entropy_grad: bool) -> TokenScores:
+    def _scores(
+        self,
+        scorer: nn.Module,
+        mb: SequenceBatch,
+        *,
+        entropy_grad: bool,
+        packed: pack.PackedRows | None = None,
+    ) -> TokenScores:
         """Log-probs and entropies of the response tokens, (b, r) each, at the sampling
         temperature: the distribution the rollout engine drew from. scorer: a
-        ResponseScorer, or DDP over one."""
+        ResponseScorer, or DDP over one; packed: the micro-batch's sequences as packed rows."""
         with autocast(self.device, self.dtype):
-            return score_responses(scorer, mb, self.temperature, entropy_grad=entropy_grad)
+            return score_responses(
+                scorer, mb, self.temperature, entropy_grad=entropy_grad, packed=packed
+            )
 
-    def _values(self, critic: nn.Module, mb: SequenceBatch) -> Tensor:
+    def _values(
+        self, critic: nn.Module, mb: SequenceBatch, packed: pack.PackedRows | None = None
+    ) -> Tensor:
         with autocast(self.device, self.dtype):
-            return response_values(critic, mb).float()  # (b, r)
+            return response_values(critic, mb, packed).float()  # (b, r)
 
-    def _passes(self, batch: SequenceBatch) -> list[tuple[list[int], bool]]:
-        """The forward/backward passes over a batch: (rows, counts). With several ranks every
-        rank makes as many passes as the busiest one (FSDP's forwards and DDP's buffer
-        broadcasts are collectives); the extra ones repeat the first rows and count for
-        nothing (counts False: outputs dropped, loss x 0)."""
+    def _passes(self, batch: SequenceBatch) -> list[Pass]:
+        """The forward/backward passes over a batch. Packed: sequences in rows of at most
+        row_tokens, rows in passes of at most the budget (rlx.trainer.packing); padded:
+        micro-batches of micro_batch_size rows or max_tokens_per_micro_batch tokens. With
+        several ranks every rank makes as many passes as the busiest one (FSDP's forwards
+        and DDP's buffer broadcasts are collectives); the extra ones repeat the first and
+        count for nothing (counts False: outputs dropped, loss x 0)."""
         batch_settings = self.settings.batch
-        rows = micro_batch_rows(
-            batch, batch_settings.micro_batch_size, batch_settings.max_tokens_per_micro_batch
-        )
-        passes = [(piece, True) for piece in rows]
+        if self.packing:
+            lengths = pack.sequence_lengths(batch)
+            passes = []
+            for rows in pack.plan_passes(lengths, self.packing_budget, self.row_tokens):
+                flat = [i for row in rows for i in row]
+                passes.append(Pass(flat, True, _local_rows(flat, rows)))
+        else:
+            pieces = micro_batch_rows(
+                batch, batch_settings.micro_batch_size, batch_settings.max_tokens_per_micro_batch
+            )
+            passes = [Pass(rows=piece, counts=True) for piece in pieces]
         if self.world_size > 1 and self.strategy != "single":
             needed = sharding.most_over_ranks(len(passes), self.device)
-            passes += [(rows[0], False)] * (needed - len(passes))
+            first = passes[0]
+            passes += [Pass(first.rows, False, first.packed)] * (needed - len(passes))
         return passes
 
-    def _per_token(self, batch: SequenceBatch, fn: Callable[[SequenceBatch], Tensor]) -> Tensor:
-        """fn over micro-batches (trimmed of padding), reassembled as one (B, R) tensor."""
+    def _pass_inputs(
+        self, batch: SequenceBatch, one: Pass
+    ) -> tuple[SequenceBatch, pack.PackedRows | None]:
+        """A pass's rows on the device: trimmed of padding, and packed where the pass is."""
+        mb = batch.select(one.rows).trimmed()
+        packed = None if one.packed is None else pack.pack_rows(mb, one.packed).to(self.device)
+        return mb.to(self.device), packed
+
+    def _per_token(
+        self,
+        batch: SequenceBatch,
+        fn: Callable[[SequenceBatch, pack.PackedRows | None], Tensor],
+    ) -> Tensor:
+        """fn over the passes, reassembled as one (B, R) tensor."""
         out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)  # (B, R)
-        for rows, counts in self._passes(batch):
-            mb = batch.select(rows).trimmed().to(self.device)
-            values = fn(mb).float().cpu()  # (b, r)
-            if counts:
-                out[rows, : values.shape[1]] = values
+        for one in self._passes(batch):
+            mb, packed = self._pass_inputs(batch, one)
+            values = fn(mb, packed).float().cpu()  # (b, r)
+            if one.counts:
+                out[one.rows, : values.shape[1]] = values
         return torch.where(batch.response_mask, out, 0.0)
+
+    # ------------------------------------------------------------------ packing check
+
+    def check_packing(self, batch: SequenceBatch) -> None:
+        """Once, on the first batch: two of its sequences packed in one row must score as
+        each does alone (policy log-probs, and the critic's values), within rounding; if
+        not, this run trains on padded micro-batches, with one line saying so. Every rank
+        runs the same three forwards per model (a rank with one sequence packs it twice)."""
+        if not self.packing or self.packing_checked:
+            return
+        self.packing_checked = True
+        self._set_train(False)  # no dropout: the same numbers twice
+        pair = batch.select([0, min(1, len(batch) - 1)]).trimmed()
+        packed = pack.pack_rows(pair, [[0, 1]]).to(self.device)
+        scorers: list[tuple[str, Callable[..., Tensor]]] = [
+            (
+                "log-probs",
+                lambda mb, rows=None: (
+                    self._scores(self.policy_scorer, mb, entropy_grad=False, packed=rows).logprobs
+                ),
+            )
+        ]
+        if self.critic is not None:
+            critic = self.critic
+            scorers.append(("values", lambda mb, rows=None: self._values(critic, mb, rows)))
+        worst: tuple[float, str, float, float] = (0.0, "", 0.0, 0.0)  # gap/tolerance, ...
+        with self.no_grad():
+            for what, score in scorers:
+                together = score(pair.to(self.device), packed).float().cpu()  # (2, r)
+                for row in range(2):
+                    single = pair.select([row]).trimmed()
+                    own = score(single.to(self.device)).float().cpu()[0]  # (r',)
+                    mask = single.response_mask[0]
+                    got = together[row, : own.shape[0]]
+                    scale = float(own[mask].abs().mean()) if bool(mask.any()) else 0.0
+                    tolerance = packing_tolerance(self.dtype, scale)
+                    gap = _mean_gap(got, own, mask)
+                    worst = max(worst, (gap / tolerance, what, gap, tolerance))
+        exact = worst[0] <= 1.0
+        if self.world_size > 1 and self.strategy != "single":
+            exact = self._all_ranks(exact)
+        if exact:
+            return
+        self.packing = False
+        _, what, gap, tolerance = worst
+        self._notes.append(
+            f"packing: off, a packed row's {what} differ from its sequences' run alone by "
+            f"{gap:.2e} on average (rounding allows {tolerance:.1e}); padded micro-batches "
+            "from here on"
+        )
+
+    def take_notes(self) -> list[str]:
+        notes, self._notes = self._notes, []
+        return notes
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
         return [o for o in (self.optimizer, self.critic_optimizer) if o is not None]
@@ -312,6 +465,7 @@ class Learner:
                     sharding.reshard(module)
 
     def prepare(self, batch: SequenceBatch, *, old_logprobs: bool) -> dict[str, Tensor]:
+        self.check_packing(batch)
         with self.no_grad():
             return self._prepare(batch, old_logprobs=old_logprobs)
 
@@ -322,15 +476,23 @@ class Learner:
         if self.reference_scorer is not None:
             reference = self.reference_scorer
             out[REF_LOGP] = self._per_token(
-                batch, lambda mb: self._scores(reference, mb, entropy_grad=False).logprobs
+                batch,
+                lambda mb, packed: (
+                    self._scores(reference, mb, entropy_grad=False, packed=packed).logprobs
+                ),
             )
         if self.critic is not None:
             critic = self.critic
-            out[VALUES] = self._per_token(batch, lambda mb: self._values(critic, mb))
+            out[VALUES] = self._per_token(
+                batch, lambda mb, packed: self._values(critic, mb, packed)
+            )
         if old_logprobs:
             policy = self.policy_scorer
             out[OLD_LOGP] = self._per_token(
-                batch, lambda mb: self._scores(policy, mb, entropy_grad=False).logprobs
+                batch,
+                lambda mb, packed: (
+                    self._scores(policy, mb, entropy_grad=False, packed=packed).logprobs
+                ),
             )
         return out
 
@@ -347,6 +509,7 @@ class Learner:
         settings = self.settings
         samples = settings.batch.prompts_per_step * settings.rollout.n
         per_rank = (settings.batch.minibatch_size or samples) // self.world_size
+        self.check_packing(batch)
         stats = UpdateStats()
         self._set_train(True)
         try:
@@ -360,6 +523,7 @@ class Learner:
         finally:
             self._set_train(False)
         stats.mean("lr", self.scheduler.get_last_lr()[0], 1)
+        stats.notes.extend(self.take_notes())
         return stats
 
     def _set_train(self, mode: bool) -> None:
@@ -387,14 +551,20 @@ class Learner:
     def _update_minibatch(self, minibatch: SequenceBatch, stats: UpdateStats) -> None:
         tokens, seqs = self._global_counts(minibatch.response_mask)
         passes = self._passes(minibatch)
-        for index, (rows, counts) in enumerate(passes):
-            mb = minibatch.select(rows).trimmed().to(self.device)
+        for index, one in enumerate(passes):
+            started = time.perf_counter()
+            mb, packed = self._pass_inputs(minibatch, one)
             sync = index == len(passes) - 1  # DDP all-reduces once, after the last backward
             with self._maybe_no_sync(self.policy_ddp, sync):
-                self._policy_backward(mb, tokens, seqs, stats, counts)
+                self._policy_backward(mb, tokens, seqs, stats, one.counts, packed)
             if self.critic_ddp is not None:
                 with self._maybe_no_sync(self.critic_ddp, sync):
-                    self._critic_backward(mb, tokens, seqs, stats, counts)
+                    self._critic_backward(mb, tokens, seqs, stats, one.counts, packed)
+            if one.counts:
+                real = mb.num_tokens
+                computed = packed.positions if packed is not None else mb.input_ids.numel()
+                stats.mean(PADDING_FRACTION, 1.0 - real / max(computed, 1), computed)
+                stats.mean(PASS_TOKENS_PER_S, real / (time.perf_counter() - started), real)
         clip = self.settings.optim.grad_clip
         norm = sharding.clip_grad_norm(list(self.policy.parameters()), clip)
         stats.add("grad_norm", norm, "same")
@@ -426,7 +596,11 @@ class Learner:
         )
 
     def policy_loss(
-        self, mb: SequenceBatch, tokens: Tensor, seqs: Tensor
+        self,
+        mb: SequenceBatch,
+        tokens: Tensor,
+        seqs: Tensor,
+        packed: pack.PackedRows | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """The policy's loss on a micro-batch already on the device: clipped surrogate, plus
         kl.coef x KL to the reference (kl mode "loss"), minus entropy_coef x entropy, each
@@ -435,7 +609,9 @@ class Learner:
         loss/kl, per-token means kl and entropy, and ppo_policy_loss's metrics."""
         algo = self.settings.algo
         mask = mb.response_mask
-        scores = self._scores(self.policy_ddp, mb, entropy_grad=algo.entropy_coef > 0)
+        scores = self._scores(
+            self.policy_ddp, mb, entropy_grad=algo.entropy_coef > 0, packed=packed
+        )
         logp, entropy = scores.logprobs, scores.entropy  # (b, r) each
         old_logp = mb.fields[OLD_LOGP] if OLD_LOGP in mb.fields else logp.detach()
         weight, weight_metrics = None, {}
@@ -469,9 +645,15 @@ class Learner:
         return loss, pieces
 
     def _policy_backward(
-        self, mb: SequenceBatch, tokens: Tensor, seqs: Tensor, stats: UpdateStats, counts: bool
+        self,
+        mb: SequenceBatch,
+        tokens: Tensor,
+        seqs: Tensor,
+        stats: UpdateStats,
+        counts: bool,
+        packed: pack.PackedRows | None,
     ) -> None:
-        loss, pieces = self.policy_loss(mb, tokens, seqs)
+        loss, pieces = self.policy_loss(mb, tokens, seqs, packed)
         (loss * (self.loss_scale if counts else 0.0)).backward()
         if not counts:
             return
@@ -483,12 +665,18 @@ class Learner:
                 stats.mean(name, value, count)
 
     def _critic_backward(
-        self, mb: SequenceBatch, tokens: Tensor, seqs: Tensor, stats: UpdateStats, counts: bool
+        self,
+        mb: SequenceBatch,
+        tokens: Tensor,
+        seqs: Tensor,
+        stats: UpdateStats,
+        counts: bool,
+        packed: pack.PackedRows | None,
     ) -> None:
         assert self.critic_ddp is not None
         algo = self.settings.algo
         mask = mb.response_mask
-        values = self._values(self.critic_ddp, mb)  # (b, r)
+        values = self._values(self.critic_ddp, mb, packed)  # (b, r)
         vf_per_token, vf_metrics = algos.clipped_value_loss(
             values, mb.fields[VALUES], mb.fields[RETURNS], mask, clip_eps=algo.value_clip
         )
@@ -590,3 +778,16 @@ class Learner:
             if "critic_scheduler" not in parts:
                 raise ValueError("the checkpoint has no critic_scheduler (not a PPO run?)")
             self.critic_scheduler.load_state_dict(parts["critic_scheduler"])
+
+
+def _local_rows(rows: list[int], packed: list[list[int]]) -> list[list[int]]:
+    """Packed rows of batch indices as indices into `rows` (the pass's own order)."""
+    where = {index: position for position, index in enumerate(rows)}
+    return [[where[index] for index in row] for row in packed]
+
+
+def _mean_gap(got: Tensor, want: Tensor, mask: Tensor) -> float:
+    """Mean |got - want| over the mask's positions (0 with none)."""
+    if not bool(mask.any()):
+        return 0.0
+    return float((got - want).abs()[mask].mean())

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
     from rlx.trainer.batch import SequenceBatch
     from rlx.trainer.learn.sharding import ShardSpec
+    from rlx.trainer.packing import PackedRows
 
 
 FUSED_ADAM_DEVICES = ("cpu", "cuda")
@@ -122,9 +123,15 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor
+    ) -> Tensor:
+        # attention_mask None: packed rows (rlx.trainer.packing), never with a cache
         hidden = self.body(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
         ).last_hidden_state  # (B, L, H)
         head_dtype = self.value_head.weight.dtype
         return self.value_head(hidden.to(head_dtype)).squeeze(-1).float()  # (B, L)
@@ -292,17 +299,32 @@ class ResponseScorer(nn.Module):
     def forward(
         self,
         input_ids: Tensor,
-        attention_mask: Tensor,
+        attention_mask: Tensor | None,
         position_ids: Tensor,
         prompt_width: int,
         response_mask: Tensor,
         temperature: float,
         entropy_grad: bool,
+        score_index: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
+        """Padded rows (B, P + R), or with score_index packed rows (k, T) and no attention
+        mask (rlx.trainer.packing.PackedRows)."""
         from rlx.trainer.learn.sharding import run_as_forward
 
         adapters = self.lm.disable_adapter() if self.adapter_off else contextlib.nullcontext()
         with adapters:  # type: ignore[attr-defined]
+            if score_index is not None:
+                return run_as_forward(
+                    self.lm,
+                    self._score_packed,
+                    input_ids,
+                    position_ids,
+                    score_index,
+                    response_mask,
+                    temperature,
+                    entropy_grad,
+                )
+            assert attention_mask is not None, "padded rows need their attention mask"
             return run_as_forward(
                 self.lm,
                 self._score,
@@ -367,6 +389,41 @@ class ResponseScorer(nn.Module):
         targets = input_ids[:, prompt_width:]  # (B, R)
         real_hidden = hidden[response_mask]  # (N, H): padding never reaches the head
         real_targets = targets[response_mask]  # (N,)
+        return self._head_scores(
+            real_hidden, real_targets, response_mask, temperature, entropy_grad
+        )
+
+    def _score_packed(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        score_index: Tensor,
+        response_mask: Tensor,
+        temperature: float,
+        entropy_grad: bool,
+    ) -> tuple[Tensor, Tensor]:
+        body = self.lm.get_decoder()  # type: ignore[operator]
+        # No attention mask and no cache: the only call that keeps packed sequences apart
+        # (transformers derives the block-diagonal mask from the restarting position ids).
+        hidden = body(
+            input_ids=input_ids, attention_mask=None, position_ids=position_ids, use_cache=False
+        ).last_hidden_state  # (k, T, H)
+        real_hidden = hidden.flatten(0, 1)[score_index]  # (N, H)
+        real_targets = input_ids.flatten()[score_index + 1]  # (N,): the token each predicts
+        return self._head_scores(
+            real_hidden, real_targets, response_mask, temperature, entropy_grad
+        )
+
+    def _head_scores(
+        self,
+        real_hidden: Tensor,
+        real_targets: Tensor,
+        response_mask: Tensor,
+        temperature: float,
+        entropy_grad: bool,
+    ) -> tuple[Tensor, Tensor]:
+        """(N, H) hidden states of the scored tokens and their (N,) targets -> (B, R) log-probs
+        and entropies, zero where response_mask is False."""
         head = self.lm.get_output_embeddings()  # type: ignore[operator]
         logprobs, entropy = chunked_token_scores(
             real_hidden,
@@ -377,7 +434,7 @@ class ResponseScorer(nn.Module):
             entropy_grad=entropy_grad,
             chunk_tokens=self.chunk_tokens,
         )  # (N,) each
-        zeros = torch.zeros(response_mask.shape, dtype=torch.float32, device=hidden.device)
+        zeros = torch.zeros(response_mask.shape, dtype=torch.float32, device=real_hidden.device)
         return zeros.masked_scatter(response_mask, logprobs), zeros.masked_scatter(
             response_mask, entropy
         )  # (B, R) each
@@ -441,10 +498,27 @@ def chunked_token_scores(
 
 
 def score_responses(
-    scorer: nn.Module, batch: SequenceBatch, temperature: float, *, entropy_grad: bool
+    scorer: nn.Module,
+    batch: SequenceBatch,
+    temperature: float,
+    *,
+    entropy_grad: bool,
+    packed: PackedRows | None = None,
 ) -> TokenScores:
     """(B, R) log-probs and entropies of a batch's responses, from a ResponseScorer (or DDP of
-    one)."""
+    one); with `packed`, the same sequences run packed (no padding)."""
+    if packed is not None:
+        logprobs, entropy = scorer(
+            packed.input_ids,
+            None,
+            packed.position_ids,
+            0,
+            batch.response_mask,
+            temperature,
+            entropy_grad,
+            packed.score_index,
+        )
+        return TokenScores(logprobs, entropy)
     logprobs, entropy = scorer(
         batch.input_ids,
         batch.attention_mask,
@@ -457,10 +531,56 @@ def score_responses(
     return TokenScores(logprobs, entropy)
 
 
-def response_values(critic: nn.Module, batch: SequenceBatch) -> Tensor:
-    """V(state before response token t) for every t: (B, R)."""
+def response_values(
+    critic: nn.Module, batch: SequenceBatch, packed: PackedRows | None = None
+) -> Tensor:
+    """V(state before response token t) for every t: (B, R); with `packed`, the same
+    sequences run packed (zero off the response mask)."""
+    if packed is not None:
+        values = critic(packed.input_ids, None, packed.position_ids)  # (k, T)
+        scored = values.flatten()[packed.score_index]  # (N,)
+        zeros = torch.zeros(batch.response_mask.shape, dtype=scored.dtype, device=scored.device)
+        return zeros.masked_scatter(batch.response_mask, scored)  # (B, R)
     values = critic(batch.input_ids, batch.attention_mask, batch.position_ids)  # (B, P + R)
     return values[:, batch.prompt_width - 1 : -1]  # (B, R)
+
+
+# Attention implementations of transformers that keep packed sequences apart when called with
+# restarting position ids, no attention mask and no cache (see rlx.trainer.packing).
+PACKABLE_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
+
+
+def packing_obstacle(model: nn.Module) -> str | None:
+    """Why `model` cannot run packed sequences exactly, or None when it can: a recurrent
+    ("stateful") model or one with linear-attention layers carries state across the
+    sequences of a row, and an attention implementation other than SDPA, eager or
+    FlashAttention may ignore the restarting position ids."""
+    inner = getattr(model, "body", model)  # a ValueModel's decoder
+    config = getattr(inner, "config", None)
+    if config is None:
+        return f"{type(model).__name__} has no transformers config"
+    name = type(inner).__name__
+    if getattr(inner, "_is_stateful", False):
+        return f"{name} is recurrent (its state runs across the sequences of a row)"
+    kinds = set(getattr(config, "layer_types", None) or ())
+    others = kinds - {"full_attention", "sliding_attention"}
+    if others:
+        return f"{name} has {sorted(others)[0]} layers, which packing would mix"
+    attention = getattr(config, "_attn_implementation", None) or "eager"
+    if attention not in PACKABLE_ATTENTION:
+        return f"{name} runs {attention} attention; packing is exact with " + ", ".join(
+            PACKABLE_ATTENTION
+        )
+    return None
+
+
+def uses_varlen_attention(model: nn.Module) -> bool:
+    """FlashAttention's varlen kernels: packed rows cost nothing for a mask, so a pass is one
+    row (transformers reads sequence starts from the position ids of a single row only)."""
+    inner = getattr(model, "body", model)
+    attention = getattr(getattr(inner, "config", None), "_attn_implementation", None)
+    return attention in VARLEN_ATTENTION
 
 
 @torch.no_grad()

@@ -26,6 +26,7 @@ from rlx.trainer.learn.learner import (
     UpdateStats,
     merge_update_stats,
 )
+from rlx.trainer.packing import MASKED_ROW_TOKENS, plan_passes, sequence_lengths
 from rlx.trainer.rollout.base import SamplingArgs
 from rlx.trainer.rollout.hf import HFEngine
 from rlx.trainer.weights import Traffic
@@ -136,13 +137,19 @@ def _peak_anonymous_memory(stop: threading.Event, out: list[int]) -> None:
         time.sleep(0.002)
 
 
+def own_passes(batch: SequenceBatch, budget: int) -> int:
+    """Passes a rank needs for `batch` under a token budget, packed (the default)."""
+    lengths = sequence_lengths(batch)
+    return len(plan_passes(lengths, budget, min(budget, MASKED_ROW_TOKENS)))
+
+
 def uneven_budget(batch: SequenceBatch, world: int) -> int:
     """A token budget under which the ranks' shares need different numbers of passes, so
     that the padding passes that keep FSDP's collectives in step are exercised."""
     share = len(batch) // world
     for budget in range(20, 80):
         counts = {
-            len(micro_batch_rows(batch.select(range(r * share, (r + 1) * share)), 2, budget))
+            own_passes(batch.select(range(r * share, (r + 1) * share)), budget)
             for r in range(world)
         }
         if len(counts) > 1:
@@ -279,8 +286,8 @@ def _run_strategy(rank: int, world: int, strategy: str, model: str, big_model: s
     tokens = uneven_budget(batch, world)
     learner.settings = parallel_settings(folder, strategy, max_tokens_per_micro_batch=tokens)
     counts: list[Any] = [None] * world
-    rows = micro_batch_rows(mine, 2, tokens)
-    dist.all_gather_object(counts, len(rows))
+    assert learner.packing
+    dist.all_gather_object(counts, own_passes(mine, tokens))
     policy, critic, _ = one_update(learner, mine)
     if rank == 0:
         results["budget"] = (counts, policy, critic)

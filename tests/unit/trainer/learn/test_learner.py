@@ -30,15 +30,16 @@ def params(learner: Learner) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in learner.policy.state_dict().items()}
 
 
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
 def test_micro_batches_do_not_change_the_update(
-    tmp_path, tiny_model_dir, advantage_batch, loss_agg
+    tmp_path, tiny_model_dir, advantage_batch, loss_agg, packing
 ):
     gradients = []
     for micro in (16, 5, 1):
         conf = small_trainer(
             tmp_path,
-            batch={"micro_batch_size": micro},
+            batch={"micro_batch_size": micro, "packing": packing},
             algo={"loss_agg": loss_agg},
             optim={"grad_clip": 1e9},
         )

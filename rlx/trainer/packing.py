@@ -1,0 +1,192 @@
+"""Sequences packed end to end: no forward or backward spends compute on padding. A leaf:
+torch only.
+
+A packed row holds whole sequences (prompt + response, padding dropped) one after another;
+its position ids restart at 0 for each, and it is run with no attention mask and no cache:
+transformers then builds the block-diagonal causal mask itself from the position ids (SDPA
+and eager attention) or hands the sequence starts to FlashAttention's varlen kernels, so a
+token attends to its own sequence only and every log-prob equals that of the sequence run
+alone. A 2-D attention mask or a KV cache silently defeats this (the sequences attend
+across each other), so a packed forward never takes either (ResponseScorer, ValueModel).
+
+How sequences are cut up: `pack_bins` puts sequences into rows of at most `row_tokens`
+(a greedy balance, longest first); `plan_passes` groups rows into the passes (forward and
+backward) of at most `budget` tokens; `balanced_split` gives each data-parallel rank the
+same number of sequences and about the same cost, a*L + b*L^2 (the linear layers and the
+attention), so that no rank waits for another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from rlx.trainer.batch import SequenceBatch
+
+# The dense block-diagonal mask of SDPA/eager grows with the square of a row: on those paths
+# rows are cut at this length (longer sequences get a row of their own) and a pass stacks
+# several rows. FlashAttention's varlen kernels cost nothing for the mask: one row per pass.
+MASKED_ROW_TOKENS = 512
+# Row counts pack_bins weighs (from the fewest that can fit): one more row can make them all
+# narrower, and a pass as wide as its fullest row wastes less.
+ROW_COUNTS_TRIED = 4
+
+
+def sequence_lengths(batch: SequenceBatch) -> list[int]:
+    """Real (prompt + response) tokens of each row."""
+    return batch.attention_mask.sum(dim=1).tolist()
+
+
+def sequence_cost(length: int, attention_weight: float) -> float:
+    """What a sequence of `length` tokens costs in a forward: a*L for the linear layers plus
+    b*L^2 for attention (b/a = attention_weight)."""
+    return length + attention_weight * length * length
+
+
+def attention_weight(hidden_size: int) -> float:
+    """b/a of sequence_cost for a decoder: attention's scores and weighted sum take about 4*H
+    flops per pair of tokens per layer, its projections and the MLP about 24*H^2 per token."""
+    return 4.0 / (24.0 * max(hidden_size, 1))
+
+
+def _balanced_rows(lengths: Sequence[int], order: Sequence[int], count: int) -> list[list[int]]:
+    """`count` rows, each sequence (longest first) joining the row that holds fewest tokens."""
+    rows: list[list[int]] = [[] for _ in range(count)]
+    held = [0] * count
+    for index in order:
+        slot = min(range(count), key=lambda r: (held[r], r))
+        rows[slot].append(index)
+        held[slot] += lengths[index]
+    return [row for row in rows if row]
+
+
+def pack_bins(lengths: Sequence[int], row_tokens: int) -> list[list[int]]:
+    """Indices of `lengths` put into rows of at most row_tokens tokens by a greedy balance:
+    for k rows, each sequence, longest first, joins the row holding fewest tokens. Of the
+    first few k whose fullest row fits (from the fewest rows the tokens need), the one
+    computing the fewest positions (k x its fullest row: rows stacked in one pass are as
+    wide as the fullest) is taken. A sequence longer than row_tokens ends up in a row of
+    its own. Rows come fullest first."""
+    if not lengths:
+        return []
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    cap = max(row_tokens, max(lengths))
+    count = max(1, -(-sum(lengths) // max(row_tokens, 1)))
+    best: tuple[int, int, list[list[int]]] | None = None
+    tried = 0
+    while count <= len(lengths) and tried < ROW_COUNTS_TRIED:
+        rows = _balanced_rows(lengths, order, count)
+        fullest = max(sum(lengths[i] for i in row) for row in rows)
+        if fullest <= cap:
+            tried += 1
+            positions = len(rows) * fullest
+            if best is None or positions < best[0]:
+                best = (positions, count, rows)
+        count += 1
+    if best is None:  # only reached with count == len(lengths): a row each
+        return sorted(([i] for i in range(len(lengths))), key=lambda row: -lengths[row[0]])
+    rows = best[2]
+    fills = [sum(lengths[i] for i in row) for row in rows]
+    return [rows[r] for r in sorted(range(len(rows)), key=lambda r: (-fills[r], r))]
+
+
+def plan_passes(lengths: Sequence[int], budget: int, row_tokens: int) -> list[list[list[int]]]:
+    """The passes over a batch: each a list of rows, each row the sequences packed in it,
+    with at most `budget` tokens in all (rows stack to the width of the longest; a sequence
+    longer than the budget goes alone). row_tokens caps a row (min with the budget)."""
+    width = max(1, min(row_tokens, budget))
+    rows = pack_bins(lengths, width)
+    passes: list[list[list[int]]] = []
+    for row in rows:  # fullest first: rows of a pass have about the same width
+        tokens = sum(lengths[i] for i in row)
+        if passes:
+            held = passes[-1]
+            widest = max(tokens, max(sum(lengths[i] for i in r) for r in held))
+            if widest * (len(held) + 1) <= budget:
+                held.append(row)
+                continue
+        passes.append([row])
+    return passes
+
+
+def balanced_split(costs: Sequence[float], parts: int) -> list[list[int]]:
+    """Indices of `costs` in `parts` groups whose sizes differ by at most one (the first ones
+    get the extra items, as split_evenly), the largest cost going first to the least loaded
+    group that still has room: no rank waits long for another."""
+    count = len(costs)
+    base, extra = divmod(count, parts)
+    room = [base + (1 if part < extra else 0) for part in range(parts)]
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    load = [0.0] * parts
+    for index in sorted(range(count), key=lambda i: (-costs[i], i)):
+        part = min((p for p in range(parts) if room[p] > 0), key=lambda p: (load[p], p))
+        groups[part].append(index)
+        load[part] += costs[index]
+        room[part] -= 1
+    return [sorted(group) for group in groups]
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """A pass's sequences packed into rows, as the model takes them.
+
+    input_ids, position_ids: (k, T); a row's tail beyond its sequences is padding with
+    positions of its own (0, 1, ...), a segment no real token attends to. score_index: (N,)
+    flat indices into the k*T positions, the one whose output predicts each scored response
+    token (response_mask's True entries, row-major: the order masked_scatter fills).
+    """
+
+    input_ids: Tensor  # (k, T) long
+    position_ids: Tensor  # (k, T) long
+    score_index: Tensor  # (N,) long
+    real_tokens: int
+
+    @property
+    def positions(self) -> int:
+        """Positions the forward computes, padding included."""
+        return self.input_ids.numel()
+
+    def to(self, device: torch.device | str) -> PackedRows:
+        return PackedRows(
+            input_ids=self.input_ids.to(device),
+            position_ids=self.position_ids.to(device),
+            score_index=self.score_index.to(device),
+            real_tokens=self.real_tokens,
+        )
+
+
+def pack_rows(
+    batch: SequenceBatch, rows: Sequence[Sequence[int]], pad_token_id: int = 0
+) -> PackedRows:
+    """`batch`'s sequences (every row of it, each in exactly one of `rows`) packed as given.
+    Each sequence's real tokens are its attention mask's ones: a left-padded prompt then a
+    right-padded response, contiguous."""
+    placed = sorted(i for row in rows for i in row)
+    if placed != list(range(len(batch))):
+        raise ValueError(f"the rows place sequences {placed}, the batch holds {len(batch)}")
+    real = batch.attention_mask.bool()  # (B, P + R)
+    lengths = real.sum(dim=1).tolist()  # (B,)
+    prompt_lengths = real[:, : batch.prompt_width].sum(dim=1).tolist()  # (B,)
+    width = max(sum(lengths[i] for i in row) for row in rows)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)  # (k, T)
+    position_ids = torch.zeros((len(rows), width), dtype=torch.long)  # (k, T)
+    start = [0] * len(batch)  # each sequence's first flat index
+    for r, row in enumerate(rows):
+        offset = 0
+        for i in row:
+            length = lengths[i]
+            input_ids[r, offset : offset + length] = batch.input_ids[i][real[i]]
+            position_ids[r, offset : offset + length] = torch.arange(length)
+            start[i] = r * width + offset
+            offset += length
+        position_ids[r, offset:] = torch.arange(width - offset)
+    scored = batch.response_mask.nonzero()  # (N, 2) row-major: (sequence, response column)
+    sequence, column = scored[:, 0], scored[:, 1]
+    first = torch.tensor(start, dtype=torch.long)[sequence]
+    prompts = torch.tensor(prompt_lengths, dtype=torch.long)[sequence]
+    # response token t of a sequence sits at its prompt_length + t; the position before predicts it
+    score_index = first + prompts + column - 1  # (N,)
+    return PackedRows(input_ids, position_ids, score_index, real_tokens=sum(lengths))

@@ -1,0 +1,190 @@
+"""Packed sequences are exact: a packed forward's per-token log-probs, values and gradients
+equal each sequence's run alone (policy, reference, critic), and the negative controls, a 2-D
+mask or a cache handed to a packed forward, are caught by the same comparison. The first
+step's check turns packing off, in one line, where attention mixes the sequences."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlx.trainer.batch import SequenceBatch
+from rlx.trainer.learn.learner import OLD_LOGP, REF_LOGP, RETURNS, VALUES, Learner
+from rlx.trainer.learn.models import ResponseScorer, score_responses
+from rlx.trainer.packing import PackedRows, pack_rows, plan_passes, sequence_lengths
+from tests.support.gradients import (
+    assert_same_gradients,
+    gradient_of_update,
+    record_gradients,
+)
+from tests.support.recipes import small_trainer
+
+pytestmark = pytest.mark.timeout(300)
+
+LOGPROB_TOLERANCE = 1e-6  # float32, as the acceptance asks
+GRADIENT_TOLERANCE = 1e-5  # relative to the largest gradient entry
+
+
+def packed_layout(batch: SequenceBatch, row_tokens: int = 40) -> PackedRows:
+    """The batch in rows of at most row_tokens tokens: several sequences share each row."""
+    rows = [row for p in plan_passes(sequence_lengths(batch), 10**6, row_tokens) for row in p]
+    assert max(len(row) for row in rows) > 1
+    return pack_rows(batch, rows)
+
+
+def one_by_one(scorer: ResponseScorer, batch: SequenceBatch) -> torch.Tensor:
+    """(B, R) log-probs, each sequence run alone (a batch of one, no padding)."""
+    out = torch.zeros(batch.response_mask.shape)
+    for row in range(len(batch)):
+        alone = batch.select([row]).trimmed()
+        logprobs = score_responses(scorer, alone, 1.0, entropy_grad=False).logprobs  # (1, r)
+        out[row, : logprobs.shape[1]] = logprobs[0]
+    return out
+
+
+def max_gap(got: torch.Tensor, want: torch.Tensor, mask: torch.Tensor) -> float:
+    return float((got.detach() - want.detach()).abs()[mask].max())
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model_dir: Path) -> ResponseScorer:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    return ResponseScorer(model.eval())
+
+
+def test_packed_log_probs_and_gradients_equal_each_sequence_alone(
+    policy: ResponseScorer, advantage_batch: SequenceBatch
+) -> None:
+    batch = advantage_batch
+    weights = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(1))
+    mask = batch.response_mask
+    named = [(n, p) for n, p in policy.named_parameters()]
+
+    def gradient(loss: torch.Tensor) -> dict[str, torch.Tensor]:
+        policy.zero_grad(set_to_none=True)
+        loss.backward()
+        return {n: p.grad.detach().double().clone() for n, p in named if p.grad is not None}
+
+    alone = one_by_one(policy, batch)
+    want = gradient((alone * weights)[mask].sum())
+    packed = packed_layout(batch)
+    scores = score_responses(policy, batch, 1.0, entropy_grad=False, packed=packed)
+    assert max_gap(scores.logprobs, alone, mask) <= LOGPROB_TOLERANCE
+    assert bool((scores.logprobs[~mask] == 0).all())  # nothing off the responses
+    got = gradient((scores.logprobs * weights)[mask].sum())
+    assert_same_gradients(got, want, relative=GRADIENT_TOLERANCE)
+
+
+def contaminated_logprobs(
+    scorer: ResponseScorer, packed: PackedRows, batch: SequenceBatch, *, two_d_mask: bool
+) -> torch.Tensor:
+    """A packed forward called wrongly: an all-ones 2-D mask, or the cache left on."""
+    body = scorer.lm.get_decoder()
+    hidden = body(
+        input_ids=packed.input_ids,
+        attention_mask=torch.ones_like(packed.input_ids) if two_d_mask else None,
+        position_ids=packed.position_ids,
+        use_cache=not two_d_mask,
+    ).last_hidden_state.flatten(0, 1)[packed.score_index]
+    logits = scorer.lm.get_output_embeddings()(hidden).float()
+    targets = packed.input_ids.flatten()[packed.score_index + 1]
+    logprobs = torch.log_softmax(logits, -1).gather(1, targets[:, None]).squeeze(1)
+    return torch.zeros(batch.response_mask.shape).masked_scatter(batch.response_mask, logprobs)
+
+
+@pytest.mark.parametrize("two_d_mask", [True, False], ids=["2-D mask", "cache"])
+def test_the_comparison_catches_a_packed_forward_called_wrongly(
+    policy: ResponseScorer, advantage_batch: SequenceBatch, two_d_mask: bool
+) -> None:
+    batch = advantage_batch
+    with torch.no_grad():
+        alone = one_by_one(policy, batch)
+        packed = packed_layout(batch)
+        wrong = contaminated_logprobs(policy, packed, batch, two_d_mask=two_d_mask)
+    gap = max_gap(wrong, alone, batch.response_mask)
+    assert gap > 1e3 * LOGPROB_TOLERANCE, f"sequences attending to each other went unseen ({gap})"
+
+
+def learner(tmp_path: Path, model: Path, packing: bool) -> Learner:
+    conf = small_trainer(
+        tmp_path,
+        algorithm="ppo",
+        # micro-batches of one: the unpacked learner runs each sequence alone
+        batch={"micro_batch_size": 1, "packing": packing, "max_tokens_per_micro_batch": 64},
+        algo={"kl": {"coef": 0.1, "mode": "loss"}},
+        optim={"grad_clip": 1e9},
+        rollout={"n": 4, "max_new_tokens": 12, "max_staleness": 1},  # old log-probs computed
+    )
+    return Learner(conf, str(model), str(model), torch.device("cpu"))
+
+
+def test_the_learners_reference_critic_and_update_equal_sequences_run_alone(
+    tmp_path: Path, tiny_model_dir: Path, advantage_batch: SequenceBatch
+) -> None:
+    packed, alone = (learner(tmp_path, tiny_model_dir, p) for p in (True, False))
+    assert packed.packing and not alone.packing
+    rows = [row for one in packed._passes(advantage_batch) for row in one.packed or []]
+    assert max(len(row) for row in rows) > 1  # sequences really share rows
+    want = alone.prepare(advantage_batch, old_logprobs=True)
+    got = packed.prepare(advantage_batch, old_logprobs=True)
+    mask = advantage_batch.response_mask
+    for name in (REF_LOGP, OLD_LOGP, VALUES):
+        assert max_gap(got[name], want[name], mask) <= LOGPROB_TOLERANCE, name
+    batch = advantage_batch.with_fields(
+        **want, **{RETURNS: torch.randn(mask.shape, generator=torch.Generator().manual_seed(2))}
+    )
+    critics = []
+    for one in (packed, alone):
+        recorder = record_gradients(one.critic)
+        one.critic_optimizer = recorder
+        critics.append(recorder)
+    policy_got = gradient_of_update(packed, batch)
+    policy_want = gradient_of_update(alone, batch)
+    assert_same_gradients(policy_got, policy_want, relative=GRADIENT_TOLERANCE)
+    assert_same_gradients(critics[0].gradients, critics[1].gradients, relative=GRADIENT_TOLERANCE)
+
+
+@pytest.fixture
+def sdpa_without_masks() -> Iterator[None]:
+    """SDPA as a kernel that ignores masks would run it: causal over the whole row."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    original = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def unmasked(module, query, key, value, attention_mask, **kwargs):  # type: ignore[no-untyped-def]
+        return original(module, query, key, value, None, is_causal=True, **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = unmasked
+    try:
+        yield
+    finally:
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = original
+
+
+def test_the_first_step_check_keeps_exact_packing_on(
+    tmp_path: Path, tiny_model_dir: Path, advantage_batch: SequenceBatch
+) -> None:
+    one = learner(tmp_path, tiny_model_dir, True)
+    one.check_packing(advantage_batch)
+    assert one.packing and one.take_notes() == []
+
+
+def test_the_first_step_check_turns_mixing_attention_off_in_one_line(
+    tmp_path: Path, tiny_model_dir: Path, advantage_batch: SequenceBatch, sdpa_without_masks: None
+) -> None:
+    one = learner(tmp_path, tiny_model_dir, True)
+    stats = one.update(
+        advantage_batch.with_fields(
+            **one.prepare(advantage_batch, old_logprobs=True),
+            **{RETURNS: torch.zeros(advantage_batch.response_mask.shape)},
+        ),
+        1,
+    )
+    assert not one.packing
+    (note,) = stats.notes
+    assert note.startswith("packing: off, a packed row's log-probs differ") and "\n" not in note
+    assert all(p.packed is None for p in one._passes(advantage_batch))
