@@ -9,10 +9,24 @@ stops the run or, with checkpoint.on_failure: continue, warns and trains on.
 
 from __future__ import annotations
 
+import errno
+import os
+import shutil
+from pathlib import Path
 from typing import Any
 
 from rlx.errors import TRY_AGAIN, RlxError
-from rlx.storage import StoreUnavailable, chain, is_transient, reason
+from rlx.storage import (
+    StoreUnavailable,
+    chain,
+    existing_ancestor,
+    is_store_url,
+    is_transient,
+    reason,
+)
+
+# Free bytes under which a local save's odd failure is taken for a full disk.
+FULL_BELOW = 1 << 20
 
 
 class SaveFailed(RlxError):
@@ -37,12 +51,14 @@ class SaveFailed(RlxError):
 
 def underlying(exc: BaseException) -> BaseException:
     """The error behind a wrapper: DCP's CheckpointException holds each rank's own error
-    (in `failures`) rather than chaining it."""
+    and traceback (in `failures`) rather than chaining it."""
     for error in chain(exc):
         failures = getattr(error, "failures", None)
         if isinstance(failures, dict) and failures:
-            first = next(iter(failures.values()))
-            return getattr(first, "exc", first)
+            first = next(iter(failures.values()))  # (the rank's error, its traceback)
+            found = first[0] if isinstance(first, tuple) else getattr(first, "exc", first)
+            if isinstance(found, BaseException):
+                return found
     return exc
 
 
@@ -54,7 +70,19 @@ def save_failure(exc: BaseException, step: int, where: Any) -> SaveFailed:
     try_again = isinstance(cause, StoreUnavailable) or is_transient(cause)
     plain = isinstance(cause, RlxError)  # already worded for the user
     why = str(cause).strip().splitlines()[0] if plain else reason(cause)
+    if not isinstance(cause, OSError) and disk_full(where):
+        why = os.strerror(errno.ENOSPC)  # torch's writers say it as a failed zip position
     return SaveFailed(step, str(where), why, try_again)
+
+
+def disk_full(where: Any) -> bool:
+    """Whether where is a local folder whose file system has (next to) no room left."""
+    if is_store_url(str(where)):
+        return False
+    try:
+        return shutil.disk_usage(existing_ancestor(Path(where))).free < FULL_BELOW
+    except OSError:
+        return False
 
 
 def failure_line(failure: SaveFailed, newest: int | None) -> str:
