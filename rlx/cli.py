@@ -2,7 +2,8 @@
 
 Heavy libraries (torch, ray, sky, dstack, transformers, vllm) and even the recipe model are
 imported inside the commands that need them, so `rlx --help` stays instant. Expected errors
-(RlxError) become one red line on stderr and exit code 1; RLX_DEBUG=1 shows tracebacks.
+(RlxError) become one red line on stderr and exit code 1 (75 where running the job again may
+succeed); RLX_DEBUG=1 shows tracebacks.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def expected_errors(func: F) -> F:
             if os.environ.get("RLX_DEBUG"):
                 raise
             print_error(str(exc))
-            raise typer.Exit(1) from None
+            raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt:
             raise typer.Exit(130) from None
 

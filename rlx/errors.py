@@ -13,6 +13,8 @@ TRY_AGAIN = 75
 class RlxError(Exception):
     """An error the user can fix; its message says what is wrong and what to do."""
 
+    exit_code = 1  # TRY_AGAIN where running the job again later may succeed
+
 
 @dataclass(frozen=True)
 class Finding:

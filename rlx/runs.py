@@ -50,6 +50,7 @@ EPISODE_TOOL_CALLS = "episode/tool_calls"  # per episode
 EPISODE_TOOL_ERRORS = "episode/tool_errors"  # per episode
 EPISODE_LENGTH = "episode/length"  # tokens after the prompt, the model's and the environment's
 VAL_PASS1 = "val/pass@1"  # greedy answers' mean reward on the held-out prompts
+CHECKPOINT_RETRIES = "checkpoint/retries"  # transient store errors retried, since the run began
 VAL_REWARD = "val/reward_mean"  # mean reward of validation.n samples per held-out prompt
 
 # Steps averaged for the start and end reward of the summary (one step alone is noisy).

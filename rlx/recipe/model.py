@@ -673,8 +673,15 @@ class CheckpointSettings(StrictModel):
     keep: int = Field(3, ge=1, description="Complete checkpoints to keep.")
     resume: Literal["auto", "never"] | Str = Field(
         "auto",
-        description="'auto' resumes from the newest complete checkpoint of this run, 'never' "
-        "starts fresh, or a path to one checkpoint.",
+        description="'auto' resumes from the newest complete checkpoint of this run that "
+        "verifies (every file listed with its recorded size), 'never' starts fresh, or a path "
+        "to one checkpoint.",
+    )
+    on_failure: Literal["stop", "continue"] = Field(
+        "stop",
+        description="A save that fails for good (disk full, permission lost, store down past "
+        "its deadline): 'stop' ends the run with one line (exit 1, or 75 where running it "
+        "again may succeed); 'continue' warns, trains on and tries again at the next save.",
     )
 
 

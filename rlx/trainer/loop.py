@@ -19,8 +19,10 @@ from typing import Any, TextIO
 
 import torch
 
+from rlx.checkpoints import step_of
 from rlx.errors import RlxError
 from rlx.runs import (
+    CHECKPOINT_RETRIES,
     HOST_MEMORY,
     IS_WEIGHT,
     IS_WEIGHT_STD,
@@ -44,6 +46,7 @@ from rlx.trainer.checkpoint import (
     resolve_resume,
     restore_rng_state,
 )
+from rlx.trainer.checkpoint.faults import SaveFailed, failure_line, save_failure
 from rlx.trainer.checkpoint.protocol import Location, SavedCheckpoint
 from rlx.trainer.checkpoint.training import (
     CONTROLLER_RNG,
@@ -157,7 +160,9 @@ class Trainer:
         )
         self.logger: MetricsLogger | None = None
         self.checkpoint_bytes: int | None = None  # size on disk of the last save
-        self.uploading: int | None = None  # the step whose save's upload is under way
+        self.uploading: tuple[int, Path] | None = None  # a save's step and folder, uploading
+        self.newest_saved: int | None = None  # the newest complete checkpoint's step
+        self.saves_retried = 0  # transient store errors the ranks retried in saves
         self.exported: Path | None = None  # the Hugging Face folder written at the end
 
     def say(self, message: str) -> None:
@@ -219,6 +224,8 @@ class Trainer:
                     metrics = self.step(step)
                     if validation.due(settings, step):
                         metrics.update(self.validate(step))
+                    if self.manager is not None:
+                        metrics[CHECKPOINT_RETRIES] = float(self.store_retries())
                     self.logger.log(step, metrics)
                     bar.update()
                     if self.manager is not None and (
@@ -227,7 +234,7 @@ class Trainer:
                         self.save(step)
                     kill_after_step(os.environ.get(KILL_HOOK_ENV), step)
             self.cluster.finish_pushes()  # the last push proven, like every other
-            self.finish_saves()
+            self.finish_saves(final=True)
         finally:
             self.logger.close()
             self.samples.close()
@@ -448,31 +455,71 @@ class Trainer:
         }
         controller_parts = {TRAINER_STATE: state, CONTROLLER_RNG: capture_rng_state()}
         rng_states = self.cluster.call_all("rng_state")
-        temporary = self.manager.begin(step)
-        request = SaveRequest(
-            folder=str(temporary),
-            manager=self.manager,
-            step=step,
-            controller_parts=controller_parts,
-            rng_states=rng_states,
-            kill_spec=os.environ.get(KILL_HOOK_ENV),  # read now: a test hook
-        )
-        saved = self.cluster.call_all("save_checkpoint", request)[0]
+        temporary = Path()
+        try:
+            temporary = self.manager.begin(step)
+            request = SaveRequest(
+                folder=str(temporary),
+                manager=self.manager,
+                step=step,
+                controller_parts=controller_parts,
+                rng_states=rng_states,
+                kill_spec=os.environ.get(KILL_HOOK_ENV),  # read now: a test hook
+            )
+            saved = self.cluster.call_all("save_checkpoint", request)[0]
+        except Exception as exc:
+            self.save_failed(save_failure(exc, step, self.manager.run_dir), temporary)
+            return None
         if saved is None:  # staged; uploading
-            self.uploading = step
+            self.uploading = (step, temporary)
             return self.manager.location(step)
         self.saved(saved)
         return saved.path
 
-    def finish_saves(self) -> None:
-        """Wait for the save whose upload is under way (if any) to be complete."""
+    def finish_saves(self, final: bool = False) -> None:
+        """Wait for the save whose upload is under way (if any) to be complete. final: the
+        run's last save, which no later one can make up for."""
         if self.uploading is None:
             return
+        step, folder = self.uploading
         self.uploading = None
-        self.saved(self.cluster.call_all("finish_checkpoint")[0])
+        try:
+            saved = self.cluster.call_all("finish_checkpoint")[0]
+        except Exception as exc:
+            assert self.manager is not None
+            self.save_failed(save_failure(exc, step, self.manager.run_dir), folder, final)
+            return
+        self.saved(saved)
+
+    def save_failed(self, failure: SaveFailed, folder: Path, final: bool = False) -> None:
+        """A save failed for good: what it left goes (unless the store stopped answering:
+        the next save clears it), then the run stops with one line, or with
+        checkpoint.on_failure: continue warns and trains on (never past its last save)."""
+        assert self.manager is not None
+        if not failure.try_again:
+            self.manager.abandon(failure.step, folder)
+        line = failure_line(failure, self.newest_saved)
+        final = final or failure.step >= self.settings.steps
+        if self.settings.checkpoint.on_failure == "continue" and not final:
+            print(
+                f"warning: {line}; training on (checkpoint.on_failure: continue), the next "
+                "save tries again",
+                file=self.err,
+                flush=True,
+            )
+            return
+        raise failure.stopping(line)
+
+    def store_retries(self) -> int:
+        """Transient store errors retried since the run began: the saves' and the
+        controller's own (listing and clearing the run's checkpoints)."""
+        own = getattr(self.manager, "retries", None)
+        return self.saves_retried + (0 if own is None else own.count)
 
     def saved(self, saved: SavedCheckpoint) -> None:
         self.checkpoint_bytes = saved.bytes
+        self.saves_retried += saved.retries
+        self.newest_saved = step_of(str(saved.path))
         self.say(f"checkpoint {saved.path} ({format_bytes(saved.bytes)} on disk)")
         mirror_run(self.inputs.paths, self.err)
 
@@ -509,7 +556,7 @@ class Trainer:
         else:
             self.proven(0, self.cluster.sync_weights(0, self.inputs.probe, push=False))
             return 0
-        path = resolve_resume(setting, manager)
+        path = resolve_resume(setting, manager, self.say)
         if path is None:
             self.proven(0, self.cluster.sync_weights(0, self.inputs.probe, push=False))
             return 0
@@ -532,6 +579,7 @@ class Trainer:
         restore_rng_state(parts[CONTROLLER_RNG])
         loaded = self.cluster.call_all("load_checkpoint", manager, path)
         step = int(state["step"])
+        self.newest_saved = step
         memory = max(report.host_bytes for report in loaded)
         self.say(
             f"resumed from {path} (step {step}); loading took at most {format_bytes(memory)} "

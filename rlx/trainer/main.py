@@ -19,6 +19,7 @@ from typing import Any, TextIO
 from rlx.errors import RlxError
 from rlx.recipe.model import Recipe
 from rlx.runs import RunPaths, RunResult, mirror_run, pull_run, run_line, write_result
+from rlx.trainer.checkpoint.probe import probe_locations
 from rlx.trainer.job import STAND_IN_GPUS_ENV, TrainJob
 from rlx.trainer.report.console import Stopped, StopRequest, console_to_log, handle_signals
 from rlx.trainer.report.record import finish, summary_lines
@@ -193,6 +194,8 @@ def training_session(
     from rlx.plan.strategy import choose_strategy
     from rlx.trainer.actors.cluster import Cluster
     from rlx.trainer.actors.placement import alive_nodes, check_resources
+    from rlx.trainer.actors.probes import probe_nodes
+    from rlx.trainer.checkpoint.probe import locations
     from rlx.trainer.loop import Trainer
     from rlx.trainer.report.metrics import host_memory_bytes
 
@@ -208,6 +211,7 @@ def training_session(
         stop = stack.enter_context(handle_signals(stop or StopRequest()))
         nodes = alive_nodes()
         check_resources(job.recipe, nodes, where)
+        probe_nodes(locations(job.recipe, env), nodes)  # before any model loads
         cluster = Cluster.start(job, nodes, policy_path, critic_path, dtype, strategy)
         stack.callback(cluster.shutdown)
         # A private Ray's processes are this process's children; a joined cluster's workers
@@ -266,6 +270,8 @@ def run_training(
         TrainJob.of(recipe)  # refuses it: nothing to train, so no run folder
     assert settings is not None
     paths = run_paths(recipe.name, settings, env)
+    # Every place the run writes, tried before anything loads: a fault costs seconds here.
+    probe_locations(recipe, env)
     paths.run_dir.mkdir(parents=True, exist_ok=True)
     pull_run(paths)  # logging.dir in a store: continue what an earlier attempt left there
     result = RunResult(
@@ -309,7 +315,8 @@ def run_training(
             raise
         except BaseException as exc:
             message = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
-            result.state, result.exit_code, result.error = "FAILED", 1, message
+            code = exc.exit_code if isinstance(exc, RlxError) else 1
+            result.state, result.exit_code, result.error = "FAILED", code, message
             with paths.log.open("a", encoding="utf-8") as log:  # the CLI prints it on screen
                 print(f"error: {message}", file=log)
             raise

@@ -56,8 +56,8 @@ def gather(refs: Sequence[Any], what: str) -> list[Any]:
         return ray.get(list(refs))
     except ray.exceptions.RayTaskError as exc:
         cause = getattr(exc, "cause", None)
-        if isinstance(cause, RlxError):
-            raise RlxError(str(cause)) from None
+        if isinstance(cause, RlxError):  # as it is: its kind and exit code go with it
+            raise cause.with_traceback(None) from None
         raise
     except ray.exceptions.RayActorError as exc:
         raise RlxError(f"a {what} {_actor_failure(exc)}") from None

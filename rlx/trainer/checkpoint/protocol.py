@@ -16,10 +16,12 @@ PhaseHook = Callable[[str], None]  # told each phase of a save as it ends (crash
 
 @dataclass(frozen=True)
 class SavedCheckpoint:
-    """What rank 0 answers to a SaveRequest: the complete checkpoint and its size on disk."""
+    """What rank 0 answers to a SaveRequest: the complete checkpoint, its size on disk and
+    the transient store errors every rank retried on the way."""
 
     path: str
     bytes: int | None
+    retries: int = 0
 
 
 class Checkpoints(Protocol):
@@ -50,6 +52,12 @@ class Checkpoints(Protocol):
 
     def latest(self) -> Location | None:
         """The complete checkpoint with the highest step, or None."""
+        ...
+
+    def problem(self, location: Location) -> str | None:
+        """What is wrong with the complete checkpoint at location (a file its marker lists
+        that is missing or shorter or longer than recorded), read from sizes alone; None
+        when every file is there."""
         ...
 
     def location(self, step: int) -> Location:
@@ -92,6 +100,12 @@ class Checkpoints(Protocol):
 
     def discard(self, folder: Path) -> None:
         """A rank's part of a save is over (done or failed): what only it needed goes."""
+        ...
+
+    def abandon(self, step: int, folder: Path) -> None:
+        """The controller, after step's save failed: remove what it left (its temporary
+        folder, an unmarked step), so neither a later save nor a resume meets it; best
+        effort, the next begin clears what remains."""
         ...
 
     def load_parts(self, location: Location, names: Iterable[str]) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from typing import Any
 from rlx.checkpoints import MARKER, STEP_DIR, parse_marker, step_of
 from rlx.errors import RlxError
 from rlx.node.raynode import backoff
-from rlx.storage import filesystem, join, unstrip
+from rlx.storage import Retries, filesystem, join, unstrip
 from rlx.trainer.checkpoint.parts import read_part
 from rlx.trainer.checkpoint.protocol import PhaseHook, SavedCheckpoint
 from rlx.trainer.checkpoint.store import (
@@ -50,6 +50,7 @@ from rlx.trainer.checkpoint.store import (
     describe_files,
     new_marker,
     sanitize_run_id,
+    size_problem,
     write_parts,
 )
 
@@ -80,8 +81,10 @@ class StoreCheckpointManager:
         self.root = root.rstrip("/")
         self.run_id = run_id
         self.keep = keep
-        self.fs, self._root_path = filesystem(self.root)
+        self.fs, self._root_path = filesystem(self.root, retried=True)
+        self.retries = Retries.from_env()  # this process's, counted per manager
         self.last_bytes: int | None = None  # the size of the last checkpoint committed
+        self.peer_retries = 0  # the other ranks', from their receipts of the last commit
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Sent to the training ranks as what it is opened from: each rank opens the store
@@ -98,6 +101,17 @@ class StoreCheckpointManager:
     def location(self, step: int) -> str:
         return self.step_url(step)
 
+    def problem(self, location: Path | str) -> str | None:
+        url = str(location).rstrip("/")
+        base = self._path(url)
+        marker = self.retries.call(f"reading {url}", read_store_marker, self.fs, base)
+        if marker is None:
+            return f"no valid {MARKER} marker"
+        self.fs.invalidate_cache(base)
+        found = self.retries.call(f"listing {url}", self.fs.find, base, detail=True)
+        listed = {path[len(base) + 1 :]: info.get("size") for path, info in found.items()}
+        return size_problem(marker["files"], listed.get)
+
     def _path(self, url: str) -> str:
         return self.fs._strip_protocol(url)
 
@@ -105,6 +119,9 @@ class StoreCheckpointManager:
 
     def _listing(self) -> dict[int, bool]:
         """step -> whether it is complete, for every step prefix of this run."""
+        return self.retries.call(f"listing {self.run_dir}", self._list_once)
+
+    def _list_once(self) -> dict[int, bool]:
         base = self._path(self.run_dir)
         self.fs.invalidate_cache(base)
         try:
@@ -158,12 +175,15 @@ class StoreCheckpointManager:
             str(local / name[len(prefix) + 1 :] if prefix else local / name) for name in names
         ]
         targets = [f"{base}/{name}" for name in names]
-        self.fs.put(sources, targets)
+        # Each file is written whole or not at all (a multi-part upload completes last), so
+        # putting them all again after a reset is safe.
+        self.retries.call(f"uploading to {self.step_url(step)}", self.fs.put, sources, targets)
 
     def report_upload(self, step: int, rank: int, files: list[dict[str, Any]]) -> None:
         """Say in the store that rank's shard files (files: their descriptions) are in."""
         receipt = f"{self._path(self.step_url(step))}/{RECEIPTS}/rank-{rank:05d}.json"
-        self.fs.pipe(receipt, json.dumps(files).encode())
+        text = json.dumps({"files": files, "retries": self.retries.count}).encode()
+        self.retries.call(f"writing {receipt}", self.fs.pipe, receipt, text)
 
     def wait_for_uploads(
         self, step: int, world_size: int, timeout: float = UPLOAD_WAIT_SECONDS
@@ -172,11 +192,7 @@ class StoreCheckpointManager:
         folder = f"{self._path(self.step_url(step))}/{RECEIPTS}"
         deadline = time.monotonic() + timeout
         for delay in backoff(start=0.02):
-            self.fs.invalidate_cache(folder)
-            try:
-                receipts = sorted(self.fs.ls(folder, detail=False))
-            except FileNotFoundError:
-                receipts = []
+            receipts = self.retries.call(f"listing {folder}", self._receipts, folder)
             if len(receipts) >= world_size:
                 break
             if time.monotonic() >= deadline:
@@ -187,7 +203,22 @@ class StoreCheckpointManager:
                     "checkpoint stays"
                 )
             time.sleep(delay)
-        return [f for receipt in receipts for f in json.loads(self.fs.cat_file(receipt))]
+        read = [json.loads(self.retries.call("reading", self.fs.cat_file, r)) for r in receipts]
+        # Rank 0's own receipt holds what self.retries counts already.
+        own = f"/rank-{0:05d}.json"
+        self.peer_retries = sum(
+            receipt["retries"]
+            for name, receipt in zip(receipts, read, strict=True)
+            if not name.endswith(own)
+        )
+        return [f for receipt in read for f in receipt["files"]]
+
+    def _receipts(self, folder: str) -> list[str]:
+        self.fs.invalidate_cache(folder)
+        try:
+            return sorted(self.fs.ls(folder, detail=False))
+        except FileNotFoundError:
+            return []
 
     def write_parts(
         self, folder: Path, parts: Mapping[str, Any], _after_phase: PhaseHook | None = None
@@ -218,14 +249,16 @@ class StoreCheckpointManager:
         self._put(staging, "", [f["name"] for f in first], step)
         self._put(staging, "", [f["name"] for f in last], step)
         files = sorted([*uploaded, *local], key=lambda f: f["name"])
-        self._check_listed(step, files)
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.rm(f"{self._path(self.step_url(step))}/{RECEIPTS}", recursive=True)
+        self.retries.call(f"listing {self.step_url(step)}", self._check_listed, step, files)
+        self._remove(f"{self._path(self.step_url(step))}/{RECEIPTS}", recursive=True)
         hook("written")
 
         marker = new_marker(step, entries, files)
-        self.fs.pipe(
-            f"{self._path(self.step_url(step))}/{MARKER}", json.dumps(marker, indent=1).encode()
+        self.retries.call(
+            f"writing {self.step_url(step)}/{MARKER}",
+            self.fs.pipe,
+            f"{self._path(self.step_url(step))}/{MARKER}",
+            json.dumps(marker, indent=1).encode(),
         )
         self.last_bytes = marker["bytes"]
         hook("marked")
@@ -266,13 +299,21 @@ class StoreCheckpointManager:
             late=(f"{shard}/{DCP_METADATA}",),
             _after_phase=_after_phase,
         )
-        return SavedCheckpoint(url, self.last_bytes)
+        return SavedCheckpoint(url, self.last_bytes, self.retries.count + self.peer_retries)
 
     def discard(self, folder: Path) -> None:
         """Remove the rank's staged copy."""
         remove(folder)
         with contextlib.suppress(OSError):  # the save's folder, once every rank of the node is done
             folder.parent.rmdir()
+
+    def abandon(self, step: int, folder: Path) -> None:
+        """Delete the failed save's prefix (it has no marker: the save failed before it), if
+        the store answers; the next begin deletes it otherwise. The ranks' staging folders
+        went with their discard."""
+        with contextlib.suppress(Exception):
+            if self._listing().get(step) is False:
+                self._delete(step)
 
     def load_parts(self, location: Path | str, names: Iterable[str]) -> dict[str, Any]:
         return load_store_parts(str(location), names)
@@ -298,11 +339,14 @@ class StoreCheckpointManager:
         """Marker first: a deletion cut short leaves an incomplete prefix, never a marker
         over missing files."""
         base = self._path(self.step_url(step))
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.rm(f"{base}/{MARKER}")
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.rm(base, recursive=True)
+        self._remove(f"{base}/{MARKER}")
+        self._remove(base, recursive=True)
         self.fs.invalidate_cache(base)
+
+    def _remove(self, path: str, *, recursive: bool = False) -> None:
+        """Delete path (already gone: nothing to do), retrying transient errors."""
+        with contextlib.suppress(FileNotFoundError):
+            self.retries.call(f"deleting {path}", self.fs.rm, path, recursive=recursive)
 
     def _rotate(self, newest: int) -> None:
         complete = [step for step, done in sorted(self._listing().items()) if done]

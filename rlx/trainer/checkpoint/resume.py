@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from rlx.errors import RlxError
@@ -66,25 +66,66 @@ def location_name(location: Location) -> str:
     return str(location).rstrip("/").rsplit("/", 1)[-1]
 
 
-def resolve_resume(setting: str, manager: Checkpoints) -> Location | None:
+def resolve_resume(
+    setting: str, manager: Checkpoints, note: Callable[[str], None] | None = None
+) -> Location | None:
     """The checkpoint to resume from for checkpoint.resume = 'auto' | 'never' | a path.
 
-    'auto': the newest complete checkpoint of this run, or None for a fresh start. 'never':
-    None, but only if this run has no complete checkpoint yet: starting over in a folder
-    that holds another history would mix two runs (rotation and 'auto' go by step number).
-    A path must be one complete checkpoint.
+    'auto': the newest complete checkpoint of this run that verifies (every file its marker
+    lists is there with its size), or None for a fresh start; each newer one that does not
+    is told to note in one line. 'never': None, but only if this run has no complete
+    checkpoint yet: starting over in a folder that holds another history would mix two runs
+    (rotation and 'auto' go by step number). A path must be one complete checkpoint that
+    verifies.
     """
     if setting == "auto":
-        return manager.latest()
+        return newest_verified(manager, note or (lambda line: None))
     if setting == "never":
         newest = manager.latest()
         if newest is not None:
             raise RlxError(
                 f"checkpoint.resume: never, but {manager.run_dir} already holds complete "
-                f"checkpoints (newest: {newest.name}); set resume: auto to continue that run, "
-                "or set RLX_RUN_ID to a new id (or delete that folder) to start afresh"
+                f"checkpoints (newest: {location_name(newest)}); set resume: auto to continue "
+                "that run, or set RLX_RUN_ID to a new id (or delete that folder) to start afresh"
             )
         return None
+    pinned = pinned_checkpoint(setting)
+    problem = manager.problem(pinned)
+    if problem is not None:
+        raise RlxError(
+            f"checkpoint.resume: {pinned} fails verification ({problem}); pin an older step, "
+            "or set resume: auto to take the newest one that verifies"
+        )
+    return pinned
+
+
+def newest_verified(manager: Checkpoints, note: Callable[[str], None]) -> Location | None:
+    """The newest complete checkpoint whose files all verify; a line to note for each newer
+    one that does not."""
+    complete = list(manager.checkpoints())
+    failed: list[str] = []
+    for location in reversed(complete):
+        problem = manager.problem(location)
+        if problem is None:
+            if failed:
+                note(
+                    f"checkpoint {failed[0]} fails verification; resuming from "
+                    f"{location_name(location)}, the newest complete step that verifies"
+                )
+            return location
+        failed.append(f"{location} ({problem})" if not failed else location_name(location))
+        if len(failed) > 1:
+            failed = [f"{failed[0]} and {len(failed) - 1} more"]
+    if failed:
+        raise RlxError(
+            f"checkpoint {failed[0]} fails verification, and no older checkpoint of "
+            f"{manager.run_dir} verifies; set RLX_RUN_ID to start a new run"
+        )
+    return None
+
+
+def pinned_checkpoint(setting: str) -> Location:
+    """The one complete checkpoint a checkpoint.resume path names (RlxError if it is not)."""
     if is_store_url(setting):
         if read_marker_url(setting) is None:
             raise RlxError(

@@ -164,6 +164,25 @@ def load_folder_parts(path: Path, names: Iterable[str]) -> dict[str, Any]:
     return out
 
 
+def _size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size if path.is_file() else None
+    except OSError:
+        return None
+
+
+def size_problem(files: list[dict[str, Any]], size_of: Any) -> str | None:
+    """The first of a marker's files whose size (size_of(name): bytes, or None when it is
+    missing) differs from the one recorded, as a few words; None when all match."""
+    for file in files:
+        found = size_of(file["name"])
+        if found is None:
+            return f"{file['name']} is missing"
+        if found != file["bytes"]:
+            return f"{file['name']} has {found} of its {file['bytes']} bytes"
+    return None
+
+
 def verify_files(path: Path, files: list[dict[str, Any]], prefixes: tuple[str, ...] = ()) -> None:
     """Check the marker's files (those under prefixes, when given) against their recorded
     size and digest, so damage is reported as such instead of failing inside a loader."""
@@ -210,6 +229,13 @@ class CheckpointManager:
 
     def location(self, step: int) -> Path:
         return self.run_dir / step_name(step)
+
+    def problem(self, location: Path | str) -> str | None:
+        path = Path(location)
+        marker = read_marker(path)
+        if marker is None:
+            return f"no valid {MARKER} marker"
+        return size_problem(marker["files"], lambda name: _size(path / name))
 
     def save(
         self, step: int, parts: Mapping[str, Any], *, _after_phase: PhaseHook | None = None
@@ -318,7 +344,15 @@ class CheckpointManager:
         return SavedCheckpoint(str(final), None if marker is None else marker["bytes"])
 
     def discard(self, folder: Path) -> None:
-        """Nothing: a save that failed leaves its folder to the next begin, which clears it."""
+        """Nothing: a failed save's folder is the controller's to abandon."""
+
+    def abandon(self, step: int, folder: Path) -> None:
+        """Remove a failed save's temporary folder, and its step's folder when the save got
+        as far as renaming it but not as far as its marker (a full disk frees up at once)."""
+        shutil.rmtree(folder, ignore_errors=True)
+        final = self.location(step)
+        if final.is_dir() and read_marker(final) is None:
+            shutil.rmtree(final, ignore_errors=True)
 
     def load_parts(self, location: Path | str, names: Iterable[str]) -> dict[str, Any]:
         return load_folder_parts(Path(location), names)

@@ -306,3 +306,32 @@ def test_resolve_resume(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- sharded (DCP)
 # Training workers as in a run (the same class Ray places), in processes of their own with
 # a real gloo group: a save at 2 ranks is read back at 3 ranks and exported.
+
+
+def test_a_truncated_newest_step_resumes_from_the_newest_that_verifies(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, "run", keep=3)
+    older = manager.save(1, {"weights": {"w": torch.ones(64)}})
+    newest = manager.save(2, {"weights": {"w": torch.ones(64)}})
+    shard = newest / "weights.safetensors"
+    shard.write_bytes(shard.read_bytes()[:100])  # a shard cut short: sizes tell, no reading
+    notes: list[str] = []
+    assert resolve_resume("auto", manager, notes.append) == older
+    assert len(notes) == 1
+    assert "step-000002" in notes[0] and "weights.safetensors has 100 of its" in notes[0]
+    assert "resuming from step-000001" in notes[0]
+    # A pinned step is not swapped for another: one line, naming it.
+    with pytest.raises(RlxError, match=r"resume: .*step-000002 fails verification .*pin"):
+        resolve_resume(str(newest), manager)
+    (older / "weights.safetensors").unlink()
+    with pytest.raises(RlxError, match=r"no older checkpoint .* verifies; set RLX_RUN_ID"):
+        resolve_resume("auto", manager)
+
+
+def test_a_failed_save_is_abandoned_without_a_trace(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, "run", keep=2)
+    kept = manager.save(1, {"meta": {"a": 1}})
+    folder = manager.begin(2)
+    manager.write_parts(folder, {"meta": {"a": 2}})
+    manager.abandon(2, folder)
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["step-000001"]
+    assert manager.latest() == kept and manager.problem(kept) is None
