@@ -602,9 +602,12 @@ class BatchSettings(StrictModel):
         "and backward: the policy's update, old and reference log-probs, the critic. Exact: "
         "each sequence attends to itself only (position ids restart per sequence; "
         "FlashAttention's varlen kernels where installed on GPU, a block-diagonal mask "
-        "elsewhere), checked on the first step. Unset: on where the model's attention can be "
-        "packed exactly (falls back to padded micro-batches with one line where not); false: "
-        "padded micro-batches.",
+        "elsewhere), checked on the first step. Unset: packed where the model's attention "
+        "keeps packed sequences apart (padded micro-batches with one line where not) and "
+        "where it computes fewer positions than padded micro-batches that run a prompt "
+        "shared by several samples once (short responses after long prompts); true: packed "
+        "whenever exact; "
+        "false: padded micro-batches.",
     )
 
 

@@ -37,11 +37,13 @@ from rlx.trainer.learn.models import (
     ResponseScorer,
     TokenScores,
     autocast,
+    can_share_prompts,
     compute_dtype,
     load_causal_lm,
     load_value_model,
     make_optimizer,
     packing_obstacle,
+    prompt_groups,
     response_values,
     score_responses,
     sequence_logprob,
@@ -330,22 +332,61 @@ class Learner:
         and DDP's buffer broadcasts are collectives); the extra ones repeat the first and
         count for nothing (counts False: outputs dropped, loss x 0)."""
         batch_settings = self.settings.batch
+        pieces = micro_batch_rows(
+            batch, batch_settings.micro_batch_size, batch_settings.max_tokens_per_micro_batch
+        )
+        passes = [Pass(rows=piece, counts=True) for piece in pieces]
         if self.packing:
             lengths = pack.sequence_lengths(batch)
-            passes = []
+            packed = []
             for rows in pack.plan_passes(lengths, self.packing_budget, self.row_tokens):
                 flat = [i for row in rows for i in row]
-                passes.append(Pass(flat, True, _local_rows(flat, rows)))
-        else:
-            pieces = micro_batch_rows(
-                batch, batch_settings.micro_batch_size, batch_settings.max_tokens_per_micro_batch
-            )
-            passes = [Pass(rows=piece, counts=True) for piece in pieces]
+                packed.append(Pass(flat, True, _local_rows(flat, rows)))
+            if self._packing_pays(batch, packed, passes):
+                passes = packed
         if self.world_size > 1 and self.strategy != "single":
             needed = sharding.most_over_ranks(len(passes), self.device)
             first = passes[0]
             passes += [Pass(first.rows, False, first.packed)] * (needed - len(passes))
         return passes
+
+    def _packing_pays(self, batch: SequenceBatch, packed: list[Pass], padded: list[Pass]) -> bool:
+        """Whether the packed passes compute fewer positions than the padded ones. Padded
+        passes run a prompt shared by several rows once (GRPO's n samples; the policy's
+        scorer, not the critic), which can cost less than packing every row's own copy of it
+        when responses are short next to their prompts. Every rank decides alike (the two
+        paths make different collective forwards under FSDP). trainer.batch.packing: true
+        packs whatever the cost."""
+        if self.settings.batch.packing or self.critic is not None:
+            wins = True  # asked for; or a critic, which shares no prompts
+        else:
+            lengths = pack.sequence_lengths(batch)
+            packed_cost = sum(
+                len(rows) * max(sum(lengths[one.rows[i]] for i in row) for row in rows)
+                for one in packed
+                for rows in [one.packed or []]
+            )
+            padded_cost = sum(self._padded_cost(batch.select(one.rows))[0] for one in padded)
+            wins = packed_cost <= padded_cost
+        if self.world_size > 1 and self.strategy != "single":
+            wins = self._all_ranks(wins)
+        return wins
+
+    def _padded_cost(self, mb: SequenceBatch) -> tuple[int, int]:
+        """(positions computed, real tokens among them) of a padded pass over mb's rows,
+        trimmed, its prompts run once per distinct prompt where the policy's scorer shares
+        them (ResponseScorer)."""
+        mb = mb.trimmed()
+        width = mb.prompt_width
+        responses = mb.response_mask.shape[1]
+        groups = None
+        if width > 0 and responses > 1 and can_share_prompts(self.policy):
+            groups = prompt_groups(mb.input_ids[:, :width], mb.attention_mask[:, :width])
+        if groups is None:
+            return mb.input_ids.numel(), mb.num_tokens
+        first, _ = groups
+        real = int(mb.attention_mask[first, :width].sum()) + int(mb.attention_mask[:, width:].sum())
+        return len(first) * width + len(mb) * responses, real
 
     def _pass_inputs(
         self, batch: SequenceBatch, one: Pass
@@ -561,10 +602,13 @@ class Learner:
                 with self._maybe_no_sync(self.critic_ddp, sync):
                     self._critic_backward(mb, tokens, seqs, stats, one.counts, packed)
             if one.counts:
-                real = mb.num_tokens
-                computed = packed.positions if packed is not None else mb.input_ids.numel()
+                if packed is not None:
+                    computed, real = packed.positions, packed.real_tokens
+                else:
+                    computed, real = self._padded_cost(mb)
                 stats.mean(PADDING_FRACTION, 1.0 - real / max(computed, 1), computed)
-                stats.mean(PASS_TOKENS_PER_S, real / (time.perf_counter() - started), real)
+                seen = mb.num_tokens  # the sequences' own, however the pass ran them
+                stats.mean(PASS_TOKENS_PER_S, seen / (time.perf_counter() - started), seen)
         clip = self.settings.optim.grad_clip
         norm = sharding.clip_grad_norm(list(self.policy.parameters()), clip)
         stats.add("grad_norm", norm, "same")

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlx.trainer.batch import SequenceBatch
+from rlx.trainer.batch import RolloutBatch, SequenceBatch, pack_rollout, pad_responses
 from rlx.trainer.learn.learner import OLD_LOGP, REF_LOGP, RETURNS, VALUES, Learner
 from rlx.trainer.learn.models import ResponseScorer, score_responses
 from rlx.trainer.packing import PackedRows, pack_rows, plan_passes, sequence_lengths
@@ -188,3 +188,38 @@ def test_the_first_step_check_turns_mixing_attention_off_in_one_line(
     (note,) = stats.notes
     assert note.startswith("packing: off, a packed row's log-probs differ") and "\n" not in note
     assert all(p.packed is None for p in one._passes(advantage_batch))
+
+
+def grpo_batch(prompt: int, responses: list[int]) -> SequenceBatch:
+    """One prompt of `prompt` tokens sampled len(responses) times, with those lengths."""
+    answers = [[7] * length for length in responses]
+    ids, mask, logprobs = pad_responses(answers, [[0.0] * n for n in responses], 0)
+    rollout = RolloutBatch(
+        [[5] * prompt] * len(responses),
+        ids,
+        mask,
+        logprobs,
+        torch.ones(len(responses)) > 0,
+        4,
+        0,
+        0,
+    )
+    return pack_rollout(rollout)
+
+
+@pytest.mark.parametrize(
+    ("packing", "prompt", "responses", "packed"),
+    [
+        (None, 8, [40, 3, 90, 12], True),  # ragged responses: packing computes less
+        (None, 90, [4, 3, 4, 2], False),  # a long shared prompt, short answers: run it once
+        (True, 90, [4, 3, 4, 2], True),  # asked for: packed whatever the cost
+        (False, 8, [40, 3, 90, 12], False),
+    ],
+)
+def test_unset_packing_packs_where_it_computes_fewer_positions(
+    tmp_path: Path, tiny_model_dir: Path, packing, prompt, responses, packed
+) -> None:
+    conf = small_trainer(tmp_path, batch={"micro_batch_size": 4, "packing": packing})
+    one = Learner(conf, str(tiny_model_dir), None, torch.device("cpu"))
+    passes = one._passes(grpo_batch(prompt, responses))
+    assert all((p.packed is not None) == packed for p in passes)
