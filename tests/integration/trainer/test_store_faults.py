@@ -137,6 +137,34 @@ def test_throttling_and_a_reset_mid_upload_are_retried_and_counted(
         assert all(manager.problem(url) is None for url in manager.checkpoints())
 
 
+def test_a_training_run_under_throttling_and_a_reset_finishes_with_every_step_complete(
+    client, tmp_path
+) -> None:
+    from rlx.trainer.checkpoint import open_manager
+
+    root = client.new_prefix()
+    faults = Faults(unavailable=0.3, resets=1, seed=5)
+    with faulty_proxy(client.endpoint, faults) as proxy:
+        recipe = write_recipe(tmp_path, steps=4, checkpoint={"dir": root, "every": 2})
+        env = {
+            **client.env,
+            "AWS_ENDPOINT_URL": proxy.endpoint,
+            "RLX_RUN_ID": "throttled",
+            "RLX_STAGING_DIR": str(tmp_path / "staging"),
+        }
+        done = run_rlx(["train", str(recipe)], tmp_path, timeout=600, **env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    assert faults.counts["reset"] == 1 and faults.counts["503"] > 0, faults.counts
+    lines = (tmp_path / "runs" / "throttled" / "metrics.jsonl").read_text().splitlines()
+    retries = [json.loads(line)["checkpoint/retries"] for line in lines]
+    assert retries == sorted(retries) and retries[-1] > 0  # counted since the run began
+    manager = open_manager(root, "throttled", keep=3)  # straight to the store
+    steps = manager.checkpoints()
+    assert [url.rsplit("/", 1)[-1] for url in steps] == ["step-000002", "step-000004"]
+    assert all(manager.problem(url) is None for url in steps)  # every file, every size
+
+
 def test_a_store_that_stops_answering_fails_the_save_for_good_with_75(
     client, monkeypatch, tmp_path
 ) -> None:
