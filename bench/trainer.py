@@ -103,23 +103,33 @@ MODELS: dict[str, ModelChoice] = {
 }
 
 
-def end_at_rate(model_dir: Path, rate: float, seed: int = SEED) -> None:
+def end_at_rate(model_dir: Path, data: Path, rate: float, seed: int = SEED) -> None:
     """Rewrite the saved model so that its responses end (EOS) about as often as if EOS came
     with probability `rate` at every token: EOS's output row is set along the mean final
     hidden state, scaled (bisection) so that the expected length of the model's own samples
-    (EOS kept out of them: 32 of 128 tokens) matches a geometric one of that rate. The
-    lengths the runs then see differ from prompt to prompt; the bench prints them."""
+    (EOS kept out of them: 128 tokens after each of the first 32 prompts of `data`, in the
+    chat template both sides apply) matches a geometric one of that rate. The lengths the
+    runs then see differ from prompt to prompt; the bench prints them."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    eos = AutoTokenizer.from_pretrained(model_dir).eos_token_id
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    eos = tokenizer.eos_token_id
+    chats = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": row["prompt"]}], add_generation_prompt=True, tokenize=False
+        )
+        for row in read_rows(data)[:32]
+    ]
+    tokenizer.padding_side = "left"
+    encoded = tokenizer(chats, return_tensors="pt", padding=True, add_special_tokens=False)
+    prompts, tokens = encoded["input_ids"], 128
     torch.manual_seed(seed)
-    prompts, tokens = torch.randint(3, 260, (32, 8)), 128
     with torch.no_grad():
         sampled = model.generate(
             prompts,
-            attention_mask=torch.ones_like(prompts),
+            attention_mask=encoded["attention_mask"],
             do_sample=True,
             temperature=1.0,
             top_k=0,
@@ -128,7 +138,10 @@ def end_at_rate(model_dir: Path, rate: float, seed: int = SEED) -> None:
             min_new_tokens=tokens,
             pad_token_id=eos,
         )
-        hidden = model.get_decoder()(input_ids=sampled).last_hidden_state[:, 7:-1]  # (S, T, H)
+        mask = torch.cat([encoded["attention_mask"], torch.ones_like(sampled[:, 1:])], dim=1)
+        width = prompts.shape[1]
+        hidden = model.get_decoder()(input_ids=sampled, attention_mask=mask[:, : sampled.shape[1]])
+        hidden = hidden.last_hidden_state[:, width - 1 : -1]  # (S, T, H): predicting each
         head = model.get_output_embeddings().weight  # (V, H)
         logits = hidden @ head.T  # (S, T, V)
         logits[..., eos] = -torch.inf
@@ -163,9 +176,9 @@ def build_inputs(folder: Path, choice: str, lengths: str = "fixed") -> tuple[Pat
         from shapes import QWEN25_05B_LAYERS, write_qwen25_05b
 
         model = write_qwen25_05b(folder / "model", QWEN25_05B_LAYERS, seed=SEED)
-    if lengths == "skewed":
-        end_at_rate(model, 1.0 / SKEWED_MEAN)
     data = write_synthetic_dataset(folder / "prompts.jsonl", DATA_ROWS, seed=SEED)
+    if lengths == "skewed":
+        end_at_rate(model, data, 1.0 / SKEWED_MEAN)
     return model, data
 
 
