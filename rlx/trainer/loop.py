@@ -440,7 +440,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save(self, step: int) -> Location:
+    def save(self, step: int) -> Location | None:
         """Every rank writes its shard into one temporary folder picked here; rank 0 adds the
         small parts and commits it. Into object storage the upload goes on while training
         does (remote.py): the next save, a stop and the run's end wait for it."""
@@ -455,20 +455,25 @@ class Trainer:
         }
         controller_parts = {TRAINER_STATE: state, CONTROLLER_RNG: capture_rng_state()}
         rng_states = self.cluster.call_all("rng_state")
-        temporary = Path()
         try:
             temporary = self.manager.begin(step)
-            request = SaveRequest(
-                folder=str(temporary),
-                manager=self.manager,
-                step=step,
-                controller_parts=controller_parts,
-                rng_states=rng_states,
-                kill_spec=os.environ.get(KILL_HOOK_ENV),  # read now: a test hook
-            )
+        except Exception as exc:  # the controller's own disk or store refused the save
+            self.save_failed(save_failure(exc, step, self.manager.run_dir), None)
+            return None
+        request = SaveRequest(
+            folder=str(temporary),
+            manager=self.manager,
+            step=step,
+            controller_parts=controller_parts,
+            rng_states=rng_states,
+            kill_spec=os.environ.get(KILL_HOOK_ENV),  # read now: a test hook
+        )
+        try:
             saved = self.cluster.call_all("save_checkpoint", request)[0]
-        except Exception as exc:
-            self.save_failed(save_failure(exc, step, self.manager.run_dir), temporary)
+        except SaveFailed as failure:
+            # Only what the ranks report as a failed save: a rank that died (kill -9, OOM)
+            # ends the run as a crash does, its half-written step left for the resume to skip.
+            self.save_failed(failure, temporary)
             return None
         if saved is None:  # staged; uploading
             self.uploading = (step, temporary)
@@ -481,22 +486,21 @@ class Trainer:
         run's last save, which no later one can make up for."""
         if self.uploading is None:
             return
-        step, folder = self.uploading
+        _, folder = self.uploading
         self.uploading = None
         try:
             saved = self.cluster.call_all("finish_checkpoint")[0]
-        except Exception as exc:
-            assert self.manager is not None
-            self.save_failed(save_failure(exc, step, self.manager.run_dir), folder, final)
+        except SaveFailed as failure:  # as in save: a rank's death is no failed save
+            self.save_failed(failure, folder, final)
             return
         self.saved(saved)
 
-    def save_failed(self, failure: SaveFailed, folder: Path, final: bool = False) -> None:
+    def save_failed(self, failure: SaveFailed, folder: Path | None, final: bool = False) -> None:
         """A save failed for good: what it left goes (unless the store stopped answering:
         the next save clears it), then the run stops with one line, or with
         checkpoint.on_failure: continue warns and trains on (never past its last save)."""
         assert self.manager is not None
-        if not failure.try_again:
+        if not failure.try_again and folder is not None:  # None: no save was begun
             self.manager.abandon(failure.step, folder)
         line = failure_line(failure, self.newest_saved)
         final = final or failure.step >= self.settings.steps

@@ -23,7 +23,7 @@ from rlx.runs import GPU_FREE, GPU_PEAK, GPU_RESERVED
 from rlx.trainer.actors.placement import threads_for
 from rlx.trainer.batch import RolloutBatch, SequenceBatch
 from rlx.trainer.checkpoint import capture_rng_state, restore_rng_state
-from rlx.trainer.checkpoint.faults import save_failure
+from rlx.trainer.checkpoint.faults import SAVE_ERRORS, save_failure
 from rlx.trainer.checkpoint.protocol import Checkpoints, Location, SavedCheckpoint
 from rlx.trainer.checkpoint.remote import Background
 from rlx.trainer.checkpoint.training import (
@@ -461,7 +461,7 @@ class TrainWorker:
                     hook(f"part:{LEARNER_STATE}")
                 entries = manager.write_parts(folder, self._small_parts(request), hook)
                 self._add_model_files(folder, entries)
-        except Exception as exc:  # one line for the controller, never a half-written step
+        except SAVE_ERRORS as exc:  # one line for the controller, never a half-written step
             manager.discard(folder)
             raise save_failure(exc, step, manager.run_dir) from None
         except BaseException:
@@ -475,7 +475,7 @@ class TrainWorker:
                     return None
                 world_size = self.spec.world_size
                 return manager.commit_save(folder, step, entries, world_size, LEARNER_STATE, hook)
-            except Exception as exc:
+            except SAVE_ERRORS as exc:
                 raise save_failure(exc, step, manager.run_dir) from None
             finally:
                 manager.discard(folder)

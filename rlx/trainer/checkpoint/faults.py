@@ -25,6 +25,17 @@ from rlx.storage import (
     reason,
 )
 
+
+def _save_errors() -> tuple[type[BaseException], ...]:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    # DCP reports a rank's failed write as a CheckpointException, a BaseException
+    return (Exception, CheckpointException)
+
+
+# What a rank's save may fail with that is a failed save (not an interrupt or an exit).
+SAVE_ERRORS = _save_errors()
+
 # Free bytes under which a local save's odd failure is taken for a full disk.
 FULL_BELOW = 1 << 20
 
