@@ -25,7 +25,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -299,7 +299,14 @@ class Retries:
         env = os.environ if env is None else env
         return cls(float(env.get(STORE_DEADLINE_ENV) or STORE_DEADLINE_SECONDS))
 
-    def call(self, what: str, func: Any, *args: Any, **kwargs: Any) -> Any:
+    def call(
+        self,
+        what: str,
+        func: Any,
+        *args: Any,
+        transient: Callable[[BaseException], bool] = is_transient,
+        **kwargs: Any,
+    ) -> Any:
         """func(*args, **kwargs), made again after a transient error (0.1 s, doubling up to
         10 s) until it succeeds or the deadline passes; then StoreUnavailable naming what.
         Other errors are raised as they are."""
@@ -312,7 +319,7 @@ class Retries:
             try:
                 return func(*args, **kwargs)
             except Exception as exc:
-                if not is_transient(exc):
+                if not transient(exc):
                     raise
                 waited = time.monotonic() - start
                 if waited + delay > self.deadline:
@@ -328,6 +335,17 @@ class Retries:
 # --------------------------------------------------------------------------- start-up probe
 
 PROBE_NAME = ".rlx-probe"
+PROBE_DEADLINE_SECONDS = 10.0  # how long the probe retries a store that answers "busy"
+
+
+def answered_busy(exc: BaseException) -> bool:
+    """A transient error the store itself answered (throttling, a 5xx), not a connection
+    that failed: the store is there, and busy."""
+    for error in chain(exc):
+        status, code = _status(error)
+        if code in TRANSIENT_CODES or (status is not None and (status >= 500 or status == 429)):
+            return True
+    return False
 
 
 def probe_writable(value: str, what: str) -> None:
@@ -349,11 +367,14 @@ def _probe_store(url: str, name: str, what: str) -> None:
     problem = url_problem(url) or missing_extra(url)
     if problem is not None:
         raise RlxError(f"{what}: {url} {problem}")
+    # A store that answers "busy" (throttling, a 5xx) is there: the probe waits a little for
+    # it. One that does not answer at all (a wrong endpoint) is said at once.
+    retries = Retries(PROBE_DEADLINE_SECONDS)
     try:
         fs, base = filesystem(url, retried=True)
         target = f"{base.rstrip('/')}/{name}"
-        fs.pipe(target, b"rlx probe\n")
-        fs.rm(target)
+        retries.call(f"writing {url}", fs.pipe, target, b"rlx probe\n", transient=answered_busy)
+        retries.call(f"deleting in {url}", fs.rm, target, transient=answered_busy)
     except Exception as exc:
         raise RlxError(f"{what}: {url}: cannot write there ({store_advice(url, exc)})") from None
 

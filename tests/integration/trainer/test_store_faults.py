@@ -84,6 +84,18 @@ def test_the_probe_names_each_location_it_cannot_write(client, monkeypatch, tmp_
     assert not list((tmp_path).glob("**/.rlx-probe-*"))
 
 
+def test_the_probe_waits_out_a_throttling_store(client, monkeypatch) -> None:
+    from rlx.storage import probe_writable
+
+    root = client.new_prefix()
+    faults = Faults(unavailable=0.5, seed=11)
+    with faulty_proxy(client.endpoint, faults) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        for _ in range(5):  # a busy store is there: each probe gets through
+            probe_writable(root, "trainer.checkpoint.dir")
+    assert faults.counts["503"] > 0, faults.counts
+
+
 def test_a_missing_bucket_stops_rlx_train_before_the_model_loads(s3, tmp_path) -> None:
     recipe = write_recipe(tmp_path, checkpoint={"dir": "s3://no-such-bucket/runs", "every": 1})
     started = time.monotonic()
