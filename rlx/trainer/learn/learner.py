@@ -272,9 +272,15 @@ class Learner:
             if self._varlen
             else "block-diagonal causal mask from restarting position ids"
         )
+        when = (
+            ""
+            if wanted or self.critic is not None
+            else " for the batches where it computes less than padded passes that run a shared "
+            "prompt once"
+        )
         return True, (
-            f"packing: on, up to {self.packing_budget} tokens a pass ({path}); checked against "
-            "sequences run alone on the first step"
+            f"packing: on{when}, up to {self.packing_budget} tokens a pass ({path}); checked "
+            "against sequences run alone on the first step"
         )
 
     def _all_ranks(self, flag: bool) -> bool:
