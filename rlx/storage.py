@@ -249,6 +249,12 @@ def _status(exc: BaseException) -> tuple[int | None, str | None]:
     return (status if isinstance(status, int) else None), getattr(exc, "error_code", None)
 
 
+def _busy(error: BaseException) -> bool:
+    """Whether error is the store's own answer that it is busy: throttling or a 5xx."""
+    status, code = _status(error)
+    return code in TRANSIENT_CODES or (status is not None and (status >= 500 or status == 429))
+
+
 def is_transient(exc: BaseException) -> bool:
     """Whether the same store request may succeed if made again: a 5xx or throttling answer,
     a connection reset or refused mid-run, a timeout. A missing bucket, a denied request or
@@ -258,8 +264,7 @@ def is_transient(exc: BaseException) -> bool:
             return True
         if any(cls.__name__ in TRANSIENT_CLASSES for cls in type(error).__mro__):
             return True
-        status, code = _status(error)
-        if code in TRANSIENT_CODES or (status is not None and (status >= 500 or status == 429)):
+        if _busy(error):
             return True
     return False
 
@@ -341,11 +346,7 @@ PROBE_DEADLINE_SECONDS = 10.0  # how long the probe retries a store that answers
 def answered_busy(exc: BaseException) -> bool:
     """A transient error the store itself answered (throttling, a 5xx), not a connection
     that failed: the store is there, and busy."""
-    for error in chain(exc):
-        status, code = _status(error)
-        if code in TRANSIENT_CODES or (status is not None and (status >= 500 or status == 429)):
-            return True
-    return False
+    return any(_busy(error) for error in chain(exc))
 
 
 def probe_writable(value: str, what: str) -> None:
