@@ -7,7 +7,7 @@ several fields together, or knowledge of the backends, live in `rlx.lint`.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import (
     BaseModel,
@@ -28,6 +28,7 @@ SLURM_WORD = re.compile(r"[A-Za-z0-9_.,@+=-]+")
 SLURM_CONSTRAINT = re.compile(r"[A-Za-z0-9_.,&|\[\]*:()!-]+")
 LOG_DIR = re.compile(r"[A-Za-z0-9_./~-]+")
 SLURM_TIME = re.compile(r"([0-9]+-)?[0-9]+(:[0-9]{1,2}){0,2}")
+INFRA = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]*(/[A-Za-z0-9][A-Za-z0-9_.:-]*){0,2}")
 BUCKET_URL = re.compile(r"(s3|gs|r2|cos|oci|https)://")
 
 
@@ -66,10 +67,70 @@ class StrictModel(BaseModel):
 # --------------------------------------------------------------------------- resources
 
 
-def _check_accelerators(value: str | None) -> str | None:
-    if value is not None and not ACCELERATORS.fullmatch(value):
+class Accelerator(NamedTuple):
+    """One accelerator alternative: a type and how many of it a node has."""
+
+    type: str
+    count: int
+
+    def __str__(self) -> str:
+        return f"{self.type}:{self.count}"
+
+
+def parse_accelerator(value: str) -> Accelerator:
+    """'H100:8' -> Accelerator('H100', 8); 'L4' -> count 1. ValueError, worded for the
+    recipe, when it is not TYPE or TYPE:COUNT."""
+    match = ACCELERATORS.fullmatch(value)
+    if match is None:
         raise ValueError(f"{value!r} is not TYPE or TYPE:COUNT; write e.g. 'H100:8'")
+    return Accelerator(match["type"], int(match["count"] or 1))
+
+
+# accelerators: one 'TYPE:COUNT'; a list (in order of preference); or a set, any of them,
+# written as SkyPilot writes one: {H100:8, A100-80GB:8} (YAML reads it as a mapping to
+# nulls) or {H100: 8, A100-80GB: 8}.
+AcceleratorsValue = Str | list[Str] | dict[Str, int | None]
+
+
+def _check_accelerators(value: Any) -> Any:
+    if value is None:
+        return value
+    if isinstance(value, str):
+        parse_accelerator(value)
+        return value
+    if not value:
+        raise ValueError("lists no accelerators; write e.g. 'H100:8' or [H100:8, A100-80GB:8]")
+    if isinstance(value, dict):
+        for key, count in value.items():
+            if count is not None and (isinstance(count, bool) or count < 1):
+                raise ValueError(f"{key}: {count!r} is not a count; write e.g. {{H100: 8}}")
+            if count is not None and ":" in key:
+                raise ValueError(f"{key!r} names a count twice; write {{{key}}} or a count")
+            parse_accelerator(key if count is None else f"{key}:{count}")
+        options = accelerator_options(value)
+    else:
+        options = [parse_accelerator(item) for item in value]
+    seen = set()
+    for option in options:
+        if option in seen:
+            raise ValueError(f"lists {option} twice")
+        seen.add(option)
     return value
+
+
+def accelerator_options(value: Any) -> tuple[Accelerator, ...]:
+    """The alternatives an `accelerators` value names, in its order (a set's order is the
+    order written; only a list's is a preference)."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (parse_accelerator(value),)
+    if isinstance(value, dict):
+        return tuple(
+            parse_accelerator(key if count is None else f"{key}:{count}")
+            for key, count in value.items()
+        )
+    return tuple(parse_accelerator(item) for item in value)
 
 
 def _check_amount(value: str | None) -> str | None:
@@ -82,10 +143,12 @@ class _NodeShape(StrictModel):
     """How many nodes, and what each looks like: its accelerators, CPUs, memory and disk."""
 
     nodes: int = Field(1, ge=1, le=4096, description="Number of nodes (machines).")
-    accelerators: Str | None = Field(
+    accelerators: AcceleratorsValue | None = Field(
         None,
-        description="Accelerators per node as TYPE:COUNT, e.g. 'H100:8' or 'L4' (count 1). "
-        "Omit for CPU-only nodes.",
+        description="Accelerators per node as TYPE:COUNT, e.g. 'H100:8' or 'L4' (count 1); "
+        "or alternatives: a list in order of preference, [H100:8, A100-80GB:8], or a set, any "
+        "of them, {H100:8, A100-80GB:8}. Every alternative is planned, and the job is sized "
+        "at start-up for the one it got. Omit for CPU-only nodes.",
     )
     cpus: Str | None = Field(
         None, description="vCPUs per node: '8' for exactly 8, '8+' for at least 8."
@@ -97,7 +160,7 @@ class _NodeShape(StrictModel):
 
     @field_validator("accelerators")
     @classmethod
-    def _accelerators(cls, value: str | None) -> str | None:
+    def _accelerators(cls, value: Any) -> Any:
         return _check_accelerators(value)
 
     @field_validator("cpus", "memory")
@@ -106,20 +169,27 @@ class _NodeShape(StrictModel):
         return _check_amount(value)
 
     @property
+    def accelerator_options(self) -> tuple[Accelerator, ...]:
+        """Every accelerator alternative, the preferred (or first written) first; () for
+        CPU-only nodes."""
+        return accelerator_options(self.accelerators)
+
+    @property
+    def accelerators_ordered(self) -> bool:
+        """The alternatives are a preference (a list, or just one), not a set."""
+        return not isinstance(self.accelerators, dict)
+
+    @property
     def accelerator_type(self) -> str | None:
-        if self.accelerators is None:
-            return None
-        match = ACCELERATORS.fullmatch(self.accelerators)
-        assert match is not None  # validated above
-        return match["type"]
+        """The first alternative's type (the only one, for most recipes)."""
+        options = self.accelerator_options
+        return options[0].type if options else None
 
     @property
     def gpus_per_node(self) -> int:
-        if self.accelerators is None:
-            return 0
-        match = ACCELERATORS.fullmatch(self.accelerators)
-        assert match is not None
-        return int(match["count"] or 1)
+        """The first alternative's count (0 for CPU-only nodes)."""
+        options = self.accelerator_options
+        return options[0].count if options else 0
 
 
 # The two kinds of node a job with resources.groups has, in the order their nodes are ranked:
@@ -156,7 +226,22 @@ class Resources(_NodeShape):
         description="Container image every node runs in (SkyPilot docker image, dstack image). "
         "For Slurm, set slurm.container.",
     )
-    spot: bool = Field(False, description="Use spot/preemptible instances where supported.")
+    spot: bool | Literal["auto"] = Field(
+        False,
+        description="Spot/preemptible instances: true (spot only), false (on-demand) or auto "
+        "(spot where there is capacity, on-demand otherwise).",
+    )
+    max_hourly_cost: float | None = Field(
+        None,
+        gt=0,
+        description="Highest price per node and hour, in dollars: offers above it are not "
+        "taken (SkyPilot max_hourly_cost, dstack max_price).",
+    )
+    infra: Str | list[Str] | None = Field(
+        None,
+        description="Where to run: a cloud, cloud/region or cloud/region/zone, e.g. 'aws', "
+        "'gcp/us-central1'; or a list of them. Any the backend knows if unset.",
+    )
     ports: list[int | Str] = Field(
         default_factory=list,
         description="Ports to open to the internet (SkyPilot) or publish (dstack), e.g. 8000 "
@@ -200,14 +285,38 @@ class Resources(_NodeShape):
         # job-wide nodes or accelerators (the validator above would refuse them), and one
         # without carries no `groups: null`; nor does one that names no fabric.
         data = handler(self)
-        if self.fabric is None:
-            data.pop("fabric", None)
+        for name in ("fabric", "max_hourly_cost", "infra"):
+            if data.get(name) is None:
+                data.pop(name, None)
         if self.groups is None:
             data.pop("groups", None)
         else:
             data.pop("nodes", None)
             data.pop("accelerators", None)
         return data
+
+    @field_validator("infra")
+    @classmethod
+    def _infra(cls, value: str | list[str] | None) -> str | list[str] | None:
+        places = [value] if isinstance(value, str) else value or []
+        if value is not None and not places:
+            raise ValueError("lists no places; write e.g. 'aws' or [aws/us-east-1, gcp]")
+        for place in places:
+            if not INFRA.fullmatch(place):
+                raise ValueError(
+                    f"{place!r} is not cloud, cloud/region or cloud/region/zone; write e.g. "
+                    "'aws' or 'gcp/us-central1'"
+                )
+        if len(set(places)) != len(places):
+            raise ValueError("lists a place twice")
+        return value
+
+    @property
+    def infra_list(self) -> list[str]:
+        """The places resources.infra names ([] for any)."""
+        if self.infra is None:
+            return []
+        return [self.infra] if isinstance(self.infra, str) else list(self.infra)
 
     @field_validator("ports")
     @classmethod
@@ -1011,6 +1120,49 @@ class Recipe(StrictModel):
         if len(set(value)) != len(value):
             raise ValueError("a secret is listed twice; list each name once")
         return value
+
+    def on_accelerators(
+        self, train: Accelerator | None, rollout: Accelerator | None = None
+    ) -> Recipe:
+        """This recipe with one accelerator per node kind: `train` for the training nodes
+        (every node, without groups) and `rollout` for the rollout group."""
+        res = self.resources
+        if res.groups is None:
+            resources = res.model_copy(update={"accelerators": str(train) if train else None})
+        else:
+            groups = res.groups.model_copy(
+                update={
+                    "train": res.groups.train.model_copy(
+                        update={"accelerators": str(train) if train else None}
+                    ),
+                    "rollout": res.groups.rollout.model_copy(
+                        update={"accelerators": str(rollout) if rollout else None}
+                    ),
+                }
+            )
+            resources = res.model_copy(update={"groups": groups})
+        return self.model_copy(update={"resources": resources})
+
+    def alternatives(self) -> list[tuple[str, Recipe]]:
+        """(label, recipe) for every accelerator alternative, the preferred first: the label
+        names the GPUs ('H100:8', or 'train H100:8 + rollout L4:4' with groups) and the recipe
+        asks for just those. One entry (the recipe itself) when there is nothing to choose."""
+        train = self.resources.train_nodes.accelerator_options
+        rollout_group = self.resources.rollout_nodes
+        rollout = rollout_group.accelerator_options if rollout_group else ()
+        if len(train) <= 1 and len(rollout) <= 1:
+            label = " + ".join(
+                f"{name} {group.accelerators}" if rollout_group else str(group.accelerators)
+                for name, group in (self.resources.node_groups() or [("", self.resources)])
+                if group.accelerators is not None
+            )
+            return [(label or "CPU", self)]
+        out = []
+        for first in train or (None,):
+            for second in rollout or (None,):
+                label = str(first) if rollout_group is None else f"train {first} + rollout {second}"
+                out.append((label, self.on_accelerators(first, second)))
+        return out
 
     @property
     def head_command(self) -> list[str]:
