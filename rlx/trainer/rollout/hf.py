@@ -63,16 +63,20 @@ class _SamplingDistribution:
         self.sampled_logprobs: list[torch.Tensor] = []  # one (B,) per step
         self._pending: torch.Tensor | None = None  # (B, V) log-probs of the last step
 
+    def warp(self, step: int, scores: torch.Tensor) -> torch.Tensor:
+        """(B, V) logits of response position `step` -> the logits sampled from: EOS held
+        back before min_new_tokens, then the temperature, then top-p."""
+        scores = scores.float()
+        if step < self.min_new_tokens:
+            scores = scores.clone()  # (B, V) never write into the model's own buffer
+            scores[:, self.eos_ids] = -math.inf
+        return top_p_filter(scores / self.temperature, self.top_p)  # (B, V)
+
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if self._pending is not None:
             drawn = input_ids[:, -1:]  # (B, 1)
             self.sampled_logprobs.append(self._pending.gather(1, drawn).squeeze(1))
-        step = input_ids.shape[1] - self.prompt_width
-        scores = scores.float()
-        if step < self.min_new_tokens:
-            scores = scores.clone()  # (B, V) never write into generate's own buffer
-            scores[:, self.eos_ids] = -math.inf
-        scores = top_p_filter(scores / self.temperature, self.top_p)  # (B, V)
+        scores = self.warp(input_ids.shape[1] - self.prompt_width, scores)
         self._pending = torch.log_softmax(scores, dim=-1)
         return scores
 
@@ -170,9 +174,8 @@ class HFEngine(RolloutEngine):
     def _generate_chunk(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingArgs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One response per row of prompts (the rows already repeat each prompt n times)."""
-        from transformers import LogitsProcessorList
-
+        """One response per row of prompts (the rows already repeat each prompt n times):
+        (B, R) response tokens, padded after each row's EOS, and (B, R) their log-probs."""
         input_ids, attention_mask = self._left_pad(prompts)  # (B, P)
         greedy = sampling.temperature == 0  # the most likely token; log-probs of the model's own
         distribution = _SamplingDistribution(
@@ -182,6 +185,118 @@ class HFEngine(RolloutEngine):
             1.0 if greedy else sampling.temperature,
             1.0 if greedy else sampling.top_p,
         )
+        if getattr(self.model, "_is_stateful", False):
+            return self._generate_with_transformers(
+                input_ids, attention_mask, sampling, distribution, greedy
+            )
+        return self._decode(input_ids, attention_mask, sampling, distribution, greedy)
+
+    def _decode(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        sampling: SamplingArgs,
+        distribution: _SamplingDistribution,
+        greedy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample token by token from a key/value cache, dropping each row from the batch
+        (and its keys and values from the cache) once it has drawn EOS: a step costs what its
+        unfinished rows cost, where transformers' `generate` runs every row to the longest
+        (RL's response lengths are skewed: a few long ones, most short). A sharded model's
+        ranks run forwards together until every rank's rows are done; a rank whose rows are
+        all done keeps one finished row going, its tokens dropped."""
+        rows = input_ids.shape[0]
+        cache, logits = self._prefill(input_ids, attention_mask)  # logits: (B, V)
+        positions = attention_mask.sum(dim=1, keepdim=True)  # (B, 1): the next token's
+        mask = attention_mask
+        alive = torch.arange(rows, device=self.device)  # (A,) batch row of each cache row
+        live = torch.ones(rows, dtype=torch.bool, device=self.device)  # (A,) not a stand-in
+        tokens = torch.full(
+            (rows, sampling.max_new_tokens), self.pad_token_id, dtype=torch.long
+        )  # (B, R) on the host
+        logprobs = torch.zeros((rows, sampling.max_new_tokens), dtype=torch.float32)
+        eos = torch.tensor(self.eos_ids, device=self.device)
+        width = 0  # response positions written so far
+        step = 0
+        while True:
+            scores = distribution.warp(step, logits)  # (A, V)
+            step_logprobs = torch.log_softmax(scores, dim=-1)
+            if greedy:
+                drawn = scores.argmax(dim=-1, keepdim=True)  # (A, 1)
+            else:
+                drawn = torch.multinomial(step_logprobs.exp(), num_samples=1)
+            if step < sampling.max_new_tokens and bool(live.any()):
+                taken = step_logprobs.gather(1, drawn).squeeze(1)  # (A,)
+                kept = alive[live].cpu()
+                tokens[kept, step] = drawn.squeeze(1)[live].cpu()
+                logprobs[kept, step] = taken[live].float().cpu()
+                width = step + 1
+            live = live & ~torch.isin(drawn.squeeze(1), eos)
+            if step + 1 >= sampling.max_new_tokens:
+                live = torch.zeros_like(live)
+            done = not bool(live.any())
+            if self.collective is not None:
+                done = self.collective(done)  # every rank's forwards until all are done
+            if done:
+                break
+            keep = live.nonzero().squeeze(1)  # (A',)
+            if len(keep) == 0:  # this rank is done, others are not: one row stands in
+                keep = torch.zeros(1, dtype=torch.long, device=self.device)
+            if len(keep) < len(alive):
+                cache.batch_select_indices(keep)
+                alive, live, drawn = alive[keep], live[keep], drawn[keep]
+                mask, positions = mask[keep], positions[keep]
+            mask = torch.cat([mask, mask.new_ones((len(alive), 1))], dim=1)
+            out = self.model(
+                input_ids=drawn,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+            )
+            logits = out.logits[:, -1]  # (A, V)
+            positions = positions + 1
+            step += 1
+        return tokens[:, :width], logprobs[:, :width]
+
+    def _prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple:
+        """The cache after every row's prompt, and the logits of its first response token:
+        (cache, (B, V)). The n rows of a prompt share its prefill: each distinct prompt runs
+        once and every row gets its keys and values (see can_share_prompts)."""
+        from transformers import DynamicCache
+
+        from rlx.trainer.learn.models import can_share_prompts, prompt_groups, shared_prompt_cache
+
+        groups = prompt_groups(input_ids, attention_mask) if can_share_prompts(self.model) else None
+        if self.collective is not None and not self.collective(groups is not None):
+            groups = None  # a sharded model's ranks take one path: the prefill is a forward
+        if groups is not None:
+            cache, head = shared_prompt_cache(self.model, groups, input_ids, attention_mask)
+            return cache, head[:, -1]
+        cache = DynamicCache(config=self.model.config)
+        positions = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)  # (B, P)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return cache, out.logits[:, -1]
+
+    def _generate_with_transformers(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        sampling: SamplingArgs,
+        distribution: _SamplingDistribution,
+        greedy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """transformers' `generate`, for models whose state is not a key/value cache that
+        rows can be dropped from (recurrent ones): every row runs to the longest."""
+        from transformers import LogitsProcessorList
+
         sequences = self.model.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -192,28 +307,9 @@ class HFEngine(RolloutEngine):
             max_new_tokens=sampling.max_new_tokens,
             logits_processor=LogitsProcessorList([distribution]),
             synced_gpus=self.collective is not None,
-            **self._shared_prefill(input_ids, attention_mask),
         )
         response = sequences[:, input_ids.shape[1] :]  # (B, R)
         return response.cpu(), distribution.logprobs_of(response).float().cpu()
-
-    def _shared_prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict:
-        """The n rows of a prompt share its prefill: each distinct prompt but its last token
-        runs once, and `generate` starts from a cache in which every row has its prompt's
-        keys and values (it then feeds the last prompt token itself). {} when no prompt
-        repeats or the model cannot share (see can_share_prompts)."""
-        from rlx.trainer.learn.models import can_share_prompts, prompt_groups, shared_prompt_cache
-
-        head_ids, head_mask = input_ids[:, :-1], attention_mask[:, :-1]  # (B, P - 1)
-        groups = None
-        if input_ids.shape[1] >= 2 and can_share_prompts(self.model):
-            groups = prompt_groups(head_ids, head_mask)
-        if self.collective is not None and not self.collective(groups is not None):
-            return {}  # a sharded model's ranks take one path: the prefill is a forward
-        if groups is None:
-            return {}
-        cache, _ = shared_prompt_cache(self.model, groups, head_ids, head_mask)
-        return {"past_key_values": cache}
 
     def take_part(self, max_new_tokens: int) -> None:
         """A rank without prompts of its own joins the other ranks' generate (collective

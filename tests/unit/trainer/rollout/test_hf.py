@@ -143,6 +143,24 @@ def test_generation_that_stops_early_keeps_logprobs_aligned(tiny_model_dir: Path
     _assert_logprobs_match_teacher_forcing(model, batch)
 
 
+def test_finished_rows_leave_the_batch(tiny_model_dir: Path) -> None:
+    """Each decoding forward runs only the rows that have not drawn EOS yet: the forward
+    after response token k holds exactly the rows longer than k + 1, not every row."""
+    model = _eos_heavy_model(tiny_model_dir)
+    rows_seen: list[int] = []
+    model.register_forward_pre_hook(
+        lambda _m, _args, kwargs: rows_seen.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
+    batch = HFEngine(model).generate(PROMPTS, SamplingArgs(8, max_new_tokens=24), seed=1)
+    lengths = batch.response_lengths
+    decoding = rows_seen[1:]  # after the prefill (one forward of the distinct prompts)
+    assert rows_seen[0] == len(PROMPTS)
+    expected = [int((lengths >= k + 2).sum()) for k in range(len(decoding))]
+    assert decoding == expected
+    assert decoding[-1] < len(lengths) // 2  # most rows had left by the end
+    _assert_logprobs_match_teacher_forcing(model, batch)
+
+
 def test_min_new_tokens_holds_eos_back(tiny_model_dir: Path) -> None:
     engine = HFEngine(_eos_heavy_model(tiny_model_dir, eos_bias=5.0))
     free = engine.generate(PROMPTS, SamplingArgs(8, max_new_tokens=16), seed=2)
