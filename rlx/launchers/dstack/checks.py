@@ -4,18 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from rlx.launchers.dstack import NODE_RANK, per_node
 from rlx.launchers.offers import node_kinds
 from rlx.lint.core import ERROR, WARNING, Check, Problem
 from rlx.recipe import Recipe
 from rlx.recipe.model import is_bucket
-
-# A dstack network volume is one cloud disk (EBS, a persistent disk): one node attaches it.
-# Several nodes get one each when its name carries the node's rank.
-NODE_RANK = "${{ dstack.node_rank }}"
-
-
-def per_node(name: str | None) -> bool:
-    return name is not None and NODE_RANK.replace(" ", "") in name.replace(" ", "")
 
 
 def check_dstack(recipe: Recipe) -> Iterator[Problem]:
