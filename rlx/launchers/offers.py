@@ -18,13 +18,11 @@ class Offer:
     spot: bool
     place: str | None
 
-    def __str__(self) -> str:
-        return "  ".join(
-            [
-                str(self.accelerator) if self.accelerator else "CPU",
-                "spot" if self.spot else "on-demand",
-                self.place or "any place",
-            ]
+    def cells(self) -> tuple[str, str, str]:
+        return (
+            str(self.accelerator) if self.accelerator else "CPU",
+            "spot" if self.spot else "on-demand",
+            self.place or "any place",
         )
 
 
@@ -86,7 +84,13 @@ def describe(
             else f"{title} takes any of them (the cheapest it finds)"
         )
         lines.append(f"{name + ' nodes: ' if name else ''}{len(choices)} alternatives, {how}:")
-        lines += [f"  {i}. {offer}" for i, offer in enumerate(choices, 1)]
+        rows = [offer.cells() for offer in choices]
+        widths = [max(len(row[i]) for row in rows) for i in range(3)]
+        lines += [
+            f"  {i}. "
+            + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+            for i, row in enumerate(rows, 1)
+        ]
     if lines and res.max_hourly_cost is not None:
         lines.append(f"at most ${res.max_hourly_cost:g} per node and hour")
     if lines and note:

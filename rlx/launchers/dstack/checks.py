@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from rlx.launchers.dstack import NODE_RANK, per_node
+from rlx.launchers.dstack.names import gpu_name
 from rlx.launchers.offers import node_kinds
 from rlx.lint.core import ERROR, WARNING, Check, Problem
 from rlx.recipe import Recipe
@@ -120,8 +121,6 @@ def check_gpu_names(recipe: Recipe) -> Iterator[Problem]:
         from gpuhunt import KNOWN_ACCELERATORS
     except ImportError:  # dstack is not installed here: nothing to check against
         return
-    from rlx.launchers.dstack.render import gpu_name
-
     known: dict[str, set[int]] = {}
     for info in KNOWN_ACCELERATORS:
         known.setdefault(info.name.lower(), set()).add(info.memory)

@@ -4,7 +4,6 @@ so the master node, rank 0, is the first training node), each with its own resou
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from rlx.errors import RlxError
@@ -18,7 +17,7 @@ from rlx.launchers.common import (
     setup_script,
 )
 from rlx.launchers.dstack import BACKEND
-from rlx.launchers.dstack.checks import RENDER_CHECKS
+from rlx.launchers.dstack.names import BACKEND_NAMES, gpu_name
 from rlx.launchers.offers import describe
 from rlx.node.env import RECIPE_ENV, recipe_json
 from rlx.recipe import Recipe
@@ -35,20 +34,6 @@ def _amount(value: str | None, unit: str) -> str | None:
     if value is None:
         return None
     return value[:-1] + unit + ".." if value.endswith("+") else value + unit
-
-
-# SkyPilot's (and the recipe's) A100-80GB is dstack's A100 with 80GB of memory.
-SIZED_NAME = re.compile(r"(?P<name>.+)-(?P<gib>[0-9]+)GB")
-# dstack's word for a SkyPilot infra's cloud, where the two differ
-BACKEND_NAMES = {"k8s": "kubernetes"}
-
-
-def gpu_name(accelerator_type: str) -> tuple[str, int | None]:
-    """dstack's name for an accelerator type, and the memory (GB) the type names, if any."""
-    match = SIZED_NAME.fullmatch(accelerator_type)
-    if match is None:
-        return accelerator_type, None
-    return match["name"], int(match["gib"])
 
 
 def gpu_spec(shape: Resources | NodeGroup) -> str | dict[str, Any] | None:
@@ -119,6 +104,9 @@ def _resources(res: Resources | NodeGroup) -> dict[str, Any]:
 
 def run_config(recipe: Recipe) -> dict[str, Any]:
     """The dstack task as a plain dict (what the YAML says)."""
+    # here, not at the top: the checks module loads lint, whose storage checks import it
+    from rlx.launchers.dstack.checks import RENDER_CHECKS
+
     refuse(recipe, RENDER_CHECKS)
     settings = recipe.dstack
     plain = {**recipe.env, RECIPE_ENV: recipe_json(recipe)}

@@ -19,7 +19,6 @@ from rlx.launchers.common import (
     setup_script,
 )
 from rlx.launchers.offers import node_kinds
-from rlx.launchers.slurm.checks import RENDER_CHECKS
 from rlx.launchers.slurm.containers import (
     container_of,
     engine_ready_script,
@@ -94,6 +93,9 @@ def _constraint(recipe: Recipe, shape: Resources | NodeGroup, more: str | None) 
 
 
 def directives(recipe: Recipe) -> list[str]:
+    # here, not at the top: the checks module loads lint, whose storage checks import it
+    from rlx.launchers.slurm.checks import RENDER_CHECKS
+
     refuse(recipe, RENDER_CHECKS)
     res, slurm = recipe.resources, recipe.slurm
     train = res.train_nodes
