@@ -973,8 +973,8 @@ class SlurmSettings(StrictModel):
     gpu_features: dict[Str, Str] = Field(
         default_factory=dict,
         description="The cluster's node feature for each accelerator type, e.g. {H100: h100, "
-        "A100-80GB: a100}: with accelerator alternatives the job asks for any of them "
-        "(--constraint=h100|a100).",
+        "A100-80GB: a100}: with accelerator alternatives the job asks for any of them, "
+        "every node the same one (--constraint=[h100|a100]).",
     )
     exclusive: bool = Field(True, description="Take whole nodes (sbatch --exclusive).")
     gpu_flag: Literal["gpus-per-node", "gres"] = Field(

@@ -83,13 +83,17 @@ def _node_lines(recipe: Recipe, shape: Resources | NodeGroup, nodes: int) -> lis
 
 def _constraint(recipe: Recipe, shape: Resources | NodeGroup, more: str | None) -> str | None:
     """The node features to ask for: the features slurm.gpu_features gives this kind of
-    node's accelerators (any of them), and the recipe's own constraint."""
+    node's accelerators, and the recipe's own constraint. Several in Slurm's matching OR,
+    [h100|a100]: every node of the job has the same one (a plain h100|a100 lets one job mix
+    GPU types across its nodes)."""
     features = recipe.slurm.gpu_features if recipe.slurm else {}
-    mapped = [features[o.type] for o in shape.accelerator_options if o.type in features]
-    gpus = "|".join(dict.fromkeys(mapped))
+    mapped = list(
+        dict.fromkeys(features[o.type] for o in shape.accelerator_options if o.type in features)
+    )
+    gpus = f"[{'|'.join(mapped)}]" if len(mapped) > 1 else "".join(mapped)
     if not gpus or not more:
         return gpus or more
-    return "&".join(f"({part})" if "|" in part else part for part in (gpus, more))
+    return "&".join([gpus, f"({more})" if "|" in more else more])
 
 
 def directives(recipe: Recipe) -> list[str]:

@@ -161,7 +161,7 @@ def test_slurm_constraint_joins_the_recipes_own():
     assert recipe.slurm is not None
     slurm = recipe.slurm.model_copy(update={"constraint": "ib|roce"})
     text = render("slurm", recipe.model_copy(update={"slurm": slurm}), "r.yaml")
-    assert "#SBATCH --constraint=(h100|a100)&(ib|roce)" in text.splitlines()
+    assert "#SBATCH --constraint=[h100|a100]&(ib|roce)" in text.splitlines()
 
 
 def test_lint_says_what_each_backend_cannot_take(write_recipe):
