@@ -191,3 +191,34 @@ def test_local_launch_ignores_accelerator_alternatives():
     resources = recipe.resources.model_copy(update={"max_hourly_cost": None})
     text = render("local", recipe.model_copy(update={"resources": resources}), "r.yaml")
     assert "local backend" in text
+
+
+def test_status_names_what_a_sky_cluster_got():
+    from types import SimpleNamespace as NS
+
+    from rlx.launchers.sky.ops import launched
+
+    got = NS(accelerators={"A100-80GB": 8}, use_spot=True, cloud="GCP", region="us-central1")
+    record = {"handle": NS(launched_resources=got), "cloud": None, "region": None}
+    assert launched(record) == "A100-80GB:8 spot on gcp/us-central1"
+    assert launched({"handle": None, "cloud": None}) == ""  # not launched yet: nothing said
+
+
+def test_status_names_what_a_dstack_run_got():
+    from types import SimpleNamespace as NS
+
+    from rlx.launchers.dstack.ops import provisioned
+
+    gpus = [NS(name="A100")] * 8
+    data = NS(
+        instance_type=NS(resources=NS(gpus=gpus, spot=False)),
+        backend=NS(value="aws"),
+        region="us-east-1",
+        price=32.77,
+    )
+    master = NS(
+        job_spec=NS(replica_num=0, job_num=0), job_submissions=[NS(job_provisioning_data=data)]
+    )
+    assert provisioned(NS(jobs=[master])) == "A100:8 on-demand on aws/us-east-1, $32.77/h"
+    waiting = NS(job_spec=master.job_spec, job_submissions=[NS(job_provisioning_data=None)])
+    assert provisioned(NS(jobs=[waiting])) == ""
