@@ -197,6 +197,12 @@ def _retries_on_no_capacity(conf: Any) -> bool:
 
 
 def launch(request: LaunchRequest) -> Job:
+    from rlx.launchers.common import refuse
+    from rlx.launchers.dstack.checks import check_gpu_names
+
+    # lint checks the names only for a recipe with a dstack section; a GPU dstack does not
+    # know would match no offer, and the run would wait for one
+    refuse(request.recipe, [check_gpu_names])
     conf = configuration(request)
     rendered_file = save_rendered(request, BACKEND.suffix)
     client, target = _client(None, request.name)

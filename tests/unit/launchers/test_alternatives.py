@@ -222,3 +222,13 @@ def test_status_names_what_a_dstack_run_got():
     assert provisioned(NS(jobs=[master])) == "A100:8 on-demand on aws/us-east-1, $32.77/h"
     waiting = NS(job_spec=master.job_spec, job_submissions=[NS(job_provisioning_data=None)])
     assert provisioned(NS(jobs=[waiting])) == ""
+
+
+def test_dstack_launch_refuses_an_unknown_gpu_without_a_dstack_section(write_recipe):
+    pytest.importorskip("gpuhunt")
+    text = ALTERNATIVES.read_text().replace("A100-80GB:8", "A100-96GB:8")
+    path = write_recipe(text.replace("dstack:\n  fleets: [gpu-cluster]\n", ""))
+    result = runner.invoke(app, ["launch", str(path), "-b", "dstack"], env={"HF_TOKEN": "x"})
+    assert result.exit_code == 1
+    assert "error: resources.accelerators: dstack knows no GPU A100-96GB" in result.output
+    assert "Traceback" not in result.output
