@@ -310,6 +310,9 @@ def launch(
     text = launchers.render(backend.value, job_recipe, str(recipe))
     if dry_run:  # the native file, or what would run here
         typer.echo(text, nl=False)
+        # on stderr, so that stdout stays the file the backend reads
+        for line in launchers.alternatives(backend.value, job_recipe):
+            typer.echo(line, err=True)
         return
     rendered = text if chosen.renders else ""
     request = LaunchRequest(

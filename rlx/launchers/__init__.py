@@ -56,6 +56,14 @@ def render(name: str, recipe: Recipe, source: str) -> str:
     return importlib.import_module(f"{__name__}.{name}.render").render(recipe, source)
 
 
+def alternatives(name: str, recipe: Recipe) -> list[str]:
+    """Lines saying which accelerators, spot or on-demand, places and price cap the backend
+    is given for `recipe`, in the order it tries them ([] when there is nothing to choose)."""
+    spec(name)
+    module = importlib.import_module(f"{__name__}.{name}.render")
+    return module.alternatives(recipe) if hasattr(module, "alternatives") else []
+
+
 def backend_checks() -> list[Any]:
     """Every backend's own lint checks (each runs when the recipe has that backend's section)."""
     checks: list[Any] = []

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import shlex
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from rlx import __version__
+from rlx.errors import RlxError
 from rlx.node.env import RAY_TOKEN_SECRET, WHEEL_ENV
 from rlx.recipe import Recipe
+
+if TYPE_CHECKING:
+    from rlx.lint.core import Check
 
 NOT_INSTALLED = "rlx: rlx is not installed on this node; add: pip install rlx[train] to setup"
 
@@ -113,3 +118,15 @@ def dump_yaml(data: dict[str, Any]) -> str:
 def drop_empty(data: dict[str, Any]) -> dict[str, Any]:
     """Leave out unset fields so the rendered file shows only what the recipe asks for."""
     return {k: v for k, v in data.items() if v not in (None, [], {}, "")}
+
+
+def refuse(recipe: Recipe, checks: Iterable[Check]) -> None:
+    """Raise RlxError with the first error of `checks`: what this backend cannot express is
+    refused when it is rendered, in the words lint uses, whether or not the recipe has the
+    backend's section (lint runs a backend's checks only when it has)."""
+    from rlx.recipe.load import dotted
+
+    for check in checks:
+        for problem in check(recipe):
+            if problem.severity == "error":
+                raise RlxError(f"{dotted(problem.field)}: {problem.message}")

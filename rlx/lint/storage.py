@@ -7,7 +7,7 @@ import re
 from collections.abc import Iterable, Iterator
 
 from rlx.launchers import specs
-from rlx.launchers.dstack.checks import per_node
+from rlx.launchers.dstack import per_node
 from rlx.lint.core import ERROR, WARNING, Check, Problem
 from rlx.recipe import Recipe
 from rlx.recipe.model import is_bucket

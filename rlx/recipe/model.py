@@ -25,6 +25,7 @@ RECIPE_NAME = re.compile(r"[a-z][a-z0-9-]{0,38}[a-z0-9]")
 ACCELERATORS = re.compile(r"(?P<type>[A-Za-z][A-Za-z0-9_.-]*)(:(?P<count>[1-9][0-9]*))?")
 AMOUNT = re.compile(r"(?P<value>[0-9]+(\.[0-9]+)?)(?P<plus>\+)?")
 SLURM_WORD = re.compile(r"[A-Za-z0-9_.,@+=-]+")
+SLURM_FEATURE = re.compile(r"[A-Za-z0-9_.:-]+")
 SLURM_CONSTRAINT = re.compile(r"[A-Za-z0-9_.,&|\[\]*:()!-]+")
 LOG_DIR = re.compile(r"[A-Za-z0-9_./~-]+")
 SLURM_TIME = re.compile(r"([0-9]+-)?[0-9]+(:[0-9]{1,2}){0,2}")
@@ -969,6 +970,12 @@ class SlurmSettings(StrictModel):
         None, description="Time limit: minutes, HH:MM:SS or D-HH:MM:SS (sbatch --time)."
     )
     constraint: Str | None = Field(None, description="Node features (sbatch --constraint).")
+    gpu_features: dict[Str, Str] = Field(
+        default_factory=dict,
+        description="The cluster's node feature for each accelerator type, e.g. {H100: h100, "
+        "A100-80GB: a100}: with accelerator alternatives the job asks for any of them, "
+        "every node the same one (--constraint=[h100|a100]).",
+    )
     exclusive: bool = Field(True, description="Take whole nodes (sbatch --exclusive).")
     gpu_flag: Literal["gpus-per-node", "gres"] = Field(
         "gpus-per-node", description="How to ask for GPUs: --gpus-per-node=N or --gres=gpu:N."
@@ -1013,6 +1020,26 @@ class SlurmSettings(StrictModel):
                 f"{value!r} has characters Slurm names do not use; write a plain "
                 "name such as 'gpu' or 'my-account'"
             )
+        return value
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # A recipe that maps no features carries none in its dump (RLX_RECIPE_JSON).
+        data = handler(self)
+        if not self.gpu_features:
+            data.pop("gpu_features", None)
+        return data
+
+    @field_validator("gpu_features")
+    @classmethod
+    def _gpu_features(cls, value: dict[str, str]) -> dict[str, str]:
+        for accelerator, feature in value.items():
+            # A feature lands in a constraint expression on an #SBATCH line.
+            if not SLURM_FEATURE.fullmatch(feature):
+                raise ValueError(
+                    f"{accelerator}: {feature!r} is not a Slurm feature name; write a plain "
+                    "name such as 'h100'"
+                )
         return value
 
     @field_validator("constraint")

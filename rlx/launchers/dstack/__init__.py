@@ -5,6 +5,14 @@ from __future__ import annotations
 
 from rlx.launchers.spec import BackendSpec
 
+# A dstack network volume is one cloud disk (EBS, a persistent disk): one node attaches it.
+# Several nodes get one each when its name carries the node's rank.
+NODE_RANK = "${{ dstack.node_rank }}"
+
+
+def per_node(name: str | None) -> bool:
+    return name is not None and NODE_RANK.replace(" ", "") in name.replace(" ", "")
+
 
 def _tunnel(run: str, remote: int, local: int) -> str:
     # `dstack attach` makes the run an ssh host of its name while it stays open.

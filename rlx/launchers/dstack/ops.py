@@ -197,6 +197,12 @@ def _retries_on_no_capacity(conf: Any) -> bool:
 
 
 def launch(request: LaunchRequest) -> Job:
+    from rlx.launchers.common import refuse
+    from rlx.launchers.dstack.checks import check_gpu_names
+
+    # lint checks the names only for a recipe with a dstack section; a GPU dstack does not
+    # know would match no offer, and the run would wait for one
+    refuse(request.recipe, [check_gpu_names])
     conf = configuration(request)
     rendered_file = save_rendered(request, BACKEND.suffix)
     client, target = _client(None, request.name)
@@ -260,7 +266,32 @@ def status(job: Job) -> JobStatus:
             return JobStatus(job.name, BACKEND.name, "UNKNOWN", detail)
         raise
     found = verdict(view(run))
-    return JobStatus(job.name, BACKEND.name, found.state, found.detail, found.exit_code)
+    got = provisioned(run)
+    detail = found.detail + (f"; {got}" if got and found.detail else got)
+    return JobStatus(job.name, BACKEND.name, found.state, detail, found.exit_code)
+
+
+def provisioned(run: Any) -> str:
+    """What the master node got, from the run's own provisioning data (no further call): its
+    GPUs, spot or on-demand, backend/region and price, e.g. 'A100:8 spot on aws/us-east-1,
+    $14.2/h'; '' before it has an instance."""
+    for job in run.jobs:
+        if job.job_spec.replica_num == 0 and job.job_spec.job_num == 0 and job.job_submissions:
+            data = job.job_submissions[-1].job_provisioning_data
+            break
+    else:
+        return ""
+    if data is None:
+        return ""
+    resources = data.instance_type.resources
+    gpus = [gpu.name for gpu in resources.gpus]
+    parts = [
+        ", ".join(f"{name}:{gpus.count(name)}" for name in dict.fromkeys(gpus)),
+        "spot" if resources.spot else "on-demand",
+        f"on {_value(data.backend)}/{data.region},",
+        f"${data.price:g}/h",
+    ]
+    return " ".join(part for part in parts if part)
 
 
 def logs(job: Job, *, follow: bool, node: int | None) -> int:

@@ -23,7 +23,7 @@ from rlx import procfs
 from rlx.errors import RlxError
 from rlx.launchers.base import Job, JobStatus, LaunchRequest, remember
 from rlx.launchers.local import BACKEND
-from rlx.launchers.local.render import refuse_groups
+from rlx.launchers.local.render import refuse_elsewhere
 from rlx.node.env import RUN_ID_ENV, environment
 from rlx.recipe import Recipe
 
@@ -43,7 +43,7 @@ def launch(request: LaunchRequest) -> Job:
     from rlx.trainer.resolve import run_paths
 
     recipe = request.recipe
-    refuse_groups(recipe)
+    refuse_elsewhere(recipe)
     run_id = run_id_for(request.name, os.environ)
     values = {**recipe.env, **request.secrets, RUN_ID_ENV: run_id}
     job = request.job(BACKEND.name, str(os.getpid()), run_id=run_id)

@@ -16,14 +16,24 @@ NO_GROUPS = (
 )
 
 
-def refuse_groups(recipe: Recipe) -> None:
+NO_PRICES = (
+    "resources.max_hourly_cost: the local backend is this machine, which has no price to cap; "
+    "launch with --backend sky or dstack, or drop max_hourly_cost to run here"
+)
+
+
+def refuse_elsewhere(recipe: Recipe) -> None:
     if recipe.resources.groups is not None:
         raise RlxError(NO_GROUPS)
+    # Accelerators (alternatives too), spot and places mean nothing here and are ignored;
+    # a price cap is refused, as it would promise a limit that nothing here keeps.
+    if recipe.resources.max_hourly_cost is not None:
+        raise RlxError(NO_PRICES)
 
 
 def render(recipe: Recipe, source: str) -> str:
     """What `rlx launch --dry-run` prints for the local backend."""
-    refuse_groups(recipe)
+    refuse_elsewhere(recipe)
     trainer = recipe.trainer
     lines = [f"# rlx launch {source}: local backend (this machine, a private Ray)"]
     if trainer is None or recipe.command is not None:

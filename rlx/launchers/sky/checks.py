@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from rlx.launchers.sky.render import places
 from rlx.lint.core import ERROR, Check, Problem
 from rlx.recipe import Recipe
 
@@ -23,16 +24,26 @@ def check_sky(recipe: Recipe) -> Iterator[Problem]:
     sky = recipe.sky
     if sky is None:
         return
-    infra = (sky.infra or "").lower()
+    if sky.infra and recipe.resources.infra is not None:
+        yield Problem(
+            ("sky", "infra"),
+            ERROR,
+            "resources.infra says where to run for every backend; drop sky.infra (or move it "
+            "into resources.infra)",
+        )
+        return
+    where = places(recipe)
+    infra_field = ("resources", "infra") if recipe.resources.infra is not None else ("sky", "infra")
     named = [(i, v) for i, v in enumerate(recipe.volumes) if v.name]
-    if named and not infra.startswith(VOLUME_INFRAS):
-        where = f"infra: {sky.infra}" if sky.infra else "no sky.infra (any cloud)"
+    elsewhere = [p for p in where if not p.lower().startswith(VOLUME_INFRAS)]
+    if named and (elsewhere or not where):
+        on = f"infra: {elsewhere[0]}" if elsewhere else "no infra (any cloud)"
         for i, volume in named:
             yield Problem(
                 ("volumes", i, "name"),
                 ERROR,
                 f"SkyPilot has volumes only on Kubernetes and RunPod, and this recipe runs on "
-                f"{where}, so {volume.name} cannot be attached; {BUCKET_LINE}",
+                f"{on}, so {volume.name} cannot be attached; {BUCKET_LINE}",
             )
     if named and sky.recovery and sky.recovery.strategy == "EAGER_NEXT_REGION":
         yield Problem(
@@ -42,21 +53,25 @@ def check_sky(recipe: Recipe) -> Iterator[Problem]:
             f"({named[0][1].name}) is not; use strategy: FAILOVER, or {BUCKET_LINE}",
         )
     fabric = recipe.resources.fabric
-    cloud = infra.split("/")[0]
-    if fabric in FABRIC_INFRAS and cloud and cloud not in FABRIC_INFRAS[fabric]:
-        where = " or ".join(FABRIC_INFRAS[fabric][:2])
-        yield Problem(
-            ("sky", "infra"),
-            ERROR,
-            f"SkyPilot's network_tier: best gives {fabric} only on {where}, and this recipe "
-            f"runs on {sky.infra}; set infra: {FABRIC_INFRAS[fabric][0]}, or name the fabric "
-            "these nodes have (resources.fabric)",
-        )
-    if recipe.resources.spot and infra.startswith(("k8s", "kubernetes", "ssh")):
+    for place in where:
+        cloud = place.lower().split("/")[0]
+        if fabric in FABRIC_INFRAS and cloud not in FABRIC_INFRAS[fabric]:
+            yield Problem(
+                infra_field,
+                ERROR,
+                f"SkyPilot's network_tier: best gives {fabric} only on "
+                f"{' or '.join(FABRIC_INFRAS[fabric][:2])}, and this recipe runs on {place}; "
+                f"set infra: {FABRIC_INFRAS[fabric][0]}, or name the fabric these nodes have "
+                "(resources.fabric)",
+            )
+            break
+    no_spot = [p for p in where if p.lower().startswith(("k8s", "kubernetes", "ssh"))]
+    if recipe.resources.spot is True and no_spot:
         yield Problem(
             ("resources", "spot"),
             ERROR,
-            f"{sky.infra} has no spot instances; set spot: false or pick a cloud",
+            f"{no_spot[0]} has no spot instances; set spot: auto (spot where there is) or "
+            "false, or pick a cloud",
         )
 
 

@@ -206,7 +206,33 @@ def _cluster_status(sky: Any, job: Job) -> JobStatus:
     job_id = int(job.extra[JOB_ID]) if job.extra.get(JOB_ID) else None
     answer = sky.get(sky.job_status(job.handle, [job_id] if job_id is not None else None))
     state = state_name(next(iter(answer.values()), None) if answer else None)
-    return JobStatus(job.name, BACKEND.name, rlx_state(state), f"cluster up, job {state.lower()}")
+    got = launched(records[0])
+    detail = f"cluster up, job {state.lower()}" + (f"; {got}" if got else "")
+    return JobStatus(job.name, BACKEND.name, rlx_state(state), detail)
+
+
+def launched(record: Any) -> str:
+    """What the cluster got, from its status record (no further call): the accelerators, spot
+    or on-demand, and cloud/region, e.g. 'H100:8 spot on aws/us-east-1'; '' if it says none."""
+    resources = getattr(_field(record, "handle"), "launched_resources", None)
+    accelerators = getattr(resources, "accelerators", None) or {}
+    spot = getattr(resources, "use_spot", None)
+    cloud = getattr(resources, "cloud", None) or _field(record, "cloud")
+    region = getattr(resources, "region", None) or _field(record, "region")
+    parts = [
+        ", ".join(f"{name}:{count:g}" for name, count in accelerators.items()),
+        "" if spot is None else "spot" if spot else "on-demand",
+        "on " + "/".join(str(p).lower() for p in (cloud, region) if p) if cloud else "",
+    ]
+    return " ".join(part for part in parts if part)
+
+
+def _field(record: Any, key: str) -> Any:
+    # SkyPilot's status records are dicts or response models, by version
+    try:
+        return record[key]
+    except (KeyError, TypeError, AttributeError):
+        return getattr(record, key, None)
 
 
 # ------------------------------------------------------------------------- logs

@@ -15,18 +15,72 @@ from rlx.launchers.common import (
     secret_names,
     setup_script,
 )
+from rlx.launchers.offers import describe, offers, spot_levels
 from rlx.launchers.sky import BACKEND
 from rlx.node.env import NODE_GROUP_ENV, RECIPE_ENV, recipe_json
 from rlx.recipe import Recipe
-from rlx.recipe.model import NodeGroup, is_bucket
+from rlx.recipe.model import Accelerator, NodeGroup, Resources, is_bucket
+
+
+def places(recipe: Recipe) -> list[str]:
+    """Where SkyPilot may run: resources.infra, else the older sky.infra (lint refuses both)."""
+    if recipe.resources.infra_list:
+        return recipe.resources.infra_list
+    return [recipe.sky.infra] if recipe.sky and recipe.sky.infra else []
+
+
+def _accelerator_set(options: tuple[Accelerator, ...]) -> dict[str, int | None]:
+    """SkyPilot's set of accelerators: {H100: 8, A100-80GB: 8}, or {'H100:4': None, ...}
+    when a type comes with two counts (a mapping holds each type once)."""
+    if len({o.type for o in options}) == len(options):
+        return {o.type: o.count for o in options}
+    return dict.fromkeys(str(o) for o in options)
+
+
+def _alternatives(recipe: Recipe, shape: Resources | NodeGroup) -> dict[str, Any]:
+    """The fields that vary between the alternatives: one offer as plain fields; only the
+    accelerators varying as SkyPilot's list (a preference) or set; else `ordered:` (spot auto,
+    or a preference list) or `any_of:` entries, one per offer. SkyPilot keeps no set inside
+    an order, so a set under spot auto is tried in the order written."""
+    res = recipe.resources
+    where = places(recipe)
+    choices, ordered = offers(res, shape, where)
+    options = shape.accelerator_options
+    if len(choices) <= 1:
+        first = choices[0]
+        return {
+            "infra": first.place,
+            "accelerators": str(first.accelerator) if first.accelerator else None,
+            "use_spot": first.spot or None,
+        }
+    if len(spot_levels(res)) == 1 and len(where) <= 1:
+        return {
+            "infra": where[0] if where else None,
+            "accelerators": [str(o) for o in options]
+            if shape.accelerators_ordered
+            else _accelerator_set(options),
+            "use_spot": choices[0].spot or None,
+        }
+    entries = [
+        drop_empty(
+            {
+                "infra": offer.place,
+                "accelerators": str(offer.accelerator) if offer.accelerator else None,
+                "use_spot": offer.spot,
+            }
+        )
+        for offer in choices
+    ]
+    return {"ordered" if ordered else "any_of": entries}
 
 
 def _resources(recipe: Recipe, group: NodeGroup | None = None) -> dict[str, Any]:
     res, sky = recipe.resources, recipe.sky
     shape = group or res
+    varying = _alternatives(recipe, shape)
     out: dict[str, Any] = {
-        "infra": sky.infra if sky else None,
-        "accelerators": shape.accelerators,
+        "infra": varying.pop("infra", None),
+        "accelerators": varying.pop("accelerators", None),
         "cpus": shape.cpus,
         "memory": shape.memory,
         "disk_size": shape.disk_size,
@@ -35,7 +89,10 @@ def _resources(recipe: Recipe, group: NodeGroup | None = None) -> dict[str, Any]
         "network_tier": "best" if res.fast_fabric else None,
         "image_id": f"docker:{res.image}" if res.image else None,
         "ports": [str(p) for p in res.ports],
-        "use_spot": res.spot or None,
+        "use_spot": varying.pop("use_spot", None),
+        # per node and hour, as the recipe's (SkyPilot prices a whole node's offer)
+        "max_hourly_cost": res.max_hourly_cost,
+        **varying,
     }
     if sky and sky.recovery:
         out["job_recovery"] = {
@@ -116,3 +173,8 @@ def render(recipe: Recipe, source: str) -> str:
         + ")",
     ]
     return "\n".join(header_lines(recipe, source, how)) + "\n" + dump_yaml(task_config(recipe))
+
+
+def alternatives(recipe: Recipe) -> list[str]:
+    """What `rlx launch --dry-run` says about the alternatives SkyPilot is given."""
+    return describe(recipe, "SkyPilot", places(recipe))

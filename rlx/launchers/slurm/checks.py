@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 
+from rlx.launchers.offers import node_kinds
 from rlx.lint.core import ERROR, WARNING, Check, Problem
 from rlx.recipe import Recipe
 
@@ -65,4 +66,64 @@ def check_slurm_groups(recipe: Recipe) -> Iterator[Problem]:
         )
 
 
-CHECKS: list[Check] = [check_slurm, check_slurm_groups]
+def check_gpu_alternatives(recipe: Recipe) -> Iterator[Problem]:
+    """One batch script asks for one GPU count per node; several types only by the node
+    features the cluster defines for them (slurm.gpu_features)."""
+    features = recipe.slurm.gpu_features if recipe.slurm else {}
+    for path, shape in node_kinds(recipe):
+        options = shape.accelerator_options
+        if len(options) <= 1:
+            continue
+        counts = sorted({option.count for option in options})
+        if len(counts) > 1:
+            yield Problem(
+                path,
+                ERROR,
+                f"a Slurm job asks for one GPU count per node, and these alternatives ask for "
+                f"{' or '.join(map(str, counts))}; give every alternative the same count",
+            )
+            continue
+        unmapped = [option.type for option in options if option.type not in features]
+        if unmapped:
+            example = ", ".join(f"{o.type}: {o.type.split('-')[0].lower()}" for o in options)
+            yield Problem(
+                path,
+                ERROR,
+                "Slurm takes one accelerator type, or several by the node features the cluster "
+                f"gives them; map each type to its feature, slurm.gpu_features: {{{example}}} "
+                f"(no feature for {', '.join(unmapped)}), or keep one type",
+            )
+
+
+def check_no_prices(recipe: Recipe) -> Iterator[Problem]:
+    if recipe.resources.max_hourly_cost is not None:
+        yield Problem(
+            ("resources", "max_hourly_cost"),
+            ERROR,
+            "a Slurm cluster has no prices to cap, so --backend slurm refuses max_hourly_cost; "
+            "drop it, or launch on sky or dstack",
+        )
+    if recipe.resources.infra is not None:
+        yield Problem(
+            ("resources", "infra"),
+            ERROR,
+            "a Slurm job runs on its own cluster, not a cloud place, so --backend slurm refuses "
+            "resources.infra; drop it, or launch on sky or dstack",
+        )
+
+
+# What one batch script cannot express: refused when rendered, lint or not.
+RENDER_CHECKS: list[Check] = [check_gpu_alternatives, check_no_prices]
+
+
+def check_expressible(recipe: Recipe) -> Iterator[Problem]:
+    """RENDER_CHECKS for a recipe with a slurm section. A price cap or places are for the
+    clouds a recipe also runs on: a warning here, refused only on a Slurm launch."""
+    if recipe.slurm is None:
+        return
+    yield from check_gpu_alternatives(recipe)
+    for problem in check_no_prices(recipe):
+        yield Problem(problem.field, WARNING, problem.message)
+
+
+CHECKS: list[Check] = [check_slurm, check_slurm_groups, check_expressible]

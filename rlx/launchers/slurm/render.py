@@ -11,7 +11,14 @@ import math
 import shlex
 
 from rlx.errors import TRY_AGAIN
-from rlx.launchers.common import NODE_RLX_VERSION, NOT_INSTALLED, header_lines, setup_script
+from rlx.launchers.common import (
+    NODE_RLX_VERSION,
+    NOT_INSTALLED,
+    header_lines,
+    refuse,
+    setup_script,
+)
+from rlx.launchers.offers import node_kinds
 from rlx.launchers.slurm.containers import (
     container_of,
     engine_ready_script,
@@ -74,15 +81,38 @@ def _node_lines(recipe: Recipe, shape: Resources | NodeGroup, nodes: int) -> lis
     return lines
 
 
+def _constraint(recipe: Recipe, shape: Resources | NodeGroup, more: str | None) -> str | None:
+    """The node features to ask for: the features slurm.gpu_features gives this kind of
+    node's accelerators, and the recipe's own constraint. Several in Slurm's matching OR,
+    [h100|a100]: every node of the job has the same one (a plain h100|a100 lets one job mix
+    GPU types across its nodes)."""
+    features = recipe.slurm.gpu_features if recipe.slurm else {}
+    mapped = list(
+        dict.fromkeys(features[o.type] for o in shape.accelerator_options if o.type in features)
+    )
+    gpus = f"[{'|'.join(mapped)}]" if len(mapped) > 1 else "".join(mapped)
+    if not gpus or not more:
+        return gpus or more
+    return "&".join([gpus, f"({more})" if "|" in more else more])
+
+
 def directives(recipe: Recipe) -> list[str]:
+    # here, not at the top: the checks module loads lint, whose storage checks import it
+    from rlx.launchers.slurm.checks import RENDER_CHECKS
+
+    refuse(recipe, RENDER_CHECKS)
     res, slurm = recipe.resources, recipe.slurm
     train = res.train_nodes
     lines = [f"--job-name={recipe.name}", *_node_lines(recipe, train, train.nodes)]
     if slurm:
-        for field in ("partition", "account", "qos", "time", "constraint"):
+        for field in ("partition", "account", "qos", "time"):
             value = getattr(slurm, field)
             if value is not None:
                 lines.append(f"--{field}={value}")
+    constraint = _constraint(recipe, train, slurm.constraint if slurm else None)
+    if constraint:
+        lines.append(f"--constraint={constraint}")
+    if slurm:
         if slurm.exclusive:
             lines.append("--exclusive")
         if slurm.requeue:
@@ -97,6 +127,9 @@ def directives(recipe: Recipe) -> list[str]:
         # the job's (said again, as Slurm does not carry every option over); the constraint
         # stays the training nodes'.
         more = _node_lines(recipe, rollout, rollout.nodes)
+        constraint = _constraint(recipe, rollout, None)
+        if constraint:
+            more.append(f"--constraint={constraint}")
         if slurm:
             more += [
                 f"--{field}={getattr(slurm, field)}"
@@ -432,3 +465,16 @@ def render(recipe: Recipe, source: str) -> str:
         *script(recipe),
     ]
     return "\n".join(lines) + "\n"
+
+
+def alternatives(recipe: Recipe) -> list[str]:
+    """What `rlx launch --dry-run` says about the GPUs the job's constraint lets it take."""
+    features = recipe.slurm.gpu_features if recipe.slurm else {}
+    lines = []
+    for path, shape in node_kinds(recipe):
+        options = shape.accelerator_options
+        if len(options) > 1:
+            kind = f"{path[2]} nodes: " if len(path) > 2 else ""
+            named = ", ".join(f"{o} ({features.get(o.type)})" for o in options)
+            lines.append(f"{kind}Slurm takes nodes with any of these GPUs (feature): {named}")
+    return lines

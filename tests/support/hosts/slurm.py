@@ -94,6 +94,12 @@ def parse_scontrol_record(line: str) -> dict[str, str]:
     return fields
 
 
+def node_feature(index: int) -> str:
+    """The GPU feature the cluster gives its index-th node, for jobs that ask for one of several
+    GPU types (--constraint): the first two nodes h100, the others a100 (no GPUs behind them)."""
+    return "h100" if index < 2 else "a100"
+
+
 def _render_slurm_conf(
     *,
     cluster_name: str,
@@ -147,10 +153,10 @@ def _render_slurm_conf(
         "InactiveLimit=0",
         "SlurmdParameters=config_overrides",  # trust CPUs/RealMemory below, not the probe
     ]
-    for host in hosts:
+    for i, host in enumerate(hosts):
         lines.append(
             f"NodeName={host.name} NodeAddr={host.ip} NodeHostname={host.name} "
-            f"CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN"
+            f"CPUs={cpus} RealMemory={memory_mb} Features={node_feature(i)} State=UNKNOWN"
         )
     nodes = ",".join(hosts.names)
     lines.append(f"PartitionName={PARTITION} Nodes={nodes} Default=YES MaxTime=INFINITE State=UP")

@@ -20,7 +20,17 @@ from tests.conftest import RECIPES, REPO
 
 GOLDEN = REPO / "tests" / "golden"
 RECIPE_FILES = sorted(RECIPES.glob("*.yaml"))
-CASES = [(r, b) for r in RECIPE_FILES for b in renderable()]
+# Test recipes (tests/recipes/) for what the shipped ones do not show, with the backends each
+# renders for: GPU alternatives with spot auto, a price cap and places (Slurm refuses those),
+# and a set of GPUs that Slurm asks for by node feature.
+ALTERNATIVES = REPO / "tests" / "recipes" / "alternatives.yaml"
+ALTERNATIVES_SET = REPO / "tests" / "recipes" / "alternatives-set.yaml"
+TEST_CASES = [
+    (ALTERNATIVES, "sky"),
+    (ALTERNATIVES, "dstack"),
+    *((ALTERNATIVES_SET, b) for b in ("sky", "dstack", "slurm")),
+]
+CASES = [(r, b) for r in RECIPE_FILES for b in renderable()] + TEST_CASES
 runner = CliRunner()
 
 
