@@ -560,9 +560,15 @@ class RolloutSettings(StrictModel):
     min_new_tokens: int = Field(0, ge=0, description="Shortest response in tokens.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
-    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per vLLM engine.")
-    gpu_memory_utilization: float = Field(
-        0.5, gt=0, le=1, description="Share of GPU memory vLLM may take."
+    tensor_parallel_size: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        1,
+        description="GPUs per vLLM engine; auto: the fewest that hold the engine's weights and "
+        "KV cache on the GPU the job got (1 when colocated or on CPU).",
+    )
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] | Literal["auto"] = Field(
+        0.5,
+        description="Share of GPU memory vLLM may take; auto: what the plan leaves the engine "
+        "on the GPU the job got (0.9 on rollout GPUs of its own).",
     )
     weight_sync_bucket_mb: int = Field(
         256,
@@ -691,8 +697,10 @@ class BatchSettings(StrictModel):
         description="Sequences per optimiser update; defaults to the whole step "
         "(prompts_per_step x rollout.n).",
     )
-    micro_batch_size: int = Field(
-        4, ge=1, description="Sequences per forward/backward on one device."
+    micro_batch_size: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        4,
+        description="Sequences per forward/backward on one device; auto: the largest power of "
+        "two that the plan fits with 10% spare on the GPU the job got (host memory on CPU).",
     )
     ppo_epochs: int = Field(1, ge=1, description="Passes over each step's samples.")
     max_tokens_per_micro_batch: int | None = Field(
