@@ -32,7 +32,8 @@ def _errors(recipe: Recipe) -> list[Problem]:
 def _sized(recipe: Recipe) -> Recipe:
     """The alternative with its `auto` sizes chosen (each as 1 where the plan cannot say:
     an unknown model or accelerator, which check_memory_plan reports)."""
-    from rlx.plan.sizing import auto_fields, size_recipe, with_sizes
+    from rlx.plan.planner import size_recipe
+    from rlx.plan.sizing import auto_fields, with_sizes
 
     if not auto_fields(recipe):
         return recipe

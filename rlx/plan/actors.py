@@ -16,8 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlx.errors import RlxError
-from rlx.plan.sizing import fixed_int
-from rlx.recipe.model import Recipe
+from rlx.recipe.model import Recipe, fixed_int
 
 
 @dataclass(frozen=True)

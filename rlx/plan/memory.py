@@ -58,7 +58,8 @@ ACCELERATOR_GIB_ENV = "RLX_ACCELERATOR_GIB"
 
 def accelerator_gib(name: str, env: Mapping[str, str] | None = None) -> float | None:
     """GiB of one accelerator by name (case-insensitive): the table's, or one that
-    RLX_ACCELERATOR_GIB in env (os.environ when None) gives ('MYGPU=96'); None when neither knows it."""
+    RLX_ACCELERATOR_GIB in env (os.environ when None) gives ('MYGPU=96'); None when
+    neither knows it."""
     env = os.environ if env is None else env
     table = {key.upper(): value for key, value in ACCELERATOR_GIB.items()}
     for entry in env.get(ACCELERATOR_GIB_ENV, "").split(","):

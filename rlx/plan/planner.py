@@ -27,6 +27,7 @@ from rlx.plan.budget import (
     HEADROOM,
     Budget,
     TrainedModel,
+    UnknownAccelerator,
     checkpoint_size,
     dtypes,
     engine_of,
@@ -36,12 +37,11 @@ from rlx.plan.budget import (
     layout_of,
     rollout_budget,
     sequence_tokens,
-    UnknownAccelerator,
     trained_models,
     training_budget,
 )
 from rlx.plan.shapes import PlanError, find_shape
-from rlx.plan.sizing import Sizes, auto_fields, size_recipe
+from rlx.plan.sizing import Sizes, auto_fields, choose_sizes
 from rlx.plan.strategy import choose_strategy
 from rlx.recipe.model import Recipe, TrainerSettings, episode_token_budget
 from rlx.storage import is_store_url
@@ -254,6 +254,23 @@ def plan_alternatives(
         except UnknownAccelerator as exc:
             out.append(AlternativePlan(label, None, str(exc)))
     return out
+
+
+def size_recipe(
+    recipe: Recipe,
+    env: Mapping[str, str] | None = None,
+    *,
+    host_bytes: int | None = None,
+    alternatives: int | None = None,
+) -> tuple[Recipe, Sizes]:
+    """The recipe with its `auto` sizes chosen from the plan of its preferred accelerator
+    alternative, and the sizes (rlx.plan.sizing.choose_sizes has the rule): what `rlx plan`,
+    lint and the trainer at start-up each call."""
+
+    def plan(sized: Recipe, plan_env: Mapping[str, str] | None) -> MemoryPlan:
+        return plan_recipe(sized, plan_env, advise=False)
+
+    return choose_sizes(recipe, env, plan, host_bytes=host_bytes, alternatives=alternatives)
 
 
 def _lora_summary(trainer: TrainerSettings, model: TrainedModel, gpu: bool) -> dict[str, Any]:

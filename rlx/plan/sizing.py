@@ -2,10 +2,10 @@
 trainer.rollout.gpu_memory_utilization and trainer.rollout.tensor_parallel_size, chosen from
 the memory plan of one accelerator alternative.
 
-One function (size_recipe) decides them for `rlx plan`, for lint (every alternative must
-have a valid choice) and for the trainer at start-up (the alternative the job got, read
-from the device), so the three always agree. The rule, in the order the choices depend on
-each other:
+One function (choose_sizes, as rlx.plan.planner.size_recipe) decides them for `rlx plan`,
+for lint (every alternative must have a valid choice) and for the trainer at start-up (the
+alternative the job got, read from the device), so the three always agree. The rule, in
+the order the choices depend on each other:
 - tensor_parallel_size: 1 where engines share the training GPUs or run on CPU; on rollout
   GPUs of their own, the fewest GPUs per engine (1, 2, 4, 8 dividing the engines' GPUs per
   node) whose weights leave a KV cache for MIN_ENGINE_SEQUENCES full-length sequences (or
@@ -21,14 +21,15 @@ A fixed value stays as written.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from rlx.errors import RlxError
-from rlx.recipe.model import Recipe, TrainerSettings
+from rlx.recipe.model import AUTO, Recipe, TrainerSettings
 
-AUTO = "auto"
+# A plan of a recipe whose sizes are fixed (rlx.plan.planner.plan_recipe, without advice).
+PlanOf = Callable[[Recipe, Mapping[str, str] | None], Any]
 # What `auto` may size, by field path.
 AUTO_FIELDS = {
     "micro_batch_size": ("trainer", "batch", "micro_batch_size"),
@@ -106,24 +107,21 @@ def with_sizes(
     return recipe.model_copy(update={"trainer": trainer})
 
 
-def fixed_int(value: int | str, name: str) -> int:
-    """A size the caller needs fixed: RlxError, one line, where `auto` was never chosen."""
-    if value == AUTO or isinstance(value, str):
-        raise RlxError(
-            f"{name}: auto is chosen for the GPU the job gets, and this needs it fixed; "
-            "write a number, or size the recipe first (rlx.plan.sizing.size_recipe)"
-        )
-    return value
-
-
-def size_recipe(
-    recipe: Recipe, env: Mapping[str, str] | None = None, *, host_bytes: int | None = None
+def choose_sizes(
+    recipe: Recipe,
+    env: Mapping[str, str] | None,
+    plan: PlanOf,
+    *,
+    host_bytes: int | None = None,
+    alternatives: int | None = None,
 ) -> tuple[Recipe, Sizes]:
     """The recipe with its `auto` sizes chosen from the plan of its first (preferred)
     accelerator alternative, and the sizes. host_bytes: the memory of this machine, the host
     capacity of a CPU-only recipe that gives no resources.memory (unset: the largest size
-    that splits the batch). Sizes.problems says why a field has no valid value; the recipe
-    then carries the most frugal one, so its plan shows what does not fit."""
+    that splits the batch). alternatives: how many the job chose from (unset: the recipe's),
+    so that a problem says to drop this one when there are others. Sizes.problems says why
+    a field has no valid value; the recipe then carries the most frugal one, so its plan
+    shows what does not fit."""
     trainer = recipe.trainer
     if trainer is None:
         raise RlxError(f"recipe {recipe.name!r} has no trainer section; nothing to size")
@@ -145,20 +143,22 @@ def size_recipe(
     problems: list[str] = []
     tp = trainer.rollout.tensor_parallel_size
     if tp == AUTO:
-        tp, problem = _choose_tensor_parallel(planned, env)
+        tp, problem = _choose_tensor_parallel(planned, env, plan)
         problems += [problem] if problem else []
     util = trainer.rollout.gpu_memory_utilization
     if util == AUTO:
-        util, problem = _choose_utilization(with_sizes(planned, tensor_parallel_size=tp), env)
+        util, problem = _choose_utilization(with_sizes(planned, tensor_parallel_size=tp), env, plan)
         problems += [problem] if problem else []
     mbs = trainer.batch.micro_batch_size
     if mbs == AUTO:
         candidate = with_sizes(planned, tensor_parallel_size=tp, gpu_memory_utilization=util)
-        mbs, problem = _choose_micro_batch(candidate, env)
+        mbs, problem = _choose_micro_batch(candidate, env, plan)
         problems += [problem] if problem else []
     assert not isinstance(tp, str) and not isinstance(util, str) and not isinstance(mbs, str)
     problems.reverse()  # the training state's first: a rollout size cannot fix it
-    if len(options) <= 1 and len(rollout_options) <= 1:  # nothing to drop: nothing else
+    if alternatives is None:
+        alternatives = max(len(options), 1) * max(len(rollout_options), 1)
+    if alternatives <= 1:  # nothing to drop: nothing else
         other = f"use GPUs with more memory than {_accelerator(narrowed)}"
         problems = [p.replace(_drop(narrowed), other) for p in problems]
     sized = with_sizes(
@@ -168,12 +168,6 @@ def size_recipe(
 
 
 # --------------------------------------------------------------------------- the choices
-
-
-def _plan(recipe: Recipe, env: Mapping[str, str] | None) -> Any:
-    from rlx.plan.planner import plan_recipe
-
-    return plan_recipe(recipe, env, advise=False)
 
 
 def _accelerator(recipe: Recipe) -> str:
@@ -207,7 +201,7 @@ def _needed_sequences(trainer: TrainerSettings, engines: int) -> int:
 
 
 def _choose_tensor_parallel(
-    recipe: Recipe, env: Mapping[str, str] | None
+    recipe: Recipe, env: Mapping[str, str] | None, plan: PlanOf
 ) -> tuple[int, str | None]:
     trainer = recipe.trainer
     assert trainer is not None
@@ -226,12 +220,12 @@ def _choose_tensor_parallel(
     util = trainer.rollout.gpu_memory_utilization
     util = ENGINE_ALONE if util == AUTO else util
     for tp in candidates:
-        plan = _plan(with_sizes(recipe, tensor_parallel_size=tp, gpu_memory_utilization=util), env)
-        rollout = plan.gpus[-1]
+        planned = plan(
+            with_sizes(recipe, tensor_parallel_size=tp, gpu_memory_utilization=util), env
+        )
+        rollout = planned.gpus[-1]
         engines = max(rollout.count // tp, 1)
-        if rollout.fits and (rollout.engine_sequences or 0) >= _needed_sequences(
-            trainer, engines
-        ):
+        if rollout.fits and (rollout.engine_sequences or 0) >= _needed_sequences(trainer, engines):
             return tp, None
     largest = candidates[-1]
     return largest, (
@@ -243,7 +237,7 @@ def _choose_tensor_parallel(
 
 
 def _choose_utilization(
-    recipe: Recipe, env: Mapping[str, str] | None
+    recipe: Recipe, env: Mapping[str, str] | None, plan: PlanOf
 ) -> tuple[float, str | None]:
     from rlx.plan.budget import HEADROOM, colocated_vllm, gib
 
@@ -253,7 +247,7 @@ def _choose_utilization(
         return ENGINE_ALONE, None
     if not colocated_vllm(trainer, _gpu(recipe)):
         return DEFAULT_UTILIZATION, None  # no vLLM on these GPUs: unused
-    probe = _plan(with_sizes(recipe, gpu_memory_utilization=DEFAULT_UTILIZATION), env)
+    probe = plan(with_sizes(recipe, gpu_memory_utilization=DEFAULT_UTILIZATION), env)
     training = probe.gpus[0]
     capacity = training.capacity or 0
     resident = sum(i.bytes for i in training.items if i.phase == "all")
@@ -268,8 +262,8 @@ def _choose_utilization(
             f"engine too little; {_drop(recipe)}, or shard further (more GPUs, "
             "parallel.offload_optimizer) or use layout: split"
         )
-    plan = _plan(with_sizes(recipe, gpu_memory_utilization=util), env)
-    if not plan.gpus[0].engine_sequences:
+    planned = plan(with_sizes(recipe, gpu_memory_utilization=util), env)
+    if not planned.gpus[0].engine_sequences:
         return util, (
             f"{where}: on {_accelerator(recipe)} the {util:g} share a training rank leaves its "
             "colocated vLLM engine holds its weights but no KV cache for one full-length "
@@ -278,21 +272,23 @@ def _choose_utilization(
     return util, None
 
 
-def _choose_micro_batch(recipe: Recipe, env: Mapping[str, str] | None) -> tuple[int, str | None]:
+def _choose_micro_batch(
+    recipe: Recipe, env: Mapping[str, str] | None, plan: PlanOf
+) -> tuple[int, str | None]:
     from rlx.plan.budget import HEADROOM, gib
 
     trainer = recipe.trainer
     assert trainer is not None
     share = _rank_share(recipe)
     sizes = [2**k for k in range(int(math.log2(share)), -1, -1)]
-    plan = None
+    planned = None
     for size in sizes:
-        plan = _plan(with_sizes(recipe, micro_batch_size=size), env)
-        budgets = plan.gpus[:1] if _gpu(recipe) else plan.hosts
+        planned = plan(with_sizes(recipe, micro_batch_size=size), env)
+        budgets = planned.gpus[:1] if _gpu(recipe) else planned.hosts
         if all(b.capacity is None or b.peak <= b.capacity * (1 - HEADROOM) for b in budgets):
             return size, None
-    assert plan is not None
-    budget = plan.gpus[0] if _gpu(recipe) else plan.hosts[0]
+    assert planned is not None
+    budget = planned.gpus[0] if _gpu(recipe) else planned.hosts[0]
     return 1, (
         f"trainer.batch.micro_batch_size: auto: on {_accelerator(recipe)} even one sequence "
         f"per micro-batch needs {gib(budget.peak)} of {gib(budget.capacity or 0)} GiB at "

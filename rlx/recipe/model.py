@@ -20,6 +20,8 @@ from pydantic import (
     model_validator,
 )
 
+from rlx.errors import RlxError
+
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 RECIPE_NAME = re.compile(r"[a-z][a-z0-9-]{0,38}[a-z0-9]")
 ACCELERATORS = re.compile(r"(?P<type>[A-Za-z][A-Za-z0-9_.-]*)(:(?P<count>[1-9][0-9]*))?")
@@ -628,6 +630,20 @@ class EnvironmentSettings(StrictModel):
         description="Share of a step's episodes that may fail (the environment raised, hung "
         "or returned something unusable) before the run stops; a failed episode trains nothing.",
     )
+
+
+# A size chosen at start-up for the GPU the job gets (rlx.plan.sizing).
+AUTO = "auto"
+
+
+def fixed_int(value: int | str, name: str) -> int:
+    """A size the caller needs fixed: RlxError, one line, where `auto` was never chosen."""
+    if value == AUTO or isinstance(value, str):
+        raise RlxError(
+            f"{name}: auto is chosen for the GPU the job gets, and this needs it fixed; "
+            "write a number, or size the recipe first (rlx.plan.planner.size_recipe)"
+        )
+    return value
 
 
 def episode_token_budget(settings: TrainerSettings) -> int:
