@@ -41,6 +41,8 @@ def check_memory_plan(recipe: Recipe) -> Iterator[Problem]:
         return
     where = accelerators_field(recipe)
     several = len(alternatives) > 1
+    # dropping one is a remedy only while another fits
+    others_fit = sum(a.fits for a in alternatives) > 0
     for alternative in alternatives:
         label = f"{alternative.label}: " if several else ""
         plan = alternative.plan
@@ -50,11 +52,12 @@ def check_memory_plan(recipe: Recipe) -> Iterator[Problem]:
         if several and plan.problems:  # one error per alternative: the first reason
             problem, more = plan.problems[0], len(plan.problems) - 1
             sized = problem.startswith("trainer.")  # says what to do itself
+            host = problem.startswith("host")
             yield Problem(
-                where,
+                ("resources", "memory") if host else where,
                 ERROR,
                 f"{label}does not fit: {problem}"
-                + ("" if sized else _remedy(recipe, alternative.label))
+                + ("" if sized or host else _remedy(recipe, alternative.label, others_fit))
                 + (f" (and {more} more; `rlx plan` shows them)" if more else ""),
             )
             continue
@@ -66,13 +69,13 @@ def check_memory_plan(recipe: Recipe) -> Iterator[Problem]:
             yield Problem(field, WARNING, f"{label}tight: {warning}")
 
 
-def _remedy(recipe: Recipe, label: str) -> str:
-    """For an alternative that does not fit: drop it, or the `auto` sizes that make it fit
-    (when some are fixed and auto would fit it)."""
+def _remedy(recipe: Recipe, label: str, others_fit: bool) -> str:
+    """For an alternative that does not fit: drop it (while another fits), or the `auto`
+    sizes that make it fit (when some are fixed and auto would fit it)."""
     from rlx.plan.planner import plan_recipe
     from rlx.plan.sizing import AUTO_FIELDS, auto_fields, with_sizes
 
-    drop = f"; or drop {label} from {'.'.join(accelerators_field(recipe))}"
+    drop = f"; or drop {label} from {'.'.join(accelerators_field(recipe))}" if others_fit else ""
     fixed = [name for name in AUTO_FIELDS if name not in auto_fields(recipe)]
     if not fixed:
         return drop
@@ -101,7 +104,8 @@ def _remedy(recipe: Recipe, label: str) -> str:
         f"{'.'.join(AUTO_FIELDS[name][1:])}: auto ({getattr(plan.sizes, name):g} here)"
         for name in changed
     )
-    return f"{drop}, or let the sizes follow the GPU: {chosen}"
+    follow = f"let the sizes follow the GPU: {chosen}"
+    return f"{drop}, or {follow}" if drop else f"; or {follow}"
 
 
 CHECKS: list[Check] = [
