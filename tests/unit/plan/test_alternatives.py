@@ -151,3 +151,13 @@ def test_a_fixed_size_stays_fixed(tmp_path: Path) -> None:
     sized, sizes = _sized(recipe)
     assert sizes.auto == ("gpu_memory_utilization",)
     assert sized.trainer is not None and sized.trainer.batch.micro_batch_size == 32
+
+
+def test_plan_json_has_every_alternative() -> None:
+    import json
+
+    result = runner.invoke(app, ["plan", "--json", str(SEVEN_B)])
+    out = json.loads(result.output)
+    assert out["accelerator"] == "H100:8"  # the preferred one's plan, as before
+    rows = [(a["label"], a["fits"]) for a in out["alternatives"]]
+    assert rows == [("H100:8", True), ("A100-40GB:8", False), ("L4:8", False)]

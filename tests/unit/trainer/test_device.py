@@ -64,12 +64,12 @@ def _assert_fits_its_gpu(recipe: Recipe, devices: Devices) -> None:
     assert 0.1 <= sizes.gpu_memory_utilization <= 0.9
 
 
-@pytest.mark.parametrize("devices", [H100, A100_40GB, L4, L40S], ids=lambda d: d.name)
+@pytest.mark.parametrize("devices", [H100, A100_40GB, L4, L40S], ids=lambda d: d.table_name)
 def test_small_recipe_sizes_fit_each_gpu(devices: Devices) -> None:
     _assert_fits_its_gpu(_small(), devices)
 
 
-@pytest.mark.parametrize("devices", [H100, A100_40GB, L40S], ids=lambda d: d.name)
+@pytest.mark.parametrize("devices", [H100, A100_40GB, L40S], ids=lambda d: d.table_name)
 def test_7b_sizes_fit_each_gpu_that_can_hold_it(devices: Devices) -> None:
     _assert_fits_its_gpu(_seven_b(), devices)
 
@@ -133,3 +133,15 @@ def test_without_gpus_a_cpu_recipe_sizes_from_host_memory(tmp_path: Path) -> Non
     assert 1 <= tight.micro_batch_size < roomy.micro_batch_size
     with pytest.raises(RlxError, match="micro_batch_size: auto: on CPU even one sequence"):
         size_at_start(recipe, {}, None, host_bytes=3 * 2**30)
+
+
+def test_the_run_summary_names_the_accelerator() -> None:
+    from rlx.runs import RunResult
+    from rlx.trainer.report.record import summary_lines
+
+    started = size_at_start(_seven_b(), {}, A100_40GB)
+    result = RunResult(state="SUCCEEDED", run_id="r", run_dir="/tmp/r", steps=1, last_step=1)
+    result.accelerator = started.to_json()
+    lines = summary_lines(result)
+    assert lines[1] == started.line() and "= A100-40GB:8" in lines[1]
+    assert "micro_batch_size 8 (auto)" in lines[1]
