@@ -112,11 +112,16 @@ class MemoryPlan:
 
 
 def plan_recipe(
-    recipe: Recipe, env: Mapping[str, str] | None = None, *, advise: bool = True
+    recipe: Recipe,
+    env: Mapping[str, str] | None = None,
+    *,
+    advise: bool = True,
+    alternatives_of: int | None = None,
 ) -> MemoryPlan:
     """The memory plan of a recipe with a trainer section (PlanError if it has none, or its
     model or accelerator is unknown). advise: say which single changes make a budget that
-    does not fit fit (by planning each changed recipe)."""
+    does not fit fit (by planning each changed recipe). alternatives_of: how many
+    alternatives the recipe is one of (for what its `auto` sizes' problems say)."""
     trainer = recipe.trainer
     if trainer is None:
         raise PlanError(f"recipe {recipe.name!r} has no trainer section; nothing to plan")
@@ -125,7 +130,8 @@ def plan_recipe(
         recipe = alternatives[0][1]
     sizes = None
     if auto_fields(recipe):  # chosen for the preferred alternative, as its job would
-        recipe, sizes = size_recipe(recipe, env)
+        several = alternatives_of or len(alternatives)
+        recipe, sizes = size_recipe(recipe, env, alternatives=several)
         trainer = recipe.trainer
         assert trainer is not None
     shape = find_shape(trainer.model.path, env)
@@ -248,9 +254,11 @@ def plan_alternatives(
     has its error instead; a recipe without a trainer or with an unknown model raises
     PlanError as plan_recipe does."""
     out = []
-    for label, alternative in recipe.alternatives():
+    alternatives = recipe.alternatives()
+    for label, alternative in alternatives:
         try:
-            out.append(AlternativePlan(label, plan_recipe(alternative, env, advise=advise)))
+            plan = plan_recipe(alternative, env, advise=advise, alternatives_of=len(alternatives))
+            out.append(AlternativePlan(label, plan))
         except UnknownAccelerator as exc:
             out.append(AlternativePlan(label, None, str(exc)))
     return out

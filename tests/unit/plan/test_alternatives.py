@@ -74,6 +74,7 @@ def test_auto_sizes_make_the_a100s_fit_and_lint_still_refuses_the_l4s(tmp_path: 
     )
     assert code == 1 and len(errors) == 1 and "L4:8: does not fit" in errors[0], errors
     assert "micro_batch_size: auto" in errors[0] and "24.0 GiB" in errors[0]
+    assert "drop L4:8 from resources.accelerators" in errors[0]
     path = _write(tmp_path, {"H100:8": None, "A100-40GB:8": None}, **AUTO)
     assert _lint(path, "--strict") == (0, [])
     rows = plan_alternatives(load_recipe(path).recipe)
