@@ -215,13 +215,14 @@ def plan(
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
 ) -> None:
     """Memory per GPU and per node (weights, grads, optimiser, reference, critic,
-    activations, logits, rollout engine), checkpoint size, and whether it fits. Exit 1 when
-    it does not."""
+    activations, logits, rollout engine), checkpoint size, and whether it fits; with
+    accelerator alternatives, a row for each and the preferred one's plan. Exit 1 when one
+    does not fit."""
     import json
 
     from rlx.errors import RecipeError
-    from rlx.plan import plan_recipe
-    from rlx.plan.report import print_plan
+    from rlx.plan.planner import plan_alternatives
+    from rlx.plan.report import print_alternatives, print_plan
     from rlx.recipe import load_recipe
 
     try:
@@ -230,12 +231,22 @@ def plan(
         for finding in exc.findings:
             typer.echo(finding.format(), err=True)
         fail(f"{recipe} has {len(exc.findings)} error(s); fix them (see `rlx lint {recipe}`)")
-    result = plan_recipe(loaded.recipe)
+    alternatives = plan_alternatives(loaded.recipe)
+    preferred = alternatives[0]
+    if preferred.plan is None:
+        fail(f"{recipe}: resources.accelerators: {preferred.error}")
+    result = preferred.plan
+    several = len(alternatives) > 1
     if as_json:
-        typer.echo(json.dumps(result.to_json(), indent=2))
+        out = result.to_json()
+        if several:
+            out["alternatives"] = [a.to_json() for a in alternatives]
+        typer.echo(json.dumps(out, indent=2))
     else:
+        if several:
+            print_alternatives(alternatives)
         print_plan(result)
-    if not result.fits:
+    if not all(a.fits for a in alternatives):
         raise typer.Exit(1)
 
 

@@ -125,6 +125,9 @@ class RunResult:
     checkpoint_bytes: int | None = None  # size on disk of the last checkpoint saved
     gpu_peak_gib: float | None = None  # the largest GPU_PEAK of the run (GPU runs)
     plan_gpu_gib: float | None = None  # what `rlx plan` gives a training GPU at its peak
+    # the accelerator the job got (alternative, device, memory, count, cloud, region, spot)
+    # and the sizes `auto` chose for it
+    accelerator: dict[str, Any] | None = None
     model: str | None = None  # the Hugging Face folder exported at the end
     error: str | None = None
 

@@ -2,11 +2,12 @@
 
 Each check is a small function from a recipe to problems (core.Check), kept in a module by
 the kind of thing it checks: trainer.py (the trainer section), lora.py (trainer.model.lora
-and critic_model.lora), environment.py (trainer.environment), memory.py (the memory plan),
-cluster.py (the Ray cluster), fabric.py (the network joining the nodes), groups.py
-(resources.groups), secrets.py, storage.py; each backend's own checks live in its package
-(rlx/launchers/<name>/checks.py, named in its BackendSpec). all_checks() lists them all;
-lint_loaded runs them on a loaded file and points every problem at its line.
+and critic_model.lora), environment.py (trainer.environment), memory.py (the memory plan of
+every accelerator alternative), alternatives.py (the layout with each alternative's GPUs
+and `auto` sizes), cluster.py (the Ray cluster), fabric.py (the network joining the
+nodes), groups.py (resources.groups), secrets.py, storage.py; each backend's own checks
+live in its package (rlx/launchers/<name>/checks.py, named in its BackendSpec). all_checks()
+lists them all; lint_loaded runs them on a loaded file and points every problem at its line.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from rlx.errors import Finding, RecipeError, RlxError
 from rlx.launchers import backend_checks
 from rlx.lint import (
+    alternatives,
     cluster,
     environment,
     fabric,
@@ -71,6 +73,7 @@ def all_checks() -> list[Check]:
         *lora.CHECKS,
         *environment.CHECKS,
         *memory.CHECKS,
+        *alternatives.CHECKS,
         *cluster.CHECKS,
         *fabric.CHECKS,
         *groups.CHECKS,

@@ -22,7 +22,11 @@ def _dp_ranks(recipe: Recipe) -> int:
     """Training (data-parallel) ranks, as the trainer will place them: one per training GPU,
     or one per node on CPU-only jobs."""
     from rlx.plan.actors import plan_actors
+    from rlx.plan.sizing import AUTO, with_sizes
 
+    trainer = recipe.trainer
+    if trainer is not None and trainer.rollout.tensor_parallel_size == AUTO:
+        recipe = with_sizes(recipe, tensor_parallel_size=1)  # ranks do not depend on it
     try:
         return plan_actors(recipe).train_workers
     except RlxError:  # an impossible split layout; check_layout reports it
@@ -68,7 +72,7 @@ def check_batch_divisibility(recipe: Recipe) -> Iterator[Problem]:
             f"minibatch_size {minibatch} does not split over {ranks} training workers; "
             f"make it a multiple of {ranks}",
         )
-    elif batch.micro_batch_size > minibatch // ranks:
+    elif batch.micro_batch_size != "auto" and batch.micro_batch_size > minibatch // ranks:
         yield Problem(
             (*where, "micro_batch_size"),
             WARNING,
@@ -84,6 +88,8 @@ def check_tensor_parallel(recipe: Recipe) -> Iterator[Problem]:
         return
     tp = trainer.rollout.tensor_parallel_size
     where = "rollout node (groups.rollout)" if recipe.resources.groups else "node"
+    if tp == "auto":  # chosen per alternative: rlx.lint.alternatives checks the choice
+        return
     if tp > 1 and (gpus == 0 or gpus % tp):
         yield Problem(
             ("trainer", "rollout", "tensor_parallel_size"),
@@ -124,6 +130,7 @@ def check_layout(recipe: Recipe) -> Iterator[Problem]:
         return
     total = recipe.resources.total_gpus
     tp = trainer.rollout.tensor_parallel_size
+    tp = 1 if tp == "auto" else tp  # auto divides rollout_gpus by its rule
     if recipe.resources.groups is not None:
         return  # the rollout group decides rollout_gpus: rlx.lint.groups checks it
     if trainer.layout == "split" and total > 0:
@@ -169,7 +176,7 @@ def check_colocated_tensor_parallel(recipe: Recipe) -> Iterator[Problem]:
         return
     tp = trainer.rollout.tensor_parallel_size
     gpus = recipe.resources.engine_gpus_per_node
-    if tp == 1 or gpus == 0:
+    if tp in (1, "auto") or gpus == 0:  # auto is 1 wherever an engine takes one GPU
         return
     where = ("trainer", "rollout", "tensor_parallel_size")
     if choose_engine(trainer.rollout.engine, gpus) == "hf":

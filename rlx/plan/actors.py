@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlx.errors import RlxError
-from rlx.recipe.model import Recipe
+from rlx.recipe.model import Recipe, fixed_int
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ def plan_actors(recipe: Recipe) -> ActorPlan:
         return _plan_groups(recipe)
     total_gpus = resources.total_gpus
     split = trainer.layout == "split"
-    tp = trainer.rollout.tensor_parallel_size
+    tp = fixed_int(trainer.rollout.tensor_parallel_size, "trainer.rollout.tensor_parallel_size")
     if total_gpus == 0:
         engines = max(trainer.rollout_gpus, 1) if split else 0
         return ActorPlan(resources.nodes, 0, engines, 0, spread_training=True)
@@ -86,7 +86,8 @@ def group_engines(recipe: Recipe) -> int:
     assert trainer is not None and rollout is not None
     if rollout.gpus_per_node == 0:
         return rollout.nodes
-    return rollout.nodes * rollout.gpus_per_node // trainer.rollout.tensor_parallel_size
+    tp = fixed_int(trainer.rollout.tensor_parallel_size, "trainer.rollout.tensor_parallel_size")
+    return rollout.nodes * rollout.gpus_per_node // tp
 
 
 def _plan_groups(recipe: Recipe) -> ActorPlan:
@@ -94,7 +95,7 @@ def _plan_groups(recipe: Recipe) -> ActorPlan:
     assert trainer is not None
     train, rollout = resources.train_nodes, resources.rollout_nodes
     assert rollout is not None
-    tp = trainer.rollout.tensor_parallel_size
+    tp = fixed_int(trainer.rollout.tensor_parallel_size, "trainer.rollout.tensor_parallel_size")
     if trainer.layout != "split" or bool(train.gpus_per_node) != bool(rollout.gpus_per_node):
         raise RlxError(
             "resources.groups: needs trainer.layout: split and accelerators on both groups or "

@@ -7,6 +7,7 @@ planner.py puts them together into a plan and its verdict; strategy.py plans the
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from rlx.plan import lora as lora_sizes
@@ -247,17 +248,29 @@ def micro_batch_tokens(trainer: TrainerSettings, ranks: int) -> tuple[int, int]:
     return rows * (prompt + response), rows * response
 
 
-def gpu_capacity(group: NodeGroup) -> int | None:
+def gpu_capacity(group: NodeGroup, env: Mapping[str, str] | None = None) -> int | None:
     """Bytes of one of the group's GPUs (None for CPU-only nodes); PlanError when its type
-    is not in the table."""
+    is not in the table (nor in RLX_ACCELERATOR_GIB)."""
     if not group.gpus_per_node:
         return None
     name = group.accelerator_type or ""
-    size = mem.accelerator_gib(name)
+    size = mem.accelerator_gib(name, env)
     if size is None:
-        known = ", ".join(mem.ACCELERATOR_GIB)
-        raise PlanError(f"accelerator {name!r} has no memory size in the plan's table: {known}")
+        raise UnknownAccelerator(unknown_accelerator(name))
     return int(size * GIB)
+
+
+class UnknownAccelerator(PlanError):
+    """An accelerator the plan's table (and RLX_ACCELERATOR_GIB) has no memory size for."""
+
+
+def unknown_accelerator(name: str) -> str:
+    """What to do about an accelerator the plan's table lacks."""
+    return (
+        f"accelerator {name!r} has no memory size in the plan's table, so no plan can vouch "
+        f"for it; use the table's name ({', '.join(mem.ACCELERATOR_GIB)}), or for other "
+        f"hardware give its memory: {mem.ACCELERATOR_GIB_ENV}='{name}=GIB' in the environment"
+    )
 
 
 def training_budget(

@@ -7,6 +7,10 @@ the compute dtype. Results are bytes.
 
 from __future__ import annotations
 
+import os
+import re
+from collections.abc import Mapping
+
 from rlx.plan.shapes import ModelShape
 
 GIB = 2**30
@@ -48,10 +52,60 @@ ACCELERATOR_GIB: dict[str, float] = {
 }
 
 
-def accelerator_gib(name: str) -> float | None:
-    """GiB of one accelerator by name (case-insensitive), or None when unknown."""
+# Memory of accelerators the table lacks, for custom hardware: 'NAME=GIB[,NAME=GIB...]'.
+ACCELERATOR_GIB_ENV = "RLX_ACCELERATOR_GIB"
+
+
+def accelerator_gib(name: str, env: Mapping[str, str] | None = None) -> float | None:
+    """GiB of one accelerator by name (case-insensitive): the table's, or one that
+    RLX_ACCELERATOR_GIB in env (os.environ when None) gives ('MYGPU=96'); None when
+    neither knows it."""
+    env = os.environ if env is None else env
     table = {key.upper(): value for key, value in ACCELERATOR_GIB.items()}
+    for entry in env.get(ACCELERATOR_GIB_ENV, "").split(","):
+        key, _, size = entry.partition("=")
+        try:
+            table[key.strip().upper()] = float(size)
+        except ValueError:
+            continue
     return table.get(name.upper())
+
+
+# How CUDA names the table's accelerators (torch.cuda.get_device_properties(i).name), most
+# specific first: the table's name is the first whose words all appear in the device's name.
+_DEVICE_WORDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("GH200", ("GH200",)),
+    ("H200", ("H200",)),
+    ("H100-NVL", ("H100", "NVL")),
+    ("H100", ("H100",)),
+    ("B200", ("B200",)),
+    ("A100-80GB", ("A100", "80GB")),
+    ("A100-40GB", ("A100", "40GB")),
+    ("A100", ("A100",)),
+    ("L40S", ("L40S",)),
+    ("L40", ("L40",)),
+    ("L4", ("L4",)),
+    ("A10G", ("A10G",)),
+    ("A10", ("A10",)),
+    ("A40", ("A40",)),
+    ("RTX6000-ADA", ("RTX", "6000", "ADA")),
+    ("RTXA6000", ("RTX", "A6000")),
+    ("RTX4090", ("RTX", "4090")),
+    ("V100-32GB", ("V100", "32GB")),
+    ("V100", ("V100",)),
+    ("T4", ("T4",)),
+    ("MI300X", ("MI300X",)),
+)
+
+
+def device_accelerator(device_name: str) -> str | None:
+    """The table's name for a device as CUDA names it ('NVIDIA H100 80GB HBM3' -> 'H100',
+    'NVIDIA A100-SXM4-40GB' -> 'A100-40GB'), or None for a device the table lacks."""
+    words = set(re.split(r"[\s_-]+", device_name.upper()))
+    for name, needed in _DEVICE_WORDS:
+        if all(word in words for word in needed):
+            return name
+    return None
 
 
 def runs_as(strategy: str, ranks: int) -> str:

@@ -27,6 +27,7 @@ from rlx.plan.budget import (
     HEADROOM,
     Budget,
     TrainedModel,
+    UnknownAccelerator,
     checkpoint_size,
     dtypes,
     engine_of,
@@ -40,6 +41,7 @@ from rlx.plan.budget import (
     training_budget,
 )
 from rlx.plan.shapes import PlanError, find_shape
+from rlx.plan.sizing import Sizes, auto_fields, choose_sizes
 from rlx.plan.strategy import choose_strategy
 from rlx.recipe.model import Recipe, TrainerSettings, episode_token_budget
 from rlx.storage import is_store_url
@@ -64,6 +66,7 @@ class MemoryPlan:
     episode_tokens: int = 0  # tokens after the prompt a rollout may hold (episode_token_budget)
     export_merged_bytes: int = 0  # with LoRA: the base with the adapter merged in
     lora: dict[str, dict[str, Any]] = field(default_factory=dict)  # per adapted model
+    sizes: Sizes | None = None  # what `auto` chose, when the recipe leaves a size to it
     problems: list[str] = field(default_factory=list)  # does not fit: what to change
     warnings: list[str] = field(default_factory=list)  # fits, but tightly
 
@@ -101,6 +104,7 @@ class MemoryPlan:
             "staging_bytes_per_node": self.staging_bytes,
             "episode_turns": self.episode_turns,
             "episode_tokens": self.episode_tokens,
+            **({"sizes": self.sizes.to_json()} if self.sizes is not None else {}),
             "fits": self.fits,
             "problems": self.problems,
             "warnings": self.warnings,
@@ -108,24 +112,38 @@ class MemoryPlan:
 
 
 def plan_recipe(
-    recipe: Recipe, env: Mapping[str, str] | None = None, *, advise: bool = True
+    recipe: Recipe,
+    env: Mapping[str, str] | None = None,
+    *,
+    advise: bool = True,
+    alternatives_of: int | None = None,
 ) -> MemoryPlan:
     """The memory plan of a recipe with a trainer section (PlanError if it has none, or its
     model or accelerator is unknown). advise: say which single changes make a budget that
-    does not fit fit (by planning each changed recipe)."""
+    does not fit fit (by planning each changed recipe). alternatives_of: how many
+    alternatives the recipe is one of (for what its `auto` sizes' problems say)."""
     trainer = recipe.trainer
     if trainer is None:
         raise PlanError(f"recipe {recipe.name!r} has no trainer section; nothing to plan")
+    alternatives = recipe.alternatives()
+    if len(alternatives) > 1:  # the preferred one; plan_alternatives plans them all
+        recipe = alternatives[0][1]
+    sizes = None
+    if auto_fields(recipe):  # chosen for the preferred alternative, as its job would
+        several = alternatives_of or len(alternatives)
+        recipe, sizes = size_recipe(recipe, env, alternatives=several)
+        trainer = recipe.trainer
+        assert trainer is not None
     shape = find_shape(trainer.model.path, env)
     critic_shape = None
     if trainer.algorithm == "ppo":
         critic_shape = find_shape((trainer.critic_model or trainer.model).path, env)
     resources = recipe.resources
     gpu = resources.gpus_per_node > 0
-    capacity = gpu_capacity(resources.train_nodes) if gpu else None
+    capacity = gpu_capacity(resources.train_nodes, env) if gpu else None
     rollout_nodes = resources.rollout_nodes
     # resources.groups: the engines run on the rollout group's GPUs, of their own size
-    rollout_capacity = capacity if rollout_nodes is None else gpu_capacity(rollout_nodes)
+    rollout_capacity = capacity if rollout_nodes is None else gpu_capacity(rollout_nodes, env)
     accelerator = resources.accelerators
     if rollout_nodes is not None:
         accelerator = (
@@ -150,6 +168,9 @@ def plan_recipe(
         episode_turns=None if trainer.environment is None else trainer.environment.max_turns,
         episode_tokens=episode_token_budget(trainer),
     )
+    if sizes is not None:
+        plan.sizes = sizes
+        plan.problems += sizes.problems
     compute, master, _ = dtypes(trainer, gpu, strategy)
     training = training_budget(trainer, shape, critic_shape, layout, strategy, gpu, capacity)
     if gpu:
@@ -183,6 +204,81 @@ def plan_recipe(
             )
     _verdict(plan, recipe, env, advise)
     return plan
+
+
+@dataclass
+class AlternativePlan:
+    """One accelerator alternative of a recipe: its plan, or why it has none (an accelerator
+    the plan's table lacks)."""
+
+    label: str
+    plan: MemoryPlan | None
+    error: str | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.plan is not None and self.plan.fits
+
+    def why(self) -> str:
+        """One phrase: what the GPU holds at its peak, or what does not fit and its largest
+        items."""
+        if self.plan is None:
+            return "not in the plan's table"
+        plan = self.plan
+        over = [b for b in [*plan.gpus, *plan.hosts] if not b.fits]
+        if plan.sizes is not None and plan.sizes.problems and not over:
+            return plan.sizes.problems[0].split(": ")[0] + ": no size fits"
+        budgets = over or plan.gpus or plan.hosts
+        if not budgets:
+            return "no memory limits given"
+        if not over and not plan.fits:  # a KV cache with no room for one sequence
+            return plan.problems[0].split(" (")[0]
+        tightest = min(budgets, key=lambda b: b.headroom if b.headroom is not None else 1.0)
+        where = tightest.title.split(" (")[0]
+        return f"{where} at {tightest.peak_phase}: {_largest(tightest, 2)}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "fits": self.fits,
+            "error": self.error,
+            "plan": None if self.plan is None else self.plan.to_json(),
+        }
+
+
+def plan_alternatives(
+    recipe: Recipe, env: Mapping[str, str] | None = None, *, advise: bool = True
+) -> list[AlternativePlan]:
+    """A plan for every accelerator alternative of the recipe, the preferred first (one
+    entry for a recipe that names one). An alternative whose accelerator the table lacks
+    has its error instead; a recipe without a trainer or with an unknown model raises
+    PlanError as plan_recipe does."""
+    out = []
+    alternatives = recipe.alternatives()
+    for label, alternative in alternatives:
+        try:
+            plan = plan_recipe(alternative, env, advise=advise, alternatives_of=len(alternatives))
+            out.append(AlternativePlan(label, plan))
+        except UnknownAccelerator as exc:
+            out.append(AlternativePlan(label, None, str(exc)))
+    return out
+
+
+def size_recipe(
+    recipe: Recipe,
+    env: Mapping[str, str] | None = None,
+    *,
+    host_bytes: int | None = None,
+    alternatives: int | None = None,
+) -> tuple[Recipe, Sizes]:
+    """The recipe with its `auto` sizes chosen from the plan of its preferred accelerator
+    alternative, and the sizes (rlx.plan.sizing.choose_sizes has the rule): what `rlx plan`,
+    lint and the trainer at start-up each call."""
+
+    def plan(sized: Recipe, plan_env: Mapping[str, str] | None) -> MemoryPlan:
+        return plan_recipe(sized, plan_env, advise=False)
+
+    return choose_sizes(recipe, env, plan, host_bytes=host_bytes, alternatives=alternatives)
 
 
 def _lora_summary(trainer: TrainerSettings, model: TrainedModel, gpu: bool) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlx.plan.budget import GIB, HEADROOM, Budget
-from rlx.plan.planner import MemoryPlan
+from rlx.plan.planner import AlternativePlan, MemoryPlan
 
 
 def _gib(n: int | None) -> str:
@@ -97,6 +97,8 @@ def print_plan(plan: MemoryPlan) -> None:
         f"{plan.accelerator or 'CPU only'}, {plan.train_ranks} training rank(s), "
         f"strategy {plan.strategy} ({plan.strategy_reason})"
     )
+    if plan.sizes is not None:
+        console.print(f"sizes: {plan.sizes.line()}")
     if plan.episode_turns is not None:
         console.print(episodes_line(plan))
     for line in lora_lines(plan):
@@ -127,3 +129,59 @@ def print_plan(plan: MemoryPlan) -> None:
         console.print(f"[red]also:[/] {problem}")
     colour = "green" if plan.fits and not plan.warnings else ("yellow" if plan.fits else "red")
     console.print(f"[bold {colour}]{verdict(plan)}[/]")
+
+
+def _need(plan: MemoryPlan) -> str:
+    """Each GPU budget's peak against its capacity: 'train 37.9/80.0, rollout 72.0/80.0'."""
+    return ", ".join(
+        f"{b.title.split(' ')[0].replace('training', 'train')} {_gib(b.peak)}/{_gib(b.capacity)}"
+        for b in plan.gpus
+    )
+
+
+def alternatives_table(alternatives: list[AlternativePlan]) -> Any:
+    """One row per accelerator alternative: memory per GPU (need/capacity, GiB), the sizes
+    `auto` chose, whether it fits and why."""
+    from rich.table import Table
+
+    table = Table(
+        title="accelerator alternatives (the first is preferred; the plan below is its)",
+        title_justify="left",
+        show_edge=False,
+    )
+    table.add_column("alternative")
+    table.add_column("GiB per GPU (need/have)")
+    table.add_column("sizes")
+    table.add_column("fits")
+    table.add_column("why")
+    for alternative in alternatives:
+        plan = alternative.plan
+        if plan is None:
+            table.add_row(alternative.label, "-", "-", "[red]unknown[/]", alternative.why())
+            continue
+        sizes = "-"
+        if plan.sizes is not None:
+            sizes = ", ".join(
+                f"{name} {value:g}"
+                for name, value in plan.sizes.to_json().items()
+                if name in plan.sizes.auto
+            )
+        fits = "[green]yes[/]" if plan.fits else "[red]no[/]"
+        if plan.fits and plan.warnings:
+            fits = "[yellow]tight[/]"
+        table.add_row(alternative.label, _need(plan), sizes, fits, alternative.why())
+    return table
+
+
+def print_alternatives(alternatives: list[AlternativePlan]) -> None:
+    from rich.console import Console
+
+    console = Console(soft_wrap=True, highlight=False)
+    console.print(alternatives_table(alternatives))
+    for alternative in alternatives[1:]:
+        plan = alternative.plan
+        if plan is None:
+            console.print(f"[red]{alternative.label}:[/] {alternative.error}")
+        elif not plan.fits:
+            console.print(f"[red]{alternative.label} does not fit:[/] {plan.problems[0]}")
+    console.print()

@@ -92,7 +92,7 @@ def _replicated_peak(
     critic = None
     if trainer.algorithm == "ppo":
         critic = find_shape((trainer.critic_model or trainer.model).path, env)
-    capacity = gpu_capacity(recipe.resources.train_nodes)
+    capacity = gpu_capacity(recipe.resources.train_nodes, env)
     assert capacity is not None  # GPU nodes
     budget = training_budget(trainer, shape, critic, layout, "ddp", True, capacity)
     return budget.peak, capacity

@@ -20,6 +20,8 @@ from pydantic import (
     model_validator,
 )
 
+from rlx.errors import RlxError
+
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 RECIPE_NAME = re.compile(r"[a-z][a-z0-9-]{0,38}[a-z0-9]")
 ACCELERATORS = re.compile(r"(?P<type>[A-Za-z][A-Za-z0-9_.-]*)(:(?P<count>[1-9][0-9]*))?")
@@ -561,9 +563,15 @@ class RolloutSettings(StrictModel):
     min_new_tokens: int = Field(0, ge=0, description="Shortest response in tokens.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
-    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per vLLM engine.")
-    gpu_memory_utilization: float = Field(
-        0.5, gt=0, le=1, description="Share of GPU memory vLLM may take."
+    tensor_parallel_size: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        1,
+        description="GPUs per vLLM engine; auto: the fewest that hold the engine's weights and "
+        "KV cache on the GPU the job got (1 when colocated or on CPU).",
+    )
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] | Literal["auto"] = Field(
+        0.5,
+        description="Share of GPU memory vLLM may take; auto: what the plan leaves the engine "
+        "on the GPU the job got (0.9 on rollout GPUs of its own).",
     )
     weight_sync_bucket_mb: int = Field(
         256,
@@ -623,6 +631,20 @@ class EnvironmentSettings(StrictModel):
         description="Share of a step's episodes that may fail (the environment raised, hung "
         "or returned something unusable) before the run stops; a failed episode trains nothing.",
     )
+
+
+# A size chosen at start-up for the GPU the job gets (rlx.plan.sizing).
+AUTO = "auto"
+
+
+def fixed_int(value: int | str, name: str) -> int:
+    """A size the caller needs fixed: RlxError, one line, where `auto` was never chosen."""
+    if value == AUTO or isinstance(value, str):
+        raise RlxError(
+            f"{name}: auto is chosen for the GPU the job gets, and this needs it fixed; "
+            "write a number, or size the recipe first (rlx.plan.planner.size_recipe)"
+        )
+    return value
 
 
 def episode_token_budget(settings: TrainerSettings) -> int:
@@ -692,8 +714,10 @@ class BatchSettings(StrictModel):
         description="Sequences per optimiser update; defaults to the whole step "
         "(prompts_per_step x rollout.n).",
     )
-    micro_batch_size: int = Field(
-        4, ge=1, description="Sequences per forward/backward on one device."
+    micro_batch_size: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        4,
+        description="Sequences per forward/backward on one device; auto: the largest power of "
+        "two that the plan fits with 10% spare on the GPU the job got (host memory on CPU).",
     )
     ppo_epochs: int = Field(1, ge=1, description="Passes over each step's samples.")
     max_tokens_per_micro_batch: int | None = Field(

@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator, Mapping
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from rlx.errors import RlxError
 from rlx.recipe.model import Recipe
@@ -24,6 +24,9 @@ from rlx.trainer.job import STAND_IN_GPUS_ENV, TrainJob
 from rlx.trainer.report.console import Stopped, StopRequest, console_to_log, handle_signals
 from rlx.trainer.report.record import finish, summary_lines
 from rlx.trainer.resolve import run_paths
+
+if TYPE_CHECKING:
+    from rlx.trainer.device import StartSizes
 
 # --------------------------------------------------------------------------- Ray
 
@@ -220,12 +223,24 @@ def training_session(
         yield Trainer(inputs, cluster, out=out, err=err, memory_of=memory, stop=stop)
 
 
+def start_sizes(recipe: Recipe, env: Mapping[str, str]) -> StartSizes:
+    """The recipe narrowed to the accelerator alternative this node's GPUs are, with its
+    `auto` sizes chosen (decided here, on the head, once: the actors get the result)."""
+    from rlx.trainer.device import host_memory, read_devices, size_at_start
+
+    stand_in = env.get(STAND_IN_GPUS_ENV) == "1"
+    devices = read_devices() if recipe.resources.total_gpus and not stand_in else None
+    return size_at_start(recipe, env, devices, host_bytes=host_memory())
+
+
 def trainer_for(
     recipe: Recipe, env: Mapping[str, str], out: TextIO, err: TextIO | None = None
 ) -> contextlib.AbstractContextManager[Any]:
     """A Trainer for the recipe with its actors up, for code that drives it step by step
     (tests, benchmarks): the job narrowed and the run's folders found as `rlx train` does."""
-    job = TrainJob.of(recipe, stand_in_gpus=env.get(STAND_IN_GPUS_ENV) == "1")
+    started = start_sizes(recipe, env)
+    env = {**env, **started.env}
+    job = TrainJob.of(started.recipe, stand_in_gpus=env.get(STAND_IN_GPUS_ENV) == "1")
     paths = run_paths(job.name, job.settings, env)
     return training_session(job, env, paths, out, out if err is None else err)
 
@@ -293,8 +308,14 @@ def run_training(
         if paths.run_url is not None:
             print(f"run folder mirrored to {paths.run_url}", file=out, flush=True)
         try:
+            # The accelerator alternative this job got, and the sizes auto chose for it.
+            started = start_sizes(recipe, env)
+            env.update(started.env)
+            print(started.line(), file=out, flush=True)
+            result.accelerator = started.to_json()
             # The recipe narrowed once, by the checks lint runs too; a refusal is recorded.
-            job = TrainJob.of(recipe, stand_in_gpus=env.get(STAND_IN_GPUS_ENV) == "1")
+            stand_in = env.get(STAND_IN_GPUS_ENV) == "1"
+            job = TrainJob.of(started.recipe, stand_in_gpus=stand_in)
             if job.recipe.resources.total_gpus and not job.on_gpus:
                 print(
                     "GPUs are stand-ins (a dress rehearsal): the job is placed on them as on "

@@ -93,9 +93,12 @@ def plan_rehearsal(recipe: Recipe, env: Mapping[str, str] | None = None) -> Rehe
             "'command:'): there is nothing to rehearse; `rlx launch --keep` brings a cluster up"
         )
     try:
+        recipe = _as_gpus_run_it(recipe, env)
         strategy = choose_strategy(recipe, env)
     except PlanError as exc:
         raise RlxError(f"{recipe.name}: {exc}") from None
+    trainer = recipe.trainer
+    assert trainer is not None
     data = recipe.model_dump(mode="json")
     changes: list[tuple[str, str, str]] = []
 
@@ -222,6 +225,21 @@ def _scale_work(recipe: Recipe, change: Any) -> None:
     change("trainer.checkpoint.resume", "auto")
     change("trainer.logging.wandb_project", None)  # nothing leaves this machine
     change("trainer.logging.every", 1)
+
+
+def _as_gpus_run_it(recipe: Recipe, env: Mapping[str, str] | None) -> Recipe:
+    """The recipe on its preferred accelerator alternative, its `auto` sizes chosen for it:
+    what the GPU run would start with there."""
+    from rlx.plan.planner import size_recipe
+    from rlx.plan.sizing import auto_fields
+
+    recipe = recipe.alternatives()[0][1]
+    if not auto_fields(recipe):
+        return recipe
+    sized, sizes = size_recipe(recipe, env)
+    if sizes.problems:
+        raise RlxError(sizes.problems[0])
+    return sized
 
 
 def _scale_batch(recipe: Recipe, rehearsal: Recipe, change: Any) -> None:

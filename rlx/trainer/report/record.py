@@ -73,6 +73,8 @@ def summary_lines(result: RunResult) -> list[str]:
         f"reward plot: {result.plot}",
         f"log: {result.log}",
     ]
+    if result.accelerator:
+        lines.insert(1, result.accelerator["line"])
     if result.checkpoints:
         size = ""
         if result.checkpoint_bytes is not None:

@@ -19,6 +19,8 @@ from tests.support.recipes import write_shipped_variant
 
 runner = CliRunner()
 GIB = 2**30
+# ppo-7b on its preferred GPU alone: lint's words for a recipe with one accelerator
+ONE_GPU = "H100:8"
 
 # hidden 64, 2 layers, 4 heads of 16, 2 kv heads, intermediate 128, vocab 100, untied,
 # q/k/v bias (qwen2).
@@ -222,7 +224,9 @@ def _lint_errors(path: Path) -> list[str]:
 
 
 def test_ddp_at_7b_on_80gb_fails_lint_with_the_numbers(tmp_path: Path) -> None:
-    path = _variant(tmp_path, "ppo-7b.yaml", trainer__parallel__strategy="ddp")
+    path = _variant(
+        tmp_path, "ppo-7b.yaml", trainer__parallel__strategy="ddp", resources__accelerators=ONE_GPU
+    )
     (error,) = _lint_errors(path)
     assert "does not fit: training GPU: needs 295.7 GiB of 80.0 GiB" in error
     assert "parallel.strategy: fsdp" in error
@@ -264,7 +268,12 @@ def test_unknown_accelerator_is_one_line(tmp_path: Path) -> None:
 
 def test_tight_plan_is_a_warning(tmp_path: Path) -> None:
     # ppo-7b with every rollout GPU given to vLLM: no headroom left on them.
-    path = _variant(tmp_path, "ppo-7b.yaml", trainer__rollout__gpu_memory_utilization=0.95)
+    path = _variant(
+        tmp_path,
+        "ppo-7b.yaml",
+        trainer__rollout__gpu_memory_utilization=0.95,
+        resources__accelerators=ONE_GPU,
+    )
     result = runner.invoke(app, ["lint", "--strict", str(path)])
     assert result.exit_code == 1 and "warning: resources.accelerators: tight: rollout GPU" in (
         result.output
@@ -281,7 +290,9 @@ def test_math_exact_on_math_data_warns(tmp_path: Path) -> None:
 
 
 def test_host_memory_too_small_fails_lint(tmp_path: Path) -> None:
-    path = _variant(tmp_path, "ppo-7b.yaml", resources__memory="100")
+    path = _variant(
+        tmp_path, "ppo-7b.yaml", resources__memory="100", resources__accelerators=ONE_GPU
+    )
     errors = _lint_errors(path)
     assert any(
         "resources.memory: does not fit: host RAM per node: needs 202.3 GiB of 93.1 GiB" in e
