@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from rlx.cli import app
 from rlx.launchers import render, renderable, spec
+from rlx.launchers.dstack.names import gpu_name
 from rlx.recipe import load_recipe
 from tests.conftest import RECIPES, REPO
 
@@ -100,8 +101,11 @@ def test_skypilot_job_group_loader_accepts(recipe: Path):
     assert [task.name for task in dag.tasks] == [name for name, _ in groups]
     for task, (name, group) in zip(dag.tasks, groups, strict=True):
         assert task.num_nodes == group.nodes
-        [resources] = list(task.resources)
-        assert resources.accelerators == {group.accelerator_type: group.gpus_per_node}
+        # one candidate per accelerator alternative of the group
+        got = [resources.accelerators for resources in task.resources]
+        assert sorted(map(str, got)) == sorted(
+            str({option.type: option.count}) for option in group.accelerator_options
+        )
         assert task.envs["RLX_NODE_GROUP"] == name
         assert "rlx node --backend sky" in task.run
     for job in list(yaml.safe_load_all(text))[1:]:  # secrets by name on every job
@@ -126,7 +130,8 @@ def test_dstack_accepts(recipe: Path):
     assert config.nodes is None
     assert [(g.name, g.nodes) for g in config.groups] == [(n, g.nodes) for n, g in groups]
     for node_group, (_, group) in zip(config.groups, groups, strict=True):
-        assert node_group.resources.gpu.name == [group.accelerator_type]
+        names = [gpu_name(option.type)[0] for option in group.accelerator_options]
+        assert node_group.resources.gpu.name == list(dict.fromkeys(names))
         assert node_group.resources.gpu.count.min == group.gpus_per_node
         assert "rlx node --backend dstack" in node_group.commands[-1]
 
