@@ -161,11 +161,12 @@ def check_gpu_names(recipe: Recipe) -> Iterator[Problem]:
 def check_order(recipe: Recipe) -> Iterator[Problem]:
     for path, shape in node_kinds(recipe):
         if shape.accelerators_ordered and len(shape.accelerator_options) > 1:
+            written = ", ".join(map(str, shape.accelerator_options))
             yield Problem(
                 path,
                 WARNING,
                 "dstack keeps no order among GPU names: it takes the cheapest offer of any; "
-                "write the alternatives as a set ({H100:8, A100-80GB:8}) to say so",
+                f"write the alternatives as a set ({{{written}}}) to say so",
             )
 
 
