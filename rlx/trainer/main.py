@@ -219,12 +219,14 @@ def training_session(
     dtype = engine_dtype(job)
     # Once the model is in this node's cache, its config plans DDP against FSDP.
     strategy = choose_strategy(job.recipe, env)
+    stop = stop or StopRequest()
     with contextlib.ExitStack() as stack:
+        stack.callback(stop.stay)  # last: Ray's teardown is over
         started_ray, where = connect_ray(job, env)
         if started_ray:
             stack.callback(stop_private_ray)
         # ray.init put in a SIGTERM handler that exits at once; ours releases the actors.
-        stop = stack.enter_context(handle_signals(stop or StopRequest()))
+        stop = stack.enter_context(handle_signals(stop))
         nodes = alive_nodes()
         check_resources(job.recipe, nodes, where)
         probe_nodes(locations(job.recipe, env), nodes)  # before any model loads
