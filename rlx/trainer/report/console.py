@@ -179,6 +179,9 @@ def handle_signals(request: StopRequest) -> Iterator[StopRequest]:
         return
     handled = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
     previous = {s: signal.signal(s, request.handler) for s in handled}
+    # Started by a Ray worker (a Ray Job's entrypoint), this process inherits SIGTERM and
+    # SIGINT blocked (rlx.sigterm; Ray's own for SIGINT) and would never see a stop.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, handled)
     try:
         yield request
     finally:
