@@ -350,11 +350,11 @@ class Bootstrap:
 
     def run_head_command(self, gcs: raynode.Gcs, alive: set[str]) -> int:
         # bash ignores USR1 (the checkpoint warning) so only programs that ask for it, the
-        # trainer, get it; by default it would end bash and orphan the trainer. A SIGTERM
-        # (to every process of the node, on a spot reclaim) must not end bash either: the
-        # trap keeps it waiting for the trainer's own answer (75 once saved), and unlike ''
-        # it is not inherited, so the trainer still gets the signal.
-        traps = "set -e\ntrap '' USR1\ntrap : TERM\n"
+        # trainer, get it; by default it would end bash and orphan the trainer. Where the
+        # node holds on, a SIGTERM (to every process of the node, on a spot reclaim) must not
+        # end bash either: the trap keeps it waiting for the trainer's answer (75 once saved),
+        # and unlike '' it is not inherited, so the trainer still gets the signal.
+        traps = "set -e\ntrap '' USR1\n" + ("trap : TERM\n" if self.holds_on else "")
         script = traps + "\n".join(self.recipe.head_command) + "\n"
         self.say("running: " + " && ".join(self.recipe.head_command))
         proc = subprocess.Popen(
