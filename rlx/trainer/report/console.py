@@ -145,7 +145,7 @@ class StopRequest:
             raise Stopped(self.signum)
 
     def leave_soon(self, seconds: float = LEAVE_AFTER_SAVED_SECONDS) -> None:
-        """The step is durable: exit 75 in `seconds` unless stay() comes first."""
+        """The stop's save is done: exit 75 in `seconds` unless stay() comes first."""
         if self._leave is None:
             self._leave = threading.Timer(seconds, _leave, (seconds,))
             self._leave.daemon = True
@@ -164,8 +164,7 @@ class StopRequest:
 
 def _leave(seconds: float) -> None:
     print(
-        f"Ray did not let go within {seconds:.0f} s of the saved stop; leaving with "
-        f"{TRY_AGAIN} (the checkpoint is complete)",
+        f"Ray did not let go within {seconds:.0f} s of the stop; leaving with {TRY_AGAIN}",
         flush=True,
     )
     os._exit(TRY_AGAIN)
