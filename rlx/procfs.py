@@ -91,3 +91,15 @@ def reset_peak_rss() -> bool:
     except OSError:
         return False
     return True
+
+
+def blocks_signal(pid: int, signum: int) -> bool:
+    """The process holds `signum` blocked (SigBlk in /proc/PID/status); False when gone."""
+    try:
+        status = (PROC / str(pid) / "status").read_text()
+    except OSError:
+        return False
+    for line in status.splitlines():
+        if line.startswith("SigBlk:"):
+            return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False

@@ -123,7 +123,7 @@ class Bootstrap:
             # and has PREEMPT_GRACE_SECONDS to save and exit; the nodes hold on till then.
             # Not on Slurm: it signals every process of the step, Ray's daemons too, so there
             # is nothing to hold on to (its warning, USR1, is how a Slurm job saves first).
-            if signum == signal.SIGTERM and self.running and self.node.backend != "slurm":
+            if signum == signal.SIGTERM and self.running and self.holds_on:
                 if self.terminated_at is None:
                     self.terminated_at = self.clock()
                     self.say("received SIGTERM: the job saves and stops (preemption grace)")
@@ -165,6 +165,14 @@ class Bootstrap:
                 for sig, old in previous.items():
                     signal.signal(sig, old)
 
+    @property
+    def holds_on(self) -> bool:
+        """SIGTERM while the job runs lets it save first, and our Ray keeps SIGTERM blocked
+        so that a SIGTERM to every process of the node (a spot reclaim) does not take the
+        GCS, the raylets and the trainer's actors before the save (rlx.sigterm). Not on
+        Slurm: its warning before the end is USR1, and its cancel stops at once."""
+        return self.node.backend != "slurm"
+
     def check_ports(self) -> None:
         """Fail at once, naming the recipe field, when another program holds one of our
         ports: `ray start` itself would only give up after Ray's own timeouts."""
@@ -193,7 +201,7 @@ class Bootstrap:
         )
         self.say(f"starting the Ray head on {node.head_ip}:{settings.port} ({sizes})")
         argv = raynode.head_command(settings, node.head_ip, node.gpus_per_node, node.own_group)
-        start = raynode.RayStart(argv, self.ray_env)
+        start = raynode.RayStart(argv, self.ray_env, self.holds_on)
         # Import Ray's client while the GCS starts, so the workers hear of it at once.
         threading.Thread(target=raynode.preload, daemon=True).start()
         try:
@@ -342,8 +350,12 @@ class Bootstrap:
 
     def run_head_command(self, gcs: raynode.Gcs, alive: set[str]) -> int:
         # bash ignores USR1 (the checkpoint warning) so only programs that ask for it, the
-        # trainer, get it; by default it would end bash and orphan the trainer.
-        script = "set -e\ntrap '' USR1\n" + "\n".join(self.recipe.head_command) + "\n"
+        # trainer, get it; by default it would end bash and orphan the trainer. Where the
+        # node holds on, a SIGTERM (to every process of the node, on a spot reclaim) must not
+        # end bash either: the trap keeps it waiting for the trainer's answer (75 once saved),
+        # and unlike '' it is not inherited, so the trainer still gets the signal.
+        traps = "set -e\ntrap '' USR1\n" + ("trap : TERM\n" if self.holds_on else "")
+        script = traps + "\n".join(self.recipe.head_command) + "\n"
         self.say("running: " + " && ".join(self.recipe.head_command))
         proc = subprocess.Popen(
             ["bash", "-c", script], env=self.head_command_env(), start_new_session=True
@@ -491,7 +503,7 @@ class Bootstrap:
         )
         for attempt in (1, 2):
             try:
-                raynode.run_ray_start(argv, self.ray_env, RAY_START_TIMEOUT)
+                raynode.run_ray_start(argv, self.ray_env, RAY_START_TIMEOUT, self.holds_on)
                 return
             except RlxError as e:
                 if raynode.RAYLET_SLOW not in str(e) or self.clock() >= self.join_deadline:

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rlx import procfs
+from rlx import procfs, sigterm
 from rlx.errors import RlxError
 from rlx.node.env import NODE_GROUP_LABEL
 from rlx.recipe.model import RaySettings
@@ -140,9 +140,11 @@ def _not_installed() -> RlxError:
     )
 
 
-def run_ray_start(argv: list[str], env: Mapping[str, str], timeout: float) -> None:
+def run_ray_start(
+    argv: list[str], env: Mapping[str, str], timeout: float, hold_sigterm: bool = False
+) -> None:
     """Run `ray start` to the end; RlxError with the tail of its output if it fails."""
-    start = RayStart(argv, env)
+    start = RayStart(argv, env, hold_sigterm)
     try:
         start.wait(timeout)
     finally:
@@ -154,15 +156,19 @@ class RayStart:
     is up instead of waiting for every other head process (dashboard, client server).
 
     Its output goes to a file, not a pipe: the daemons it leaves behind could hold a pipe
-    open and keep a reader waiting for the end of it."""
+    open and keep a reader waiting for the end of it. With `hold_sigterm` the daemons keep
+    SIGTERM blocked (rlx.sigterm): they outlive a SIGTERM sent to every process of the node
+    and stop_own_ray ends them with SIGKILL."""
 
-    def __init__(self, argv: list[str], env: Mapping[str, str]):
+    def __init__(self, argv: list[str], env: Mapping[str, str], hold_sigterm: bool = False):
         self.argv = argv
         self._output = tempfile.TemporaryFile()  # noqa: SIM115 (closed by stop())
+        held = sigterm.held_by_children() if hold_sigterm else contextlib.nullcontext()
         try:
-            self._proc = subprocess.Popen(
-                argv, env=dict(env), stdout=self._output, stderr=subprocess.STDOUT
-            )
+            with held:
+                self._proc = subprocess.Popen(
+                    argv, env=dict(env), stdout=self._output, stderr=subprocess.STDOUT
+                )
         except FileNotFoundError:
             self._output.close()
             raise _not_installed() from None
@@ -333,7 +339,13 @@ def _program(pid: int) -> str:
 
 
 def _terminate(pids: list[int], grace: float) -> None:
-    """SIGTERM, then SIGKILL what is still running after `grace` seconds."""
+    """SIGTERM, then SIGKILL what is still running after `grace` seconds. A process that
+    holds SIGTERM blocked (our Ray's, see rlx.sigterm) gets SIGKILL at once: a SIGTERM
+    would only wait out the grace."""
+    deaf = [pid for pid in pids if procfs.blocks_signal(pid, signal.SIGTERM)]
+    for pid in deaf:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):

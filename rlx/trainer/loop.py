@@ -220,6 +220,7 @@ class Trainer:
                     if self.stop.checkpoint_first and self.stop.received is not None:
                         self.finish_saves()
                         self.stopping_note(done)
+                        self.stop.leave_soon()  # bounds Ray's teardown (a GCS may be gone)
                     self.stop.check_between_steps()
                     metrics = self.step(step)
                     if validation.due(settings, step):

@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TextIO
 
+from rlx import sigterm
 from rlx.errors import RlxError
 from rlx.recipe.model import Recipe
 from rlx.runs import RunPaths, RunResult, mirror_run, pull_run, run_line, write_result
@@ -52,14 +53,31 @@ def connect_ray(job: TrainJob, env: Mapping[str, str]) -> tuple[bool, str]:
             raise RlxError(f"cannot join the Ray cluster at {address}: {first}") from None
         return False, f"at {address}"
     cpus = max(os.cpu_count() or 1, job.actors.bundles + 1)
-    ray.init(
-        address="local",
-        num_cpus=cpus,
-        include_dashboard=False,
-        logging_level=logging.ERROR,
-        log_to_driver=True,
-    )
+    # Ray's daemons and workers outlive a SIGTERM to every process here (rlx.sigterm): this
+    # process saves the step done and stops them itself (stop_private_ray).
+    with sigterm.held_by_children():
+        ray.init(
+            address="local",
+            num_cpus=cpus,
+            include_dashboard=False,
+            logging_level=logging.ERROR,
+            log_to_driver=True,
+        )
     return True, "on this machine"
+
+
+def stop_private_ray() -> None:
+    """ray.shutdown() for the Ray connect_ray started. Its daemons hold SIGTERM blocked, so
+    Ray's own way (SIGTERM, a second's wait, then SIGKILL, one daemon after another) would
+    add seconds: they get SIGKILL at once, still after the driver has left, as Ray orders
+    it (killed before, the driver's goodbye waits 15 s for them)."""
+    import ray
+
+    node = getattr(ray._private.worker, "_global_node", None)
+    for infos in getattr(node, "all_processes", {}).values():
+        for info in infos:
+            info.process.terminate = info.process.kill
+    ray.shutdown()
 
 
 # --------------------------------------------------------------------------- the session
@@ -192,8 +210,6 @@ def training_session(
     stop: StopRequest | None = None,
 ) -> Iterator[Any]:
     """A Trainer whose actors are up (and torn down again on exit)."""
-    import ray
-
     from rlx.plan.strategy import choose_strategy
     from rlx.trainer.actors.cluster import Cluster
     from rlx.trainer.actors.placement import alive_nodes, check_resources
@@ -206,12 +222,14 @@ def training_session(
     dtype = engine_dtype(job)
     # Once the model is in this node's cache, its config plans DDP against FSDP.
     strategy = choose_strategy(job.recipe, env)
+    stop = stop or StopRequest()
     with contextlib.ExitStack() as stack:
+        stack.callback(stop.stay)  # last: Ray's teardown is over
         started_ray, where = connect_ray(job, env)
         if started_ray:
-            stack.callback(ray.shutdown)
+            stack.callback(stop_private_ray)
         # ray.init put in a SIGTERM handler that exits at once; ours releases the actors.
-        stop = stack.enter_context(handle_signals(stop or StopRequest()))
+        stop = stack.enter_context(handle_signals(stop))
         nodes = alive_nodes()
         check_resources(job.recipe, nodes, where)
         probe_nodes(locations(job.recipe, env), nodes)  # before any model loads

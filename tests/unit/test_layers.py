@@ -35,6 +35,7 @@ RULES: dict[str, tuple[tuple[str, ...], str]] = {
     "rlx.lint": (("torch", "ray", "transformers", "vllm"), "lints before any GPU is paid for"),
     "rlx.runs": (("torch", "ray", "rlx.launchers"), "both sides read the run folder"),
     "rlx.procfs": (("rlx",), "a leaf"),
+    "rlx.sigterm": (("rlx",), "a leaf"),
     "rlx.errors": (("rlx.",), "a leaf"),
 }
 # A backend's render.py is pure: its library, processes and the clock stay out of it.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import signal
 import sys
 import threading
@@ -100,6 +101,10 @@ def console_to_log(log_path: Path) -> Iterator[tuple[TextIO, TextIO]]:
 # 75. The deadline this must meet is the platform's grace before SIGKILL (GCP spot: 30 s;
 # Slurm: KillWait; SkyPilot/dstack: their own); docs/storage.md has what was measured.
 SAVE_FIRST = (signal.SIGUSR1, signal.SIGTERM)
+# Once a stop's checkpoint is durable, Ray's teardown gets this long, then the process leaves
+# with 75 regardless: a driver whose GCS is gone waits 60 s for it and then dies with 1, past
+# every platform's grace and with the wrong code for a retry.
+LEAVE_AFTER_SAVED_SECONDS = 10.0
 
 
 class StopRequest:
@@ -118,6 +123,7 @@ class StopRequest:
     def __init__(self) -> None:
         self.signum: int | None = None
         self.received: float | None = None  # time.monotonic() when the first signal came
+        self._leave: threading.Timer | None = None
 
     def handler(self, signum: int, _frame: object) -> None:
         if self.signum is not None:
@@ -138,10 +144,30 @@ class StopRequest:
         if self.signum is not None:
             raise Stopped(self.signum)
 
+    def leave_soon(self, seconds: float = LEAVE_AFTER_SAVED_SECONDS) -> None:
+        """The stop's save is done: exit 75 in `seconds` unless stay() comes first."""
+        if self._leave is None:
+            self._leave = threading.Timer(seconds, _leave, (seconds,))
+            self._leave.daemon = True
+            self._leave.start()
+
+    def stay(self) -> None:
+        """What leave_soon waited for is done (Ray let go)."""
+        if self._leave is not None:
+            self._leave.cancel()
+
     @property
     def checkpoint_first(self) -> bool:
         """Save what was done before stopping (SIGTERM, or the scheduler's warning)."""
         return self.signum in SAVE_FIRST
+
+
+def _leave(seconds: float) -> None:
+    print(
+        f"Ray did not let go within {seconds:.0f} s of the stop; leaving with {TRY_AGAIN}",
+        flush=True,
+    )
+    os._exit(TRY_AGAIN)
 
 
 @contextlib.contextmanager
@@ -152,6 +178,9 @@ def handle_signals(request: StopRequest) -> Iterator[StopRequest]:
         return
     handled = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
     previous = {s: signal.signal(s, request.handler) for s in handled}
+    # Started by a Ray worker (a Ray Job's entrypoint), this process inherits SIGTERM and
+    # SIGINT blocked (rlx.sigterm; Ray's own for SIGINT) and would never see a stop.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, handled)
     try:
         yield request
     finally:

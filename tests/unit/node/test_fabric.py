@@ -58,7 +58,7 @@ def test_ray_and_the_trainer_start_with_them(clean_auth, monkeypatch):
     assert head.head_command_env()["FI_PROVIDER"] == "efa"
     worker = boot(recipe, node_env, 1)
     seen: list[dict[str, str]] = []
-    monkeypatch.setattr(raynode, "run_ray_start", lambda _argv, env, _t: seen.append(env))
+    monkeypatch.setattr(raynode, "run_ray_start", lambda _argv, env, _t, _hold: seen.append(env))
     monkeypatch.setattr(raynode, "raylet_alive", lambda _a, _p: True)
 
     class Gcs:

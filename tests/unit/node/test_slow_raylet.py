@@ -72,7 +72,7 @@ def starts(monkeypatch, outcomes: list[Exception | None]) -> list[int]:
     """run_ray_start gives each outcome in turn; the list of calls made."""
     calls: list[int] = []
 
-    def run_ray_start(_argv, _env, _timeout):
+    def run_ray_start(_argv, _env, _timeout, _hold_sigterm):
         calls.append(1)
         outcome = outcomes[len(calls) - 1]
         if outcome is not None:
