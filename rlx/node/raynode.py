@@ -343,6 +343,12 @@ def _terminate(pids: list[int], grace: float) -> None:
     holds SIGTERM blocked (our Ray's, see rlx.sigterm) gets SIGKILL at once: a SIGTERM
     would only wait out the grace."""
     deaf = [pid for pid in pids if procfs.blocks_signal(pid, signal.SIGTERM)]
+    if deaf:
+        # Frozen first, with every child they have by then: a raylet killed outright leaves
+        # the workers it forked a moment before (not in `pids`) running and holding the ports
+        # it passed down, where a raylet told to stop would have ended them itself.
+        deaf = _freeze(deaf)
+        pids = sorted(set(pids) | set(deaf))
     for pid in deaf:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -357,6 +363,20 @@ def _terminate(pids: list[int], grace: float) -> None:
             time.sleep(delay)
         if not any(procfs.running(pid) for pid in pids):
             return
+
+
+def _freeze(roots: list[int]) -> list[int]:
+    """SIGSTOP `roots` and their descendants, again for any child that appears meanwhile, until
+    the tree holds still; the pids stopped. (SIGSTOP cannot be blocked or caught.)"""
+    stopped: set[int] = set()
+    todo = set(roots)
+    while todo:
+        for pid in todo:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        stopped |= todo
+        todo = {pid for pid, ppid in procfs.parents().items() if ppid in stopped} - stopped
+    return sorted(stopped)
 
 
 def backoff(start: float = 0.05, factor: float = 1.5, cap: float = 1.0) -> Iterator[float]:
