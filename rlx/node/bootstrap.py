@@ -58,6 +58,7 @@ PREEMPT_GRACE_SECONDS = 25.0
 # clean-up must end well inside a scheduler's kill wait (Slurm's KillWait: 30 s by default,
 # often less), or the scheduler's SIGKILL ends it with the GCS still up.
 SIGNALLED_STOP_GRACE = 1.0
+PORTS_FREED_SECONDS = 10.0  # what was stopped at start-up has this long to let go of its ports
 PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
 
 
@@ -140,7 +141,9 @@ class Bootstrap:
             left = raynode.stop_own_ray(self.address, self.recipe.ray.port)
             if left:
                 self.say(f"stopped {left} Ray processes left by an earlier attempt")
-            self.check_ports()
+            # A process killed outright shows as a zombie while its other threads still close
+            # its sockets: the ports of what was just stopped get a moment to come free.
+            self.check_ports(wait=PORTS_FREED_SECONDS if left else 0.0)
             if self.fabric_env:
                 settings = " ".join(f"{k}={v}" for k, v in self.fabric_env.items())
                 self.say(f"resources.fabric {self.recipe.resources.fabric}: {settings}")
@@ -173,12 +176,19 @@ class Bootstrap:
         Slurm: its warning before the end is USR1, and its cancel stops at once."""
         return self.node.backend != "slurm"
 
-    def check_ports(self) -> None:
-        """Fail at once, naming the recipe field, when another program holds one of our
-        ports: `ray start` itself would only give up after Ray's own timeouts."""
+    def check_ports(self, wait: float = 0.0) -> None:
+        """Fail, naming the recipe field, when another program holds one of our ports (after
+        `wait` seconds at most): `ray start` itself would only give up after Ray's own
+        timeouts."""
         settings = self.recipe.ray
         ports = raynode.fixed_ports(settings, self.node.is_head)
         taken = raynode.taken_ports(ports)
+        deadline = time.monotonic() + wait
+        for delay in raynode.backoff(start=0.05, cap=0.5):
+            if not taken or time.monotonic() >= deadline:
+                break
+            time.sleep(delay)
+            taken = raynode.taken_ports(ports)
         if taken:
             listed = ", ".join(f"ray.{name} ({ports[name]})" for name in taken)
             raise RlxError(
