@@ -262,7 +262,8 @@ def run_rlx(
         print(
             f"lengths: mean {row['response_length/mean']:.1f} max "
             f"{row['response_length/max']:.0f}, padding "
-            f"{row.get('perf/padding_fraction', 0.0):.3f}",
+            f"{row.get('perf/padding_fraction', 0.0):.3f}; seconds: "
+            + ", ".join(f"{k[5:]} {v:.2f}" for k, v in row.items() if k.startswith("time/")),
             flush=True,
         )
     return [row["time"] for row in rows]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -87,6 +88,73 @@ class _SamplingDistribution:
         if len(values) < width and self._pending is not None:
             values.append(self._pending.gather(1, response_ids[:, -1:]).squeeze(1))
         return torch.stack(values, dim=1)
+
+
+@functools.cache
+def _growing_layer_class() -> type:
+    """A full-attention cache layer that keeps its keys and values in a buffer with room
+    to spare and writes each step's into it, where transformers' DynamicLayer copies the
+    whole cache (torch.cat) at every token: on a small model that copy was most of a decode
+    step, and it grows with the length. The layer hands attention a view of the filled part;
+    when the buffer is full it doubles (up to the room the generation can need), so memory
+    stays within twice what is held, as the copy's transient did."""
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowingLayer(DynamicLayer):
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, most: int):
+            super().__init__()
+            self.dtype, self.device = keys.dtype, keys.device
+            self.is_initialized = True
+            self.most = most  # no row ever holds more positions than this
+            self.filled = keys.shape[-2]
+            self._keys = self._room(keys, min(most, max(2 * self.filled, 64)))
+            self._values = self._room(values, self._keys.shape[-2])
+            self._views()
+
+        def _room(self, states: torch.Tensor, capacity: int) -> torch.Tensor:
+            """(B, H, capacity, D), the first `filled` positions copied from `states`."""
+            rows, heads, _, dim = states.shape
+            buffer = states.new_empty((rows, heads, capacity, dim))
+            buffer[:, :, : self.filled] = states[:, :, : self.filled]
+            return buffer
+
+        def _views(self) -> None:
+            self.keys = self._keys[:, :, : self.filled]
+            self.values = self._values[:, :, : self.filled]
+
+        def update(
+            self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            end = self.filled + key_states.shape[-2]
+            if end > self._keys.shape[-2]:
+                capacity = max(end, min(self.most, 2 * self._keys.shape[-2]))
+                self._keys = self._room(self._keys, capacity)
+                self._values = self._room(self._values, capacity)
+            self._keys[:, :, self.filled : end] = key_states
+            self._values[:, :, self.filled : end] = value_states
+            self.filled = end
+            self._views()
+            return self.keys, self.values
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            self._keys = self._keys[indices]
+            self._values = self._values[indices]
+            self._views()
+
+    return GrowingLayer
+
+
+def grow_in_place(cache: object, most: int) -> None:
+    """Make every plain full-attention layer of a DynamicCache write new positions into a
+    buffer instead of concatenating (see _growing_layer_class); other layers (sliding
+    windows, linear attention) stay as they are. `most`: the positions a row can reach."""
+    from transformers.cache_utils import DynamicLayer
+
+    growing = _growing_layer_class()
+    layers = getattr(cache, "layers", [])
+    for index, layer in enumerate(layers):
+        if type(layer) is DynamicLayer and layer.is_initialized and layer.keys.dim() == 4:
+            layers[index] = growing(layer.keys, layer.values, most)
 
 
 class HFEngine(RolloutEngine):
@@ -207,6 +275,7 @@ class HFEngine(RolloutEngine):
         all done keeps one finished row going, its tokens dropped."""
         rows = input_ids.shape[0]
         cache, logits = self._prefill(input_ids, attention_mask)  # logits: (B, V)
+        grow_in_place(cache, input_ids.shape[1] + sampling.max_new_tokens)
         positions = attention_mask.sum(dim=1, keepdim=True)  # (B, 1): the next token's
         mask = attention_mask
         alive = torch.arange(rows, device=self.device)  # (A,) batch row of each cache row

@@ -161,6 +161,37 @@ def test_finished_rows_leave_the_batch(tiny_model_dir: Path) -> None:
     _assert_logprobs_match_teacher_forcing(model, batch)
 
 
+def test_growing_cache_layers_equal_concatenation() -> None:
+    """The decode loop's cache layers write into a buffer that doubles when full; what they
+    hand attention equals transformers' concatenating layer through growth past the first
+    buffer and rows leaving, and they never hold room for more than `most` positions."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    from rlx.trainer.rollout.hf import grow_in_place
+
+    gen = torch.Generator().manual_seed(0)
+    prompt = [torch.randn(5, 2, 3, 4, generator=gen) for _ in range(2)]
+    plain, grown = DynamicLayer(), DynamicCache()
+    plain.update(*prompt)
+    grown.layers = [DynamicLayer()]
+    grown.layers[0].update(*prompt)
+    grow_in_place(grown, most=3 + 70)
+    layer = grown.layers[0]
+    assert type(layer) is not DynamicLayer
+    rows = 5
+    leaving = {20: torch.tensor([0, 2, 4]), 50: torch.tensor([1, 2])}  # the rows kept
+    for step in range(70):
+        if step in leaving:
+            plain.batch_select_indices(leaving[step])
+            layer.batch_select_indices(leaving[step])
+            rows = len(leaving[step])
+        new = [torch.randn(rows, 2, 1, 4, generator=gen) for _ in range(2)]
+        want, got = plain.update(*new), layer.update(*new)
+        assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+        assert layer.get_seq_length() == 3 + step + 1
+    assert layer._keys.shape[-2] == 73  # doubled from 64, held at `most`
+
+
 def test_min_new_tokens_holds_eos_back(tiny_model_dir: Path) -> None:
     engine = HFEngine(_eos_heavy_model(tiny_model_dir, eos_bias=5.0))
     free = engine.generate(PROMPTS, SamplingArgs(8, max_new_tokens=16), seed=2)
