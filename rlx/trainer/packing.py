@@ -129,6 +129,48 @@ def balanced_split(costs: Sequence[float], parts: int) -> list[list[int]]:
     return [sorted(group) for group in groups]
 
 
+def shared_segments(
+    lengths: Sequence[int],
+    prompt_lengths: Sequence[int],
+    prompt_of: Sequence[int],
+    row_tokens: int,
+) -> list[list[int]]:
+    """Sequences that hold the same prompt (prompt_of: a prompt's id per sequence) gathered
+    into segments that run their prompt once, each response after it: a segment costs its
+    prompt plus its responses. A prompt's responses, longest first, go to the first of its
+    segments with room (row_tokens), else start a new one (a response too long for any
+    segment has one of its own). Segments come in order of their prompts' first sequence."""
+    members: dict[int, list[int]] = {}
+    for index, prompt in enumerate(prompt_of):
+        members.setdefault(prompt, []).append(index)
+    segments: list[list[int]] = []
+    for indices in members.values():
+        prompt = prompt_lengths[indices[0]]
+        own: list[list[int]] = []
+        held: list[int] = []
+        for index in sorted(indices, key=lambda i: (-lengths[i], i)):
+            response = lengths[index] - prompt
+            slot = next((s for s, h in enumerate(held) if h + response <= row_tokens), None)
+            if slot is None:
+                own.append([index])
+                held.append(prompt + response)
+            else:
+                own[slot].append(index)
+                held[slot] += response
+        segments.extend(sorted(segment) for segment in own)
+    return segments
+
+
+def segment_lengths(
+    segments: Sequence[Sequence[int]], lengths: Sequence[int], prompt_lengths: Sequence[int]
+) -> list[int]:
+    """Tokens each segment places: its prompt once and every response."""
+    return [
+        prompt_lengths[segment[0]] + sum(lengths[i] - prompt_lengths[i] for i in segment)
+        for segment in segments
+    ]
+
+
 @dataclass(frozen=True)
 class PackedRows:
     """A pass's sequences packed into rows, as the model takes them.
@@ -137,12 +179,24 @@ class PackedRows:
     positions of its own (0, 1, ...), a segment no real token attends to. score_index: (N,)
     flat indices into the k*T positions, the one whose output predicts each scored response
     token (response_mask's True entries, row-major: the order masked_scatter fills).
+    attention: None when every segment is one sequence (the model derives the block-diagonal
+    mask from the position ids); with segments that share a prompt, (k, 1, T, T) True where
+    a position attends: its own segment's prompt and its own response, causally. Padding
+    attends to itself alone.
     """
 
     input_ids: Tensor  # (k, T) long
     position_ids: Tensor  # (k, T) long
     score_index: Tensor  # (N,) long
     real_tokens: int
+    attention: Tensor | None = None  # (k, 1, T, T) bool
+    # (N,) flat index of each scored token itself; None: the position after score_index's
+    # (a segment's first tokens of its responses all follow its prompt's last position)
+    target_index: Tensor | None = None
+
+    def target_positions(self) -> Tensor:
+        """(N,) flat index of each scored response token in input_ids."""
+        return self.score_index + 1 if self.target_index is None else self.target_index
 
     @property
     def positions(self) -> int:
@@ -155,38 +209,87 @@ class PackedRows:
             position_ids=self.position_ids.to(device),
             score_index=self.score_index.to(device),
             real_tokens=self.real_tokens,
+            attention=None if self.attention is None else self.attention.to(device),
+            target_index=None if self.target_index is None else self.target_index.to(device),
         )
 
 
 def pack_rows(
-    batch: SequenceBatch, rows: Sequence[Sequence[int]], pad_token_id: int = 0
+    batch: SequenceBatch, rows: Sequence[Sequence[int | Sequence[int]]], pad_token_id: int = 0
 ) -> PackedRows:
-    """`batch`'s sequences (every row of it, each in exactly one of `rows`) packed as given.
-    Each sequence's real tokens are its attention mask's ones: a left-padded prompt then a
+    """`batch`'s sequences (every row of it, each in exactly one place of `rows`) packed as
+    given. A row holds sequences (an index) or segments (a list of indices of sequences
+    with the same prompt, run once with each response after it; see shared_segments). Each
+    sequence's real tokens are its attention mask's ones: a left-padded prompt then a
     right-padded response, contiguous."""
-    placed = sorted(i for row in rows for i in row)
+    row_segments = [[[i] if isinstance(i, int) else list(i) for i in row] for row in rows]
+    placed = sorted(i for row in row_segments for segment in row for i in segment)
     if placed != list(range(len(batch))):
         raise ValueError(f"the rows place sequences {placed}, the batch holds {len(batch)}")
     real = batch.attention_mask.bool()  # (B, P + R)
     lengths = real.sum(dim=1).tolist()  # (B,)
     prompt_lengths = real[:, : batch.prompt_width].sum(dim=1).tolist()  # (B,)
-    width = max(sum(lengths[i] for i in row) for row in rows)
+    tokens = [batch.input_ids[i][real[i]] for i in range(len(batch))]  # each (L_i,)
+    shares = any(len(segment) > 1 for row in row_segments for segment in row)
+    fills = [segment_lengths(row, lengths, prompt_lengths) for row in row_segments]
+    width = max(sum(fill) for fill in fills)
     input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)  # (k, T)
     position_ids = torch.zeros((len(rows), width), dtype=torch.long)  # (k, T)
-    start = [0] * len(batch)  # each sequence's first flat index
-    for r, row in enumerate(rows):
+    # Per position: its segment (padding: one each) and branch (0 prompt, j + 1 response j).
+    segment_of = torch.zeros((len(rows), width), dtype=torch.long)  # (k, T)
+    branch_of = torch.zeros((len(rows), width), dtype=torch.long)  # (k, T)
+    prompt_last = [0] * len(batch)  # flat index of each sequence's last prompt token
+    response_first = [0] * len(batch)  # flat index of its first response token
+    label = 0
+    for r, row in enumerate(row_segments):
         offset = 0
-        for i in row:
-            length = lengths[i]
-            input_ids[r, offset : offset + length] = batch.input_ids[i][real[i]]
-            position_ids[r, offset : offset + length] = torch.arange(length)
-            start[i] = r * width + offset
-            offset += length
-        position_ids[r, offset:] = torch.arange(width - offset)
+        for segment in row:
+            label += 1
+            prompt = prompt_lengths[segment[0]]
+            for i in segment:
+                if prompt_lengths[i] != prompt or not torch.equal(
+                    tokens[i][:prompt], tokens[segment[0]][:prompt]
+                ):
+                    raise ValueError(f"sequences {segment} share a segment but not a prompt")
+            input_ids[r, offset : offset + prompt] = tokens[segment[0]][:prompt]
+            position_ids[r, offset : offset + prompt] = torch.arange(prompt)
+            segment_of[r, offset : offset + prompt] = label
+            start = offset
+            offset += prompt
+            for branch, i in enumerate(segment, start=1):
+                response = lengths[i] - prompt
+                input_ids[r, offset : offset + response] = tokens[i][prompt:]
+                position_ids[r, offset : offset + response] = torch.arange(
+                    prompt, prompt + response
+                )
+                segment_of[r, offset : offset + response] = label
+                branch_of[r, offset : offset + response] = branch
+                prompt_last[i] = r * width + start + prompt - 1
+                response_first[i] = r * width + offset
+                offset += response
+        tail = width - offset
+        position_ids[r, offset:] = torch.arange(tail)
+        segment_of[r, offset:] = -torch.arange(1, tail + 1)  # padding: a segment each
     scored = batch.response_mask.nonzero()  # (N, 2) row-major: (sequence, response column)
     sequence, column = scored[:, 0], scored[:, 1]
-    first = torch.tensor(start, dtype=torch.long)[sequence]
-    prompts = torch.tensor(prompt_lengths, dtype=torch.long)[sequence]
-    # response token t of a sequence sits at its prompt_length + t; the position before predicts it
-    score_index = first + prompts + column - 1  # (N,)
-    return PackedRows(input_ids, position_ids, score_index, real_tokens=sum(lengths))
+    # Response token 0 is predicted by the prompt's last position, token t by token t - 1.
+    target_index = torch.tensor(response_first, dtype=torch.long)[sequence] + column  # (N,)
+    score_index = torch.where(
+        column == 0, torch.tensor(prompt_last, dtype=torch.long)[sequence], target_index - 1
+    )  # (N,)
+    attention = None
+    if shares:
+        query, key = (slice(None), slice(None), None), (slice(None), None, slice(None))
+        attention = (
+            (segment_of[query] == segment_of[key])
+            & (position_ids[key] <= position_ids[query])
+            & ((branch_of[key] == 0) | (branch_of[key] == branch_of[query]))
+        ).unsqueeze(1)  # (k, 1, T, T)
+    return PackedRows(
+        input_ids,
+        position_ids,
+        score_index,
+        real_tokens=sum(sum(fill) for fill in fills),
+        attention=attention,
+        target_index=target_index,
+    )

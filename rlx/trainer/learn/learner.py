@@ -47,6 +47,7 @@ from rlx.trainer.learn.models import (
     response_values,
     score_responses,
     sequence_logprob,
+    shares_packed_prompts,
     uses_varlen_attention,
 )
 from rlx.trainer.seeding import derive_seed
@@ -134,7 +135,7 @@ class Pass:
 
     rows: list[int]
     counts: bool
-    packed: list[list[int]] | None = None
+    packed: list[list[list[int]]] | None = None  # rows of segments (see pack.pack_rows)
 
 
 def packing_tolerance(dtype: torch.dtype, scale: float) -> float:
@@ -240,6 +241,10 @@ class Learner:
         self.critic_ddp = self._data_parallel(self.critic) if self.critic is not None else None
         self.kl_estimator = algos.get_kl_estimator(algo.kl.estimator)
         self.policy.eval()  # generation (colocated) and probes see eval mode; update() flips
+        models = [m for m in (self.policy, self.reference, self.critic) if m is not None]
+        # Packed rows run a prompt once for the responses that share it (a 4-D mask), where
+        # every model's attention takes one; FlashAttention's varlen kernels cannot.
+        self.share_prompts = all(shares_packed_prompts(m) for m in models)
         self.packing, self.packing_note = self._decide_packing()
         self.packing_checked = False
         self.row_tokens = self.packing_budget if self._varlen else pack.MASKED_ROW_TOKENS
@@ -270,6 +275,8 @@ class Learner:
         path = (
             "FlashAttention varlen"
             if self._varlen
+            else "a prompt once for its responses, prompt-and-own-response masks"
+            if self.share_prompts
             else "block-diagonal causal mask from restarting position ids"
         )
         when = (
@@ -343,11 +350,12 @@ class Learner:
         )
         passes = [Pass(rows=piece, counts=True) for piece in pieces]
         if self.packing:
-            lengths = pack.sequence_lengths(batch)
+            segments, lengths = self._segments(batch)
             packed = []
             for rows in pack.plan_passes(lengths, self.packing_budget, self.row_tokens):
-                flat = [i for row in rows for i in row]
-                packed.append(Pass(flat, True, _local_rows(flat, rows)))
+                placed = [[segments[s] for s in row] for row in rows]
+                flat = [i for row in placed for segment in row for i in segment]
+                packed.append(Pass(flat, True, _local_rows(flat, placed)))
             if self._packing_pays(batch, packed, passes):
                 passes = packed
         if self.world_size > 1 and self.strategy != "single":
@@ -355,6 +363,22 @@ class Learner:
             first = passes[0]
             passes += [Pass(first.rows, False, first.packed)] * (needed - len(passes))
         return passes
+
+    def _segments(self, batch: SequenceBatch) -> tuple[list[list[int]], list[int]]:
+        """What packed rows hold: a sequence each, or where prompts are shared the segments
+        of a prompt and its responses (pack.shared_segments); and the tokens each places."""
+        lengths = pack.sequence_lengths(batch)
+        groups = None
+        if self.share_prompts and batch.prompt_width > 0:
+            width = batch.prompt_width
+            groups = prompt_groups(batch.input_ids[:, :width], batch.attention_mask[:, :width])
+        if groups is None:
+            return [[i] for i in range(len(batch))], lengths
+        prompt_lengths = batch.attention_mask[:, : batch.prompt_width].sum(dim=1).tolist()
+        segments = pack.shared_segments(
+            lengths, prompt_lengths, groups[1].tolist(), self.row_tokens
+        )
+        return segments, pack.segment_lengths(segments, lengths, prompt_lengths)
 
     def _packing_pays(self, batch: SequenceBatch, packed: list[Pass], padded: list[Pass]) -> bool:
         """Whether the packed passes compute fewer positions than the padded ones. Padded
@@ -367,11 +391,18 @@ class Learner:
             wins = True  # asked for; or a critic, which shares no prompts
         else:
             lengths = pack.sequence_lengths(batch)
-            packed_cost = sum(
-                len(rows) * max(sum(lengths[one.rows[i]] for i in row) for row in rows)
-                for one in packed
-                for rows in [one.packed or []]
-            )
+            prompts = batch.attention_mask[:, : batch.prompt_width].sum(dim=1).tolist()
+            packed_cost = 0
+            for one in packed:
+                fills = [
+                    sum(
+                        pack.segment_lengths(
+                            [[one.rows[i] for i in segment] for segment in row], lengths, prompts
+                        )
+                    )
+                    for row in one.packed or []
+                ]
+                packed_cost += len(fills) * max(fills)
             padded_cost = sum(self._padded_cost(batch.select(one.rows))[0] for one in padded)
             wins = packed_cost <= padded_cost
         if self.world_size > 1 and self.strategy != "single":
@@ -428,7 +459,8 @@ class Learner:
         self.packing_checked = True
         self._set_train(False)  # no dropout: the same numbers twice
         pair = batch.select([0, min(1, len(batch) - 1)]).trimmed()
-        packed = pack.pack_rows(pair, [[0, 1]]).to(self.device)
+        segments, _ = self._segments(pair)  # the two share their prompt where they can
+        packed = pack.pack_rows(pair, [segments]).to(self.device)
         scorers: list[tuple[str, Callable[..., Tensor]]] = [
             (
                 "log-probs",
@@ -830,10 +862,11 @@ class Learner:
             self.critic_scheduler.load_state_dict(parts["critic_scheduler"])
 
 
-def _local_rows(rows: list[int], packed: list[list[int]]) -> list[list[int]]:
-    """Packed rows of batch indices as indices into `rows` (the pass's own order)."""
+def _local_rows(rows: list[int], packed: list[list[list[int]]]) -> list[list[list[int]]]:
+    """Packed rows (of segments) of batch indices as indices into `rows` (the pass's own
+    order)."""
     where = {index: position for position, index in enumerate(rows)}
-    return [[where[index] for index in row] for row in packed]
+    return [[[where[index] for index in segment] for segment in row] for row in packed]
 
 
 def _mean_gap(got: Tensor, want: Tensor, mask: Tensor) -> float:

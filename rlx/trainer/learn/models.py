@@ -126,7 +126,9 @@ class ValueModel(nn.Module):
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor
     ) -> Tensor:
-        # attention_mask None: packed rows (rlx.trainer.packing), never with a cache
+        # attention_mask None or 4-D: packed rows (rlx.trainer.packing), never with a cache
+        if attention_mask is not None and attention_mask.dim() == 4:
+            attention_mask = attention_for(self.body, attention_mask)
         hidden = self.body(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -306,9 +308,10 @@ class ResponseScorer(nn.Module):
         temperature: float,
         entropy_grad: bool,
         score_index: Tensor | None = None,
+        target_index: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """Padded rows (B, P + R), or with score_index packed rows (k, T) and no attention
-        mask (rlx.trainer.packing.PackedRows)."""
+        """Padded rows (B, P + R), or with score_index and target_index packed rows (k, T)
+        whose attention_mask is None or PackedRows.attention (rlx.trainer.packing)."""
         from rlx.trainer.learn.sharding import run_as_forward
 
         adapters = self.lm.disable_adapter() if self.adapter_off else contextlib.nullcontext()
@@ -320,9 +323,11 @@ class ResponseScorer(nn.Module):
                     input_ids,
                     position_ids,
                     score_index,
+                    target_index,
                     response_mask,
                     temperature,
                     entropy_grad,
+                    attention_mask,
                 )
             assert attention_mask is not None, "padded rows need their attention mask"
             return run_as_forward(
@@ -398,18 +403,26 @@ class ResponseScorer(nn.Module):
         input_ids: Tensor,
         position_ids: Tensor,
         score_index: Tensor,
+        target_index: Tensor | None,
         response_mask: Tensor,
         temperature: float,
         entropy_grad: bool,
+        attention: Tensor | None,
     ) -> tuple[Tensor, Tensor]:
         body = self.lm.get_decoder()  # type: ignore[operator]
-        # No attention mask and no cache: the only call that keeps packed sequences apart
-        # (transformers derives the block-diagonal mask from the restarting position ids).
+        # No 2-D attention mask and no cache: the only call that keeps packed sequences apart
+        # (transformers derives the block-diagonal mask from the restarting position ids, or
+        # takes the 4-D one of rows whose sequences share their prompts as it is).
         hidden = body(
-            input_ids=input_ids, attention_mask=None, position_ids=position_ids, use_cache=False
+            input_ids=input_ids,
+            attention_mask=attention_for(body, attention),
+            position_ids=position_ids,
+            use_cache=False,
         ).last_hidden_state  # (k, T, H)
         real_hidden = hidden.flatten(0, 1)[score_index]  # (N, H)
-        real_targets = input_ids.flatten()[score_index + 1]  # (N,): the token each predicts
+        if target_index is None:
+            target_index = score_index + 1  # every sequence's own tokens follow each other
+        real_targets = input_ids.flatten()[target_index]  # (N,): the token each predicts
         return self._head_scores(
             real_hidden, real_targets, response_mask, temperature, entropy_grad
         )
@@ -510,13 +523,14 @@ def score_responses(
     if packed is not None:
         logprobs, entropy = scorer(
             packed.input_ids,
-            None,
+            packed.attention,
             packed.position_ids,
             0,
             batch.response_mask,
             temperature,
             entropy_grad,
             packed.score_index,
+            packed.target_positions(),
         )
         return TokenScores(logprobs, entropy)
     logprobs, entropy = scorer(
@@ -537,12 +551,48 @@ def response_values(
     """V(state before response token t) for every t: (B, R); with `packed`, the same
     sequences run packed (zero off the response mask)."""
     if packed is not None:
-        values = critic(packed.input_ids, None, packed.position_ids)  # (k, T)
+        values = critic(packed.input_ids, packed.attention, packed.position_ids)  # (k, T)
         scored = values.flatten()[packed.score_index]  # (N,)
         zeros = torch.zeros(batch.response_mask.shape, dtype=scored.dtype, device=scored.device)
         return zeros.masked_scatter(batch.response_mask, scored)  # (B, R)
     values = critic(batch.input_ids, batch.attention_mask, batch.position_ids)  # (B, P + R)
     return values[:, batch.prompt_width - 1 : -1]  # (B, R)
+
+
+# Attention implementations that take a 4-D mask as it is: True/False (SDPA) or 0/-inf
+# added to the scores (eager). Rows whose sequences share a prompt need one.
+MASKED_ATTENTION = ("sdpa", "eager")
+
+
+def attention_for(model: nn.Module, attention: Tensor | None) -> Tensor | None:
+    """PackedRows.attention ((k, 1, T, T), True where a position attends) in the form the
+    model's attention implementation takes; None stays None (the position ids say it all)."""
+    if attention is None:
+        return None
+    implementation = getattr(model.config, "_attn_implementation", None) or "eager"
+    if implementation == "sdpa":
+        return attention
+    if implementation != "eager":
+        raise ValueError(f"rows sharing prompts need SDPA or eager attention, not {implementation}")
+    dtype = model.get_input_embeddings().weight.dtype  # type: ignore[operator]
+    scores = torch.zeros(attention.shape, dtype=dtype, device=attention.device)
+    return scores.masked_fill(~attention, torch.finfo(dtype).min)
+
+
+def shares_packed_prompts(model: nn.Module) -> bool:
+    """Whether packed rows may run a prompt once for several responses (a 4-D mask of
+    prompt-and-own-response): the model's attention takes such a mask as it is and every
+    layer attends in full (a sliding window would need its own)."""
+    inner = getattr(model, "body", model)
+    config = getattr(inner, "config", None)
+    if config is None or packing_obstacle(model) is not None:
+        return False
+    kinds = set(getattr(config, "layer_types", None) or ("full_attention",))
+    return (
+        kinds == {"full_attention"}
+        and getattr(config, "sliding_window", None) is None
+        and (getattr(config, "_attn_implementation", None) or "eager") in MASKED_ATTENTION
+    )
 
 
 # Attention implementations of transformers that keep packed sequences apart when called with

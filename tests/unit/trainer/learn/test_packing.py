@@ -14,8 +14,15 @@ from transformers import AutoModelForCausalLM
 
 from rlx.trainer.batch import RolloutBatch, SequenceBatch, pack_rollout, pad_responses
 from rlx.trainer.learn.learner import OLD_LOGP, REF_LOGP, RETURNS, VALUES, Learner
-from rlx.trainer.learn.models import ResponseScorer, score_responses
-from rlx.trainer.packing import PackedRows, pack_rows, plan_passes, sequence_lengths
+from rlx.trainer.learn.models import ResponseScorer, prompt_groups, score_responses
+from rlx.trainer.packing import (
+    PackedRows,
+    pack_rows,
+    plan_passes,
+    segment_lengths,
+    sequence_lengths,
+    shared_segments,
+)
 from tests.support.gradients import (
     assert_same_gradients,
     gradient_of_update,
@@ -35,6 +42,24 @@ def packed_layout(batch: SequenceBatch, row_tokens: int = 40) -> PackedRows:
     """The batch in rows of at most row_tokens tokens: several sequences share each row."""
     rows = [row for p in plan_passes(sequence_lengths(batch), 10**6, row_tokens) for row in p]
     assert max(len(row) for row in rows) > 1
+    return pack_rows(batch, rows)
+
+
+def shared_layout(batch: SequenceBatch, row_tokens: int = 40) -> PackedRows:
+    """The batch's sequences gathered by prompt into segments that run it once, the segments
+    in rows of at most row_tokens: a prompt's responses span several segments and rows, and
+    rows hold segments of several prompts."""
+    width = batch.prompt_width
+    groups = prompt_groups(batch.input_ids[:, :width], batch.attention_mask[:, :width])
+    assert groups is not None
+    lengths = sequence_lengths(batch)
+    prompts = batch.attention_mask[:, :width].sum(dim=1).tolist()
+    segments = shared_segments(lengths, prompts, groups[1].tolist(), row_tokens)
+    sizes = segment_lengths(segments, lengths, prompts)
+    rows = [[segments[s] for s in row] for p in plan_passes(sizes, 10**6, row_tokens) for row in p]
+    assert max(len(segment) for row in rows for segment in row) > 1  # prompts really shared
+    assert len(segments) > len(set(groups[1].tolist()))  # and one prompt in several segments
+    assert max(len(row) for row in rows) > 1  # rows hold several segments
     return pack_rows(batch, rows)
 
 
@@ -79,6 +104,78 @@ def test_packed_log_probs_and_gradients_equal_each_sequence_alone(
     assert bool((scores.logprobs[~mask] == 0).all())  # nothing off the responses
     got = gradient((scores.logprobs * weights)[mask].sum())
     assert_same_gradients(got, want, relative=GRADIENT_TOLERANCE)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_rows_that_share_prompts_equal_each_sequence_alone(
+    tiny_model_dir: Path, advantage_batch: SequenceBatch, attention: str
+) -> None:
+    """A prompt run once for several responses (a 4-D mask: its prompt and its own response)
+    scores every token and gives every gradient as each sequence run alone does, with SDPA
+    and with eager attention (which adds the mask as 0/-inf)."""
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, dtype=torch.float32, attn_implementation=attention
+    )
+    scorer = ResponseScorer(model.eval())
+    batch = advantage_batch
+    weights = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(1))
+    mask = batch.response_mask
+    named = list(scorer.named_parameters())
+
+    def gradient(loss: torch.Tensor) -> dict[str, torch.Tensor]:
+        scorer.zero_grad(set_to_none=True)
+        loss.backward()
+        return {n: p.grad.detach().double().clone() for n, p in named if p.grad is not None}
+
+    alone = one_by_one(scorer, batch)
+    want = gradient((alone * weights)[mask].sum())
+    packed = shared_layout(batch)
+    assert packed.real_tokens < batch.num_tokens  # the prompts placed fewer times
+    scores = score_responses(scorer, batch, 1.0, entropy_grad=False, packed=packed)
+    assert max_gap(scores.logprobs, alone, mask) <= LOGPROB_TOLERANCE
+    got = gradient((scores.logprobs * weights)[mask].sum())
+    assert_same_gradients(got, want, relative=GRADIENT_TOLERANCE)
+
+
+@pytest.mark.parametrize("wrong", ["position ids only", "siblings seen"])
+def test_the_comparison_catches_a_shared_row_masked_wrongly(
+    policy: ResponseScorer, advantage_batch: SequenceBatch, wrong: str
+) -> None:
+    """Shared rows need their 4-D mask: without it the second response of a segment no
+    longer sees its prompt; with a mask that lets responses see earlier siblings they
+    attend to each other. Both differ far beyond rounding."""
+    batch = advantage_batch
+    packed = shared_layout(batch)
+    assert packed.attention is not None
+    if wrong == "position ids only":
+        attention = None
+    else:
+        flat = packed.position_ids  # (k, T); siblings share positions: mask by row order
+        order = torch.arange(flat.shape[1])
+        causal = order[None, :, None] >= order[None, None, :]  # (1, T, T)
+        attention = (packed.attention.squeeze(1) | causal).unsqueeze(1)
+    broken = PackedRows(
+        packed.input_ids, packed.position_ids, packed.score_index, packed.real_tokens, attention
+    )
+    with torch.no_grad():
+        alone = one_by_one(policy, batch)
+        got = score_responses(policy, batch, 1.0, entropy_grad=False, packed=broken).logprobs
+    gap = max_gap(got, alone, batch.response_mask)
+    assert gap > 1e3 * LOGPROB_TOLERANCE, f"a wrongly masked shared row went unseen ({gap})"
+
+
+def test_segments_share_a_prompt_and_respect_the_row() -> None:
+    lengths = [10 + r for r in (30, 5, 20, 8)] + [4 + r for r in (3, 50)]
+    prompts = [10] * 4 + [4] * 2
+    segments = shared_segments(lengths, prompts, [0, 0, 0, 0, 1, 1], row_tokens=50)
+    # prompt 0: 30 first (10 + 30), then 20 does not fit, 8 does (48), 5 joins 20 (35);
+    # prompt 1: 50 is over the row (a segment of its own), 3 starts another
+    assert segments == [[0, 3], [1, 2], [5], [4]]
+    assert segment_lengths(segments, lengths, prompts) == [48, 35, 54, 7]
+    ids, mask, logprobs = pad_responses([[7, 7], [7, 7]], [[0.0] * 2] * 2, 0)
+    two = pack_rollout(RolloutBatch([[5, 5], [6, 6]], ids, mask, logprobs, mask[:, 0], 1, 0, 0))
+    with pytest.raises(ValueError, match="share a segment but not a prompt"):
+        pack_rows(two, [[[0, 1]]])
 
 
 def contaminated_logprobs(
@@ -134,8 +231,10 @@ def test_the_learners_reference_critic_and_update_equal_sequences_run_alone(
         head = one.critic.value_head
         with torch.no_grad():
             head.weight.copy_(torch.randn(head.weight.shape, generator=generator))
+    assert packed.share_prompts
     rows = [row for one in packed._passes(advantage_batch) for row in one.packed or []]
-    assert max(len(row) for row in rows) > 1  # sequences really share rows
+    assert max(sum(len(segment) for segment in row) for row in rows) > 1  # rows are shared
+    assert max(len(segment) for row in rows for segment in row) > 1  # and prompts too
     want = alone.prepare(advantage_batch, old_logprobs=True)
     got = packed.prepare(advantage_batch, old_logprobs=True)
     mask = advantage_batch.response_mask
@@ -219,8 +318,8 @@ def grpo_batch(prompt: int, responses: list[int]) -> SequenceBatch:
     ("packing", "prompt", "responses", "packed"),
     [
         (None, 8, [40, 3, 90, 12], True),  # ragged responses: packing computes less
-        (None, 90, [4, 3, 4, 2], False),  # a long shared prompt, short answers: run it once
-        (True, 90, [4, 3, 4, 2], True),  # asked for: packed whatever the cost
+        (None, 90, [4, 3, 4, 2], True),  # a long shared prompt: packed rows run it once too
+        (True, 90, [4, 3, 4, 2], True),
         (False, 8, [40, 3, 90, 12], False),
     ],
 )
