@@ -27,12 +27,23 @@ from torch import Tensor
 from rlx.trainer.batch import SequenceBatch
 
 # The dense block-diagonal mask of SDPA/eager grows with the square of a row: on those paths
-# rows are cut at this length (longer sequences get a row of their own) and a pass stacks
-# several rows. FlashAttention's varlen kernels cost nothing for the mask: one row per pass.
+# rows are cut (longer sequences get a row of their own) and a pass stacks several rows.
+# 512 tokens was fastest at hidden size 256 (bench/packing.py); the cut grows with the
+# hidden size (masked_row_tokens). FlashAttention's varlen kernels cost nothing for the
+# mask: one row per pass.
 MASKED_ROW_TOKENS = 512
+MASKED_ROW_HIDDEN = 256
 # Row counts pack_bins weighs (from the fewest that can fit): one more row can make them all
 # narrower, and a pass as wide as its fullest row wastes less.
 ROW_COUNTS_TRIED = 4
+
+
+def masked_row_tokens(hidden_size: int) -> int:
+    """Where rows are cut with a dense mask: MASKED_ROW_TOKENS at MASKED_ROW_HIDDEN, a whole
+    multiple of it as the hidden size grows. Attention over a row of L tokens costs about
+    L / (6 H) of its linear layers (attention_weight): a wider model pays relatively less for
+    a long row and more for the padding that shorter rows leave."""
+    return MASKED_ROW_TOKENS * max(1, hidden_size // MASKED_ROW_HIDDEN)
 
 
 def sequence_lengths(batch: SequenceBatch) -> list[int]:

@@ -247,10 +247,11 @@ class Learner:
         self.share_prompts = all(shares_packed_prompts(m) for m in models)
         self.packing, self.packing_note = self._decide_packing()
         self.packing_checked = False
-        self.row_tokens = self.packing_budget if self._varlen else pack.MASKED_ROW_TOKENS
-        self.attention_weight = pack.attention_weight(
-            getattr(self.policy.config, "hidden_size", 1)  # type: ignore[union-attr]
+        hidden = getattr(self.policy.config, "hidden_size", 1)  # type: ignore[union-attr]
+        self.row_tokens = (
+            self.packing_budget if self._varlen else pack.masked_row_tokens(hidden)
         )
+        self.attention_weight = pack.attention_weight(hidden)
         self._notes: list[str] = []
 
     @property

@@ -26,7 +26,7 @@ from rlx.trainer.learn.learner import (
     UpdateStats,
     merge_update_stats,
 )
-from rlx.trainer.packing import MASKED_ROW_TOKENS, plan_passes, sequence_lengths
+from rlx.trainer.packing import plan_passes
 from rlx.trainer.rollout.base import SamplingArgs
 from rlx.trainer.rollout.hf import HFEngine
 from rlx.trainer.weights import Traffic
@@ -137,19 +137,20 @@ def _peak_anonymous_memory(stop: threading.Event, out: list[int]) -> None:
         time.sleep(0.002)
 
 
-def own_passes(batch: SequenceBatch, budget: int) -> int:
-    """Passes a rank needs for `batch` under a token budget, packed (the default)."""
-    lengths = sequence_lengths(batch)
-    return len(plan_passes(lengths, budget, min(budget, MASKED_ROW_TOKENS)))
+def own_passes(learner: Learner, batch: SequenceBatch, budget: int) -> int:
+    """Passes a rank needs for `batch` under a token budget, packed (the default) as the
+    learner packs: its segments (prompts shared) in rows of its row size."""
+    _, lengths = learner._segments(batch)
+    return len(plan_passes(lengths, budget, min(budget, learner.row_tokens)))
 
 
-def uneven_budget(batch: SequenceBatch, world: int) -> int:
+def uneven_budget(learner: Learner, batch: SequenceBatch, world: int) -> int:
     """A token budget under which the ranks' shares need different numbers of passes, so
     that the padding passes that keep FSDP's collectives in step are exercised."""
     share = len(batch) // world
     for budget in range(20, 80):
         counts = {
-            own_passes(batch.select(range(r * share, (r + 1) * share)), budget)
+            own_passes(learner, batch.select(range(r * share, (r + 1) * share)), budget)
             for r in range(world)
         }
         if len(counts) > 1:
@@ -283,11 +284,11 @@ def _run_strategy(rank: int, world: int, strategy: str, model: str, big_model: s
 
     # Token-budget micro-batches: ranks make different numbers of passes, same gradient.
     # (The same learner, its settings swapped for ones with a budget: nothing has stepped.)
-    tokens = uneven_budget(batch, world)
+    tokens = uneven_budget(learner, batch, world)
     learner.settings = parallel_settings(folder, strategy, max_tokens_per_micro_batch=tokens)
     counts: list[Any] = [None] * world
     assert learner.packing
-    dist.all_gather_object(counts, own_passes(mine, tokens))
+    dist.all_gather_object(counts, own_passes(learner, mine, tokens))
     policy, critic, _ = one_update(learner, mine)
     if rank == 0:
         results["budget"] = (counts, policy, critic)
