@@ -1,21 +1,24 @@
 """Tokens per second of the learner's update on a skewed length mix: micro-batches cut by a
 count (the default when packing is off), sorted token-budget micro-batches, and packed rows.
 
-    python bench/packing.py [--rounds R] [--sequences N] [--budget TOKENS] [--hidden H]
+    python bench/packing.py [--rounds R] [--sequences N] [--group G] [--budget TOKENS]
+                            [--hidden H]
 
 What runs: rlx's Learner (one rank, CPU, float32, 2 torch threads) over a tiny Qwen2
 (hidden 256, 4 layers by default) doing GRPO updates (policy forward and backward, a k3 KL
 term to a reference model in the loss, so the reference's forward runs too) on N = 32
 sequences a step. The length mix, like a GRPO step's: prompts uniform in 16..64 tokens,
 responses from a geometric distribution of mean 128 tokens cut at 384 (most responses
-short, a few at the limit); the same seeded mix for every variant. Variants, each over the
-same batches:
+short, a few at the limit); the same seeded mix for every variant. --group G: G responses
+per prompt, as GRPO samples them (N / G prompts): padded micro-batches then run a prompt
+once for the rows of it they hold, packed rows once for the responses of a segment.
+Variants, each over the same batches:
   - count: micro_batch_size 4 rows, each micro-batch padded to its longest row (prompts to
     the left, responses to the right; columns that are padding in every row trimmed);
   - sorted: max_tokens_per_micro_batch = the budget, rows sorted by length and cut greedily,
     padded as above;
   - packed: trainer.batch.packing, passes of at most the budget, rows of at most
-    rlx.trainer.packing.MASKED_ROW_TOKENS.
+    rlx.trainer.packing.masked_row_tokens(hidden) (512 at hidden 256).
 Per variant: real (prompt + response) tokens per second of the update and the share of the
 positions computed that were padding (perf/padding_fraction, as the learner logs it).
 Rounds interleave the variants (count, sorted, packed, count, ...) after one warm-up update
@@ -48,10 +51,13 @@ PROMPT_RANGE = (16, 64)
 VARIANTS = ("count", "sorted", "packed")
 
 
-def length_mix(count: int, seed: int) -> list[tuple[int, int]]:
-    """(prompt, response) lengths: prompts uniform, responses geometric cut at the limit."""
+def length_mix(count: int, seed: int, group: int = 1) -> list[tuple[int, int]]:
+    """(prompt, response) lengths: prompts uniform (each for `group` sequences in a row),
+    responses geometric cut at the limit."""
     generator = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(PROMPT_RANGE[0], PROMPT_RANGE[1] + 1, (count,), generator=generator)
+    prompts = torch.randint(
+        PROMPT_RANGE[0], PROMPT_RANGE[1] + 1, (-(-count // group),), generator=generator
+    ).repeat_interleave(group)[:count]
     uniform = torch.rand(count, generator=generator)
     p = 1.0 / MEAN_RESPONSE
     responses = (torch.log1p(-uniform) / torch.log1p(torch.tensor(-p))).ceil().clamp(1, None)
@@ -59,12 +65,17 @@ def length_mix(count: int, seed: int) -> list[tuple[int, int]]:
     return list(zip(prompts.tolist(), responses.tolist(), strict=True))
 
 
-def make_batch(lengths: list[tuple[int, int]], vocab: int, seed: int) -> Any:
+def make_batch(lengths: list[tuple[int, int]], vocab: int, seed: int, group: int = 1) -> Any:
     from rlx.trainer.batch import RolloutBatch, pack_rollout, pad_responses
     from rlx.trainer.learn.learner import ADVANTAGES
 
     generator = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, vocab, (p,), generator=generator).tolist() for p, _ in lengths]
+    prompts: list[list[int]] = []
+    for index, (p, _) in enumerate(lengths):  # a group's sequences share their prompt's ids
+        fresh = index % group == 0
+        prompts.append(
+            torch.randint(3, vocab, (p,), generator=generator).tolist() if fresh else prompts[-1]
+        )
     responses = [torch.randint(3, vocab, (r,), generator=generator).tolist() for _, r in lengths]
     ids, mask, logprobs = pad_responses(responses, [[0.0] * len(r) for r in responses], 0)
     rollout = RolloutBatch(
@@ -126,6 +137,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--sequences", type=int, default=32)
+    parser.add_argument("--group", type=int, default=1, help="responses per prompt")
     parser.add_argument("--budget", type=int, default=2048, help="tokens per pass")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
@@ -154,8 +166,8 @@ def main() -> None:
         }
         vocab = learners["count"].policy.config.vocab_size
         results: dict[str, list[tuple[float, float]]] = {v: [] for v in VARIANTS}
-        mixes = [length_mix(args.sequences, SEED + r) for r in range(args.rounds + 1)]
-        batches = [make_batch(mix, vocab, SEED + r) for r, mix in enumerate(mixes)]
+        mixes = [length_mix(args.sequences, SEED + r, args.group) for r in range(args.rounds + 1)]
+        batches = [make_batch(mix, vocab, SEED + r, args.group) for r, mix in enumerate(mixes)]
         for variant in VARIANTS:  # warm-up
             measure(learners[variant], batches[0], 0)
         load_before = os.getloadavg()
@@ -166,7 +178,8 @@ def main() -> None:
     tokens = [sum(p + s for p, s in mix) for mix in mixes[1:]]
     responses = [s for mix in mixes[1:] for _, s in mix]
     print(
-        f"length mix: {args.sequences} sequences a step, prompts {PROMPT_RANGE[0]}-"
+        f"length mix: {args.sequences} sequences a step ({args.group} per prompt), prompts "
+        f"{PROMPT_RANGE[0]}-"
         f"{PROMPT_RANGE[1]}, responses geometric (mean {MEAN_RESPONSE}, cut at {MAX_RESPONSE}): "
         f"measured mean {statistics.mean(responses):.0f}, max {max(responses)}, "
         f"{statistics.mean(tokens):.0f} tokens a step; budget {args.budget} tokens a pass; "
