@@ -248,9 +248,7 @@ class Learner:
         self.packing, self.packing_note = self._decide_packing()
         self.packing_checked = False
         hidden = getattr(self.policy.config, "hidden_size", 1)  # type: ignore[union-attr]
-        self.row_tokens = (
-            self.packing_budget if self._varlen else pack.masked_row_tokens(hidden)
-        )
+        self.row_tokens = self.packing_budget if self._varlen else pack.masked_row_tokens(hidden)
         self.attention_weight = pack.attention_weight(hidden)
         self._notes: list[str] = []
 
