@@ -83,27 +83,35 @@ def policy(tiny_model_dir: Path) -> ResponseScorer:
     return ResponseScorer(model.eval())
 
 
+def assert_packed_equals_alone(
+    scorer: ResponseScorer, batch: SequenceBatch, packed: PackedRows
+) -> torch.Tensor:
+    """The packed forward's per-token log-probs, and the gradients of a weighted sum of them,
+    equal those of each sequence run alone; returns the packed (B, R) log-probs."""
+    weights = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(1))
+    mask = batch.response_mask
+    named = list(scorer.named_parameters())
+
+    def gradient(loss: torch.Tensor) -> dict[str, torch.Tensor]:
+        scorer.zero_grad(set_to_none=True)
+        loss.backward()
+        return {n: p.grad.detach().double().clone() for n, p in named if p.grad is not None}
+
+    alone = one_by_one(scorer, batch)
+    want = gradient((alone * weights)[mask].sum())
+    scores = score_responses(scorer, batch, 1.0, entropy_grad=False, packed=packed)
+    assert max_gap(scores.logprobs, alone, mask) <= LOGPROB_TOLERANCE
+    got = gradient((scores.logprobs * weights)[mask].sum())
+    assert_same_gradients(got, want, relative=GRADIENT_TOLERANCE)
+    return scores.logprobs
+
+
 def test_packed_log_probs_and_gradients_equal_each_sequence_alone(
     policy: ResponseScorer, advantage_batch: SequenceBatch
 ) -> None:
     batch = advantage_batch
-    weights = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(1))
-    mask = batch.response_mask
-    named = [(n, p) for n, p in policy.named_parameters()]
-
-    def gradient(loss: torch.Tensor) -> dict[str, torch.Tensor]:
-        policy.zero_grad(set_to_none=True)
-        loss.backward()
-        return {n: p.grad.detach().double().clone() for n, p in named if p.grad is not None}
-
-    alone = one_by_one(policy, batch)
-    want = gradient((alone * weights)[mask].sum())
-    packed = packed_layout(batch)
-    scores = score_responses(policy, batch, 1.0, entropy_grad=False, packed=packed)
-    assert max_gap(scores.logprobs, alone, mask) <= LOGPROB_TOLERANCE
-    assert bool((scores.logprobs[~mask] == 0).all())  # nothing off the responses
-    got = gradient((scores.logprobs * weights)[mask].sum())
-    assert_same_gradients(got, want, relative=GRADIENT_TOLERANCE)
+    logprobs = assert_packed_equals_alone(policy, batch, packed_layout(batch))
+    assert bool((logprobs[~batch.response_mask] == 0).all())  # nothing off the responses
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
@@ -116,25 +124,9 @@ def test_rows_that_share_prompts_equal_each_sequence_alone(
     model = AutoModelForCausalLM.from_pretrained(
         tiny_model_dir, dtype=torch.float32, attn_implementation=attention
     )
-    scorer = ResponseScorer(model.eval())
-    batch = advantage_batch
-    weights = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(1))
-    mask = batch.response_mask
-    named = list(scorer.named_parameters())
-
-    def gradient(loss: torch.Tensor) -> dict[str, torch.Tensor]:
-        scorer.zero_grad(set_to_none=True)
-        loss.backward()
-        return {n: p.grad.detach().double().clone() for n, p in named if p.grad is not None}
-
-    alone = one_by_one(scorer, batch)
-    want = gradient((alone * weights)[mask].sum())
-    packed = shared_layout(batch)
-    assert packed.real_tokens < batch.num_tokens  # the prompts placed fewer times
-    scores = score_responses(scorer, batch, 1.0, entropy_grad=False, packed=packed)
-    assert max_gap(scores.logprobs, alone, mask) <= LOGPROB_TOLERANCE
-    got = gradient((scores.logprobs * weights)[mask].sum())
-    assert_same_gradients(got, want, relative=GRADIENT_TOLERANCE)
+    packed = shared_layout(advantage_batch)
+    assert packed.real_tokens < advantage_batch.num_tokens  # the prompts placed fewer times
+    assert_packed_equals_alone(ResponseScorer(model.eval()), advantage_batch, packed)
 
 
 @pytest.mark.parametrize("wrong", ["position ids only", "siblings seen"])
