@@ -8,6 +8,10 @@ and eager attention) or hands the sequence starts to FlashAttention's varlen ker
 token attends to its own sequence only and every log-prob equals that of the sequence run
 alone. A 2-D attention mask or a KV cache silently defeats this (the sequences attend
 across each other), so a packed forward never takes either (ResponseScorer, ValueModel).
+Sequences that share a prompt can share it in a row too (`shared_segments`): the prompt once,
+then each response; the position ids cannot say that a response sees the prompt but not its
+siblings, so such rows carry their own 4-D mask (PackedRows.attention), which SDPA and eager
+attention take as it is.
 
 How sequences are cut up: `pack_bins` puts sequences into rows of at most `row_tokens`
 (a greedy balance, longest first); `plan_passes` groups rows into the passes (forward and
