@@ -351,11 +351,13 @@ class Learner:
         if self.packing:
             segments, lengths = self._segments(batch)
             packed = []
+            positions = 0  # what the packed passes compute: rows as wide as their fullest
             for rows in pack.plan_passes(lengths, self.packing_budget, self.row_tokens):
                 placed = [[segments[s] for s in row] for row in rows]
                 flat = [i for row in placed for segment in row for i in segment]
                 packed.append(Pass(flat, True, _local_rows(flat, placed)))
-            if self._packing_pays(batch, packed, passes):
+                positions += len(rows) * max(sum(lengths[s] for s in row) for row in rows)
+            if self._packing_pays(batch, positions, passes):
                 passes = packed
         if self.world_size > 1 and self.strategy != "single":
             needed = sharding.most_over_ranks(len(passes), self.device)
@@ -379,31 +381,21 @@ class Learner:
         )
         return segments, pack.segment_lengths(segments, lengths, prompt_lengths)
 
-    def _packing_pays(self, batch: SequenceBatch, packed: list[Pass], padded: list[Pass]) -> bool:
-        """Whether the packed passes compute fewer positions than the padded ones. Padded
-        passes run a prompt shared by several rows once (GRPO's n samples; the policy's
-        scorer, not the critic), which can cost less than packing every row's own copy of it
-        when responses are short next to their prompts. Every rank decides alike (the two
-        paths make different collective forwards under FSDP). trainer.batch.packing: true
+    def _packing_pays(
+        self, batch: SequenceBatch, packed_positions: int, padded: list[Pass]
+    ) -> bool:
+        """Whether the packed passes compute (packed_positions) fewer positions than the
+        padded ones. Padded passes run a prompt shared by several rows once (GRPO's n samples;
+        the policy's scorer, not the critic); packed rows do too where every model takes
+        their mask (share_prompts), else each sequence carries its own copy, which can cost
+        more when responses are short next to their prompts. Every rank decides alike (the
+        two paths make different collective forwards under FSDP). trainer.batch.packing: true
         packs whatever the cost."""
         if self.settings.batch.packing or self.critic is not None:
-            wins = True  # asked for; or a critic, which shares no prompts
+            wins = True  # asked for; or a critic, which shares no prompts padded
         else:
-            lengths = pack.sequence_lengths(batch)
-            prompts = batch.attention_mask[:, : batch.prompt_width].sum(dim=1).tolist()
-            packed_cost = 0
-            for one in packed:
-                fills = [
-                    sum(
-                        pack.segment_lengths(
-                            [[one.rows[i] for i in segment] for segment in row], lengths, prompts
-                        )
-                    )
-                    for row in one.packed or []
-                ]
-                packed_cost += len(fills) * max(fills)
             padded_cost = sum(self._padded_cost(batch.select(one.rows))[0] for one in padded)
-            wins = packed_cost <= padded_cost
+            wins = packed_positions <= padded_cost
         if self.world_size > 1 and self.strategy != "single":
             wins = self._all_ranks(wins)
         return wins
