@@ -241,6 +241,21 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _spawn(fn: Any, world: int, *args: Any) -> None:
+    """fn(rank, world, port, *args) in `world` processes. A port found free can be taken by
+    another test's process before rank 0 listens on it (EADDRINUSE at start-up, nothing
+    written yet): then again on a fresh port, twice at most."""
+    import torch.multiprocessing as mp
+
+    for attempt in range(3):
+        try:
+            mp.spawn(fn, args=(world, _free_port(), *args), nprocs=world)
+            return
+        except mp.ProcessRaisedException as exc:
+            if "EADDRINUSE" not in str(exc) or attempt == 2:
+                raise
+
+
 @pytest.fixture(scope="module")
 def ppo_batch(tiny_model_dir: Path) -> Any:
     """12 samples (3 prompts x 4) with advantages and returns: splits over 2 and 3 ranks."""
@@ -264,21 +279,20 @@ def ppo_batch(tiny_model_dir: Path) -> Any:
 def test_a_save_at_two_ranks_resumes_at_three_and_exports(
     tmp_path: Path, tiny_model_dir: Path, ppo_batch: Any, strategy: str
 ) -> None:
-    import torch.multiprocessing as mp
     from transformers import AutoModelForCausalLM
 
     from rlx.trainer.checkpoint.export import export_checkpoint
 
     torch.save(ppo_batch, tmp_path / "batch.pt")
     model = str(tiny_model_dir)
-    mp.spawn(_save_at, args=(2, _free_port(), str(tmp_path), model, strategy), nprocs=2)
+    _spawn(_save_at, 2, str(tmp_path), model, strategy)
     reference = torch.load(tmp_path / "reference.pt", weights_only=False)
     saved = Path(reference["saved"].path)
     assert read_marker(saved) is not None and reference["saved"].bytes > 0
     shards = sorted(p.name for p in (saved / "learner").glob("*.distcp"))
     assert shards == ["__0_0.distcp", "__1_0.distcp"]  # each rank wrote its own file
 
-    mp.spawn(_resume_at, args=(3, _free_port(), str(tmp_path), model, strategy), nprocs=3)
+    _spawn(_resume_at, 3, str(tmp_path), model, strategy)
     resumed = torch.load(tmp_path / "resumed.pt", weights_only=False)
     want, got = reference["state"], resumed["state"]
     for part in ("policy", "critic"):
