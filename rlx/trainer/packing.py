@@ -11,7 +11,9 @@ across each other), so a packed forward never takes either (ResponseScorer, Valu
 Sequences that share a prompt can share it in a row too (`shared_segments`): the prompt once,
 then each response; the position ids cannot say that a response sees the prompt but not its
 siblings, so such rows carry their own 4-D mask (PackedRows.attention), which SDPA and eager
-attention take as it is.
+attention take as it is. Every row also says where its segments lie (PackedRows.layout): a
+model that attends by segments (rlx.trainer.learn.attention) reads that instead of any mask,
+and then needs no mask at all.
 
 How sequences are cut up: `pack_bins` puts sequences into rows of at most `row_tokens`
 (a greedy balance, longest first); `plan_passes` groups rows into the passes (forward and
@@ -33,13 +35,18 @@ from rlx.trainer.batch import SequenceBatch
 # The dense block-diagonal mask of SDPA/eager grows with the square of a row: on those paths
 # rows are cut (longer sequences get a row of their own) and a pass stacks several rows.
 # 512 tokens was fastest at hidden size 256 (bench/packing.py); the cut grows with the
-# hidden size (masked_row_tokens). FlashAttention's varlen kernels cost nothing for the
-# mask: one row per pass.
+# hidden size (masked_row_tokens). FlashAttention's varlen kernels and segment attention
+# cost nothing for a mask: one row per pass.
 MASKED_ROW_TOKENS = 512
 MASKED_ROW_HIDDEN = 256
 # Row counts pack_bins weighs (from the fewest that can fit): one more row can make them all
 # narrower, and a pass as wide as its fullest row wastes less.
 ROW_COUNTS_TRIED = 4
+
+# A segment as a row places it: (start, prompt, responses), `prompt` tokens from `start`
+# then each response's tokens (a sequence packed alone: its prompt and its one response).
+Segment = tuple[int, int, tuple[int, ...]]
+Layout = tuple[tuple[Segment, ...], ...]  # each row's segments, in order
 
 
 def masked_row_tokens(hidden_size: int) -> int:
@@ -208,6 +215,9 @@ class PackedRows:
     # (N,) flat index of each scored token itself; None: the position after score_index's
     # (a segment's first tokens of its responses all follow its prompt's last position)
     target_index: Tensor | None = None
+    # Per row, its segments in order: what a model that attends by segments reads instead
+    # of a mask (rlx.trainer.learn.attention).
+    layout: Layout = ()
 
     def target_positions(self) -> Tensor:
         """(N,) flat index of each scored response token in input_ids."""
@@ -226,17 +236,23 @@ class PackedRows:
             real_tokens=self.real_tokens,
             attention=None if self.attention is None else self.attention.to(device),
             target_index=None if self.target_index is None else self.target_index.to(device),
+            layout=self.layout,
         )
 
 
 def pack_rows(
-    batch: SequenceBatch, rows: Sequence[Sequence[int | Sequence[int]]], pad_token_id: int = 0
+    batch: SequenceBatch,
+    rows: Sequence[Sequence[int | Sequence[int]]],
+    pad_token_id: int = 0,
+    *,
+    masks: bool = True,
 ) -> PackedRows:
     """`batch`'s sequences (every row of it, each in exactly one place of `rows`) packed as
     given. A row holds sequences (an index) or segments (a list of indices of sequences
     with the same prompt, run once with each response after it; see shared_segments). Each
     sequence's real tokens are its attention mask's ones: a left-padded prompt then a
-    right-padded response, contiguous."""
+    right-padded response, contiguous. masks=False: no 4-D mask for rows that share
+    prompts (every model reading them attends by the layout)."""
     row_segments = [[[i] if isinstance(i, int) else list(i) for i in row] for row in rows]
     placed = sorted(i for row in row_segments for segment in row for i in segment)
     if placed != list(range(len(batch))):
@@ -256,11 +272,14 @@ def pack_rows(
     prompt_last = [0] * len(batch)  # flat index of each sequence's last prompt token
     response_first = [0] * len(batch)  # flat index of its first response token
     label = 0
+    layout: list[tuple[Segment, ...]] = []
     for r, row in enumerate(row_segments):
         offset = 0
+        placed_here: list[Segment] = []
         for segment in row:
             label += 1
             prompt = prompt_lengths[segment[0]]
+            placed_here.append((offset, prompt, tuple(lengths[i] - prompt for i in segment)))
             for i in segment:
                 if prompt_lengths[i] != prompt or not torch.equal(
                     tokens[i][:prompt], tokens[segment[0]][:prompt]
@@ -282,6 +301,7 @@ def pack_rows(
                 prompt_last[i] = r * width + start + prompt - 1
                 response_first[i] = r * width + offset
                 offset += response
+        layout.append(tuple(placed_here))
         tail = width - offset
         position_ids[r, offset:] = torch.arange(tail)
         segment_of[r, offset:] = -torch.arange(1, tail + 1)  # padding: a segment each
@@ -293,7 +313,7 @@ def pack_rows(
         column == 0, torch.tensor(prompt_last, dtype=torch.long)[sequence], target_index - 1
     )  # (N,)
     attention = None
-    if shares:
+    if shares and masks:
         query, key = (slice(None), slice(None), None), (slice(None), None, slice(None))
         attention = (
             (segment_of[query] == segment_of[key])
@@ -307,4 +327,5 @@ def pack_rows(
         real_tokens=sum(sum(fill) for fill in fills),
         attention=attention,
         target_index=target_index,
+        layout=tuple(layout),
     )

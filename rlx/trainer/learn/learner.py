@@ -33,6 +33,10 @@ from rlx.trainer import algos
 from rlx.trainer import packing as pack
 from rlx.trainer.batch import SequenceBatch, micro_batch_rows
 from rlx.trainer.learn import lora, sharding
+from rlx.trainer.learn.attention import (
+    can_attend_by_segments,
+    use_segment_attention,
+)
 from rlx.trainer.learn.models import (
     ResponseScorer,
     TokenScores,
@@ -242,13 +246,21 @@ class Learner:
         self.kl_estimator = algos.get_kl_estimator(algo.kl.estimator)
         self.policy.eval()  # generation (colocated) and probes see eval mode; update() flips
         models = [m for m in (self.policy, self.reference, self.critic) if m is not None]
-        # Packed rows run a prompt once for the responses that share it (a 4-D mask), where
-        # every model's attention takes one; FlashAttention's varlen kernels cannot.
+        # Packed rows run a prompt once for the responses that share it (a layout or a 4-D
+        # mask), where every model's attention takes one; FlashAttention's varlen kernels
+        # cannot. Where every model runs SDPA over full attention, packed passes attend by
+        # their layout (attention.py): no dense mask, so a pass is one row.
+        self.by_segments = all(can_attend_by_segments(m) for m in models)
         self.share_prompts = all(shares_packed_prompts(m) for m in models)
         self.packing, self.packing_note = self._decide_packing()
+        self.by_segments = self.by_segments and self.packing
+        if self.by_segments:
+            for model in models:
+                use_segment_attention(model)
         self.packing_checked = False
         hidden = getattr(self.policy.config, "hidden_size", 1)  # type: ignore[union-attr]
-        self.row_tokens = self.packing_budget if self._varlen else pack.masked_row_tokens(hidden)
+        whole = self._varlen or self.by_segments
+        self.row_tokens = self.packing_budget if whole else pack.masked_row_tokens(hidden)
         self.attention_weight = pack.attention_weight(hidden)
         self._notes: list[str] = []
 
@@ -274,6 +286,8 @@ class Learner:
         path = (
             "FlashAttention varlen"
             if self._varlen
+            else "segment attention, a prompt once for its responses"
+            if self.by_segments
             else "a prompt once for its responses, prompt-and-own-response masks"
             if self.share_prompts
             else "block-diagonal causal mask from restarting position ids"
@@ -421,7 +435,9 @@ class Learner:
     ) -> tuple[SequenceBatch, pack.PackedRows | None]:
         """A pass's rows on the device: trimmed of padding, and packed where the pass is."""
         mb = batch.select(one.rows).trimmed()
-        packed = None if one.packed is None else pack.pack_rows(mb, one.packed).to(self.device)
+        packed = None
+        if one.packed is not None:
+            packed = pack.pack_rows(mb, one.packed, masks=not self.by_segments).to(self.device)
         return mb.to(self.device), packed
 
     def _per_token(
@@ -451,7 +467,7 @@ class Learner:
         self._set_train(False)  # no dropout: the same numbers twice
         pair = batch.select([0, min(1, len(batch) - 1)]).trimmed()
         segments, _ = self._segments(pair)  # the two share their prompt where they can
-        packed = pack.pack_rows(pair, [segments]).to(self.device)
+        packed = pack.pack_rows(pair, [segments], masks=not self.by_segments).to(self.device)
         scorers: list[tuple[str, Callable[..., Tensor]]] = [
             (
                 "log-probs",

@@ -14,6 +14,13 @@ from torch import Tensor, nn
 
 from rlx.plan.memory import chunk_tokens_for_vocab
 from rlx.recipe.model import ModelSettings, OptimSettings
+from rlx.trainer.learn.attention import (
+    SEGMENT_ATTENTION,
+    attends_by_segments,
+    attends_in_full,
+    layout_inputs,
+)
+from rlx.trainer.packing import Layout
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -124,16 +131,20 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.value_head.bias)
 
     def forward(
-        self, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None,
+        position_ids: Tensor,
+        layout: Layout | None = None,
     ) -> Tensor:
-        # attention_mask None or 4-D: packed rows (rlx.trainer.packing), never with a cache
-        if attention_mask is not None and attention_mask.dim() == 4:
-            attention_mask = attention_for(self.body, attention_mask)
+        """Padded rows with their 2-D mask, or packed rows (rlx.trainer.packing) with a
+        layout: PackedRows.attention (None or 4-D) and .layout. Never with a cache."""
+        if layout is None:
+            inputs = {"attention_mask": attention_mask}
+        else:
+            inputs = packed_attention(self.body, attention_mask, layout, input_ids.device)
         hidden = self.body(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=False,
+            input_ids=input_ids, position_ids=position_ids, use_cache=False, **inputs
         ).last_hidden_state  # (B, L, H)
         head_dtype = self.value_head.weight.dtype
         return self.value_head(hidden.to(head_dtype)).squeeze(-1).float()  # (B, L)
@@ -309,9 +320,11 @@ class ResponseScorer(nn.Module):
         entropy_grad: bool,
         score_index: Tensor | None = None,
         target_index: Tensor | None = None,
+        layout: Layout = (),
     ) -> tuple[Tensor, Tensor]:
         """Padded rows (B, P + R), or with score_index and target_index packed rows (k, T)
-        whose attention_mask is None or PackedRows.attention (rlx.trainer.packing)."""
+        whose attention_mask is None or PackedRows.attention and whose layout is
+        PackedRows.layout (rlx.trainer.packing)."""
         from rlx.trainer.learn.sharding import run_as_forward
 
         adapters = self.lm.disable_adapter() if self.adapter_off else contextlib.nullcontext()
@@ -328,6 +341,7 @@ class ResponseScorer(nn.Module):
                     temperature,
                     entropy_grad,
                     attention_mask,
+                    layout,
                 )
             assert attention_mask is not None, "padded rows need their attention mask"
             return run_as_forward(
@@ -408,16 +422,16 @@ class ResponseScorer(nn.Module):
         temperature: float,
         entropy_grad: bool,
         attention: Tensor | None,
+        layout: Layout,
     ) -> tuple[Tensor, Tensor]:
         body = self.lm.get_decoder()  # type: ignore[operator]
-        # No 2-D attention mask and no cache: the only call that keeps packed sequences apart
-        # (transformers derives the block-diagonal mask from the restarting position ids, or
-        # takes the 4-D one of rows whose sequences share their prompts as it is).
+        # No 2-D attention mask and no cache: the only calls that keep packed sequences apart
+        # (packed_attention says which).
         hidden = body(
             input_ids=input_ids,
-            attention_mask=attention_for(body, attention),
             position_ids=position_ids,
             use_cache=False,
+            **packed_attention(body, attention, layout, input_ids.device),
         ).last_hidden_state  # (k, T, H)
         real_hidden = hidden.flatten(0, 1)[score_index]  # (N, H)
         if target_index is None:
@@ -531,6 +545,7 @@ def score_responses(
             entropy_grad,
             packed.score_index,
             packed.target_positions(),
+            packed.layout,
         )
         return TokenScores(logprobs, entropy)
     logprobs, entropy = scorer(
@@ -551,7 +566,9 @@ def response_values(
     """V(state before response token t) for every t: (B, R); with `packed`, the same
     sequences run packed (zero off the response mask)."""
     if packed is not None:
-        values = critic(packed.input_ids, packed.attention, packed.position_ids)  # (k, T)
+        values = critic(
+            packed.input_ids, packed.attention, packed.position_ids, packed.layout
+        )  # (k, T)
         scored = values.flatten()[packed.score_index]  # (N,)
         zeros = torch.zeros(batch.response_mask.shape, dtype=scored.dtype, device=scored.device)
         return zeros.masked_scatter(batch.response_mask, scored)  # (B, R)
@@ -579,25 +596,38 @@ def attention_for(model: nn.Module, attention: Tensor | None) -> Tensor | None:
     return scores.masked_fill(~attention, torch.finfo(dtype).min)
 
 
+def packed_attention(
+    model: nn.Module, attention: Tensor | None, layout: Layout, device: torch.device
+) -> dict[str, Any]:
+    """The attention keywords of a packed forward of `model` (a decoder body): its layout
+    where it attends by segments (rlx.trainer.learn.attention); else the 4-D mask of rows
+    that share prompts in the form its attention takes, or None, from which transformers
+    derives the block-diagonal mask (restarting position ids)."""
+    if attends_by_segments(model):
+        return layout_inputs(layout, device)
+    if attention is None and any(len(s[2]) > 1 for row in layout for s in row):
+        raise ValueError("rows that share prompts need their 4-D mask for this model")
+    return {"attention_mask": attention_for(model, attention)}
+
+
 def shares_packed_prompts(model: nn.Module) -> bool:
-    """Whether packed rows may run a prompt once for several responses (a 4-D mask of
-    prompt-and-own-response): the model's attention takes such a mask as it is and every
-    layer attends in full (a sliding window would need its own)."""
+    """Whether packed rows may run a prompt once for several responses (a layout or a 4-D
+    mask of prompt-and-own-response): the model attends by segments, or its attention
+    takes such a mask as it is, and every layer attends in full (a sliding window would
+    need its own)."""
     inner = getattr(model, "body", model)
     config = getattr(inner, "config", None)
     if config is None or packing_obstacle(model) is not None:
         return False
-    kinds = set(getattr(config, "layer_types", None) or ("full_attention",))
-    return (
-        kinds == {"full_attention"}
-        and getattr(config, "sliding_window", None) is None
-        and (getattr(config, "_attn_implementation", None) or "eager") in MASKED_ATTENTION
-    )
+    return attends_in_full(config) and (
+        getattr(config, "_attn_implementation", None) or "eager"
+    ) in (*MASKED_ATTENTION, SEGMENT_ATTENTION)
 
 
 # Attention implementations of transformers that keep packed sequences apart when called with
-# restarting position ids, no attention mask and no cache (see rlx.trainer.packing).
-PACKABLE_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+# restarting position ids, no attention mask and no cache (see rlx.trainer.packing), and
+# segment attention, which reads their layout.
+PACKABLE_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", SEGMENT_ATTENTION)
 VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
 
 

@@ -1,10 +1,13 @@
 """Packed sequences are exact: a packed forward's per-token log-probs, values and gradients
-equal each sequence's run alone (policy, reference, critic), and the negative controls, a 2-D
-mask or a cache handed to a packed forward, are caught by the same comparison. The first
-step's check turns packing off, in one line, where attention mixes the sequences."""
+equal each sequence's run alone (policy, reference, critic), with a dense mask and with
+segment attention (the layout alone), and the negative controls, a 2-D mask or a cache
+handed to a packed forward, a wrong mask or a wrong layout, are caught by the same
+comparison. The first step's check turns packing off, in one line, where attention mixes
+the sequences."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,8 +16,16 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlx.trainer.batch import RolloutBatch, SequenceBatch, pack_rollout, pad_responses
+from rlx.trainer.learn.attention import (
+    LAYOUT_KEYWORD,
+    SEGMENT_ATTENTION,
+    attends_by_segments,
+    register,
+    use_segment_attention,
+)
 from rlx.trainer.learn.learner import OLD_LOGP, REF_LOGP, RETURNS, VALUES, Learner
 from rlx.trainer.learn.models import ResponseScorer, prompt_groups, score_responses
+from rlx.trainer.learn.tiny import build_tiny_model
 from rlx.trainer.packing import (
     PackedRows,
     pack_rows,
@@ -38,14 +49,14 @@ LOGPROB_TOLERANCE = 3e-6
 GRADIENT_TOLERANCE = 1e-5  # relative to the largest gradient entry
 
 
-def packed_layout(batch: SequenceBatch, row_tokens: int = 40) -> PackedRows:
+def packed_layout(batch: SequenceBatch, row_tokens: int = 40, masks: bool = True) -> PackedRows:
     """The batch in rows of at most row_tokens tokens: several sequences share each row."""
     rows = [row for p in plan_passes(sequence_lengths(batch), 10**6, row_tokens) for row in p]
     assert max(len(row) for row in rows) > 1
-    return pack_rows(batch, rows)
+    return pack_rows(batch, rows, masks=masks)
 
 
-def shared_layout(batch: SequenceBatch, row_tokens: int = 40) -> PackedRows:
+def shared_layout(batch: SequenceBatch, row_tokens: int = 40, masks: bool = True) -> PackedRows:
     """The batch's sequences gathered by prompt into segments that run it once, the segments
     in rows of at most row_tokens: a prompt's responses span several segments and rows, and
     rows hold segments of several prompts."""
@@ -60,7 +71,7 @@ def shared_layout(batch: SequenceBatch, row_tokens: int = 40) -> PackedRows:
     assert max(len(segment) for row in rows for segment in row) > 1  # prompts really shared
     assert len(segments) > len(set(groups[1].tolist()))  # and one prompt in several segments
     assert max(len(row) for row in rows) > 1  # rows hold several segments
-    return pack_rows(batch, rows)
+    return pack_rows(batch, rows, masks=masks)
 
 
 def one_by_one(scorer: ResponseScorer, batch: SequenceBatch) -> torch.Tensor:
@@ -156,6 +167,102 @@ def test_the_comparison_catches_a_shared_row_masked_wrongly(
     assert gap > 1e3 * LOGPROB_TOLERANCE, f"a wrongly masked shared row went unseen ({gap})"
 
 
+@pytest.fixture(scope="module", params=["tiny", "grouped-query"])
+def segment_policy(
+    request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> ResponseScorer:
+    """A policy switched to segment attention: the tiny model, and one whose two query heads
+    share a key/value head."""
+    folder = tiny_model_dir
+    if request.param == "grouped-query":
+        folder = build_tiny_model(
+            tmp_path_factory.mktemp("gqa") / "model", hidden_size=128, num_kv_heads=1
+        )
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    use_segment_attention(model)
+    assert attends_by_segments(model)
+    return ResponseScorer(model.eval())
+
+
+@pytest.mark.parametrize("layout", ["one sequence a segment", "shared prompts"])
+def test_segment_attention_equals_each_sequence_alone(
+    segment_policy: ResponseScorer, advantage_batch: SequenceBatch, layout: str
+) -> None:
+    """Rows attended by their layout alone (no mask at all) score every token and give every
+    gradient as each sequence run alone does, padding tails included."""
+    make = packed_layout if layout == "one sequence a segment" else shared_layout
+    packed = make(advantage_batch, masks=False)
+    assert packed.attention is None
+    widths = [sum(p + sum(r) for _, p, r in row) for row in packed.layout]
+    assert min(widths) < packed.input_ids.shape[1]  # a row with a padding tail
+    assert_packed_equals_alone(segment_policy, advantage_batch, packed)
+
+
+@pytest.mark.parametrize("wrong", ["siblings seen", "prompt dropped"])
+def test_the_comparison_catches_a_wrong_layout(
+    segment_policy: ResponseScorer, advantage_batch: SequenceBatch, wrong: str
+) -> None:
+    """The negative controls of segment attention: a shared segment run as one causal
+    block (its responses see the ones before them), or its responses run without their
+    prompt. Both differ far beyond rounding."""
+    batch = advantage_batch
+    packed = shared_layout(batch, masks=False)
+    rows = []
+    for row in packed.layout:
+        placed = []
+        for start, prompt, responses in row:
+            if len(responses) < 2:
+                placed.append((start, prompt, responses))
+            elif wrong == "siblings seen":
+                placed.append((start, prompt + sum(responses), ()))
+            else:
+                placed.append((start, prompt, ()))
+                offset = start + prompt
+                for length in responses:
+                    placed.append((offset, length, ()))
+                    offset += length
+        rows.append(tuple(placed))
+    broken = dataclasses.replace(packed, layout=tuple(rows))
+    with torch.no_grad():
+        alone = one_by_one(segment_policy, batch)
+        got = score_responses(segment_policy, batch, 1.0, entropy_grad=False, packed=broken)
+    gap = max_gap(got.logprobs, alone, batch.response_mask)
+    assert gap > 1e3 * LOGPROB_TOLERANCE, f"a wrong layout went unseen ({gap})"
+
+
+def test_segment_attention_is_sdpa_outside_packed_passes(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Forwards without a layout (padded passes, generation) attend as SDPA does, bit for
+    bit, and a saved model keeps no trace of the switch: it loads anywhere as it was."""
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    switched = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    use_segment_attention(switched)
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        want = plain(input_ids=ids, attention_mask=mask).logits
+        got = switched(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(got[mask.bool()], want[mask.bool()])
+    switched.save_pretrained(tmp_path / "saved")
+    assert SEGMENT_ATTENTION not in (tmp_path / "saved" / "config.json").read_text()
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    assert again.config._attn_implementation == "sdpa"
+
+
+def test_the_learner_attends_by_segments_in_one_row_a_pass(
+    tmp_path: Path, tiny_model_dir: Path, advantage_batch: SequenceBatch
+) -> None:
+    """SDPA models over full attention: the learner's passes are one row each, no mask."""
+    one = learner(tmp_path, tiny_model_dir, True)
+    assert one.by_segments and "segment attention" in one.packing_note
+    passes = one._passes(advantage_batch)
+    assert all(p.packed is not None and len(p.packed) == 1 for p in passes)
+    _, packed = one._pass_inputs(advantage_batch, passes[0])
+    assert packed is not None and packed.attention is None and len(packed.layout) == 1
+    assert packed.positions == packed.real_tokens  # no padding
+
+
 def test_segments_share_a_prompt_and_respect_the_row() -> None:
     lengths = [10 + r for r in (30, 5, 20, 8)] + [4 + r for r in (3, 50)]
     prompts = [10] * 4 + [4] * 2
@@ -249,19 +356,24 @@ def test_the_learners_reference_critic_and_update_equal_sequences_run_alone(
 
 @pytest.fixture
 def sdpa_without_masks() -> Iterator[None]:
-    """SDPA as a kernel that ignores masks would run it: causal over the whole row."""
+    """SDPA as a kernel that ignores masks would run it, and segment attention as one that
+    ignores the layout: causal over the whole row."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    original = ALL_ATTENTION_FUNCTIONS["sdpa"]
-
     def unmasked(module, query, key, value, attention_mask, **kwargs):  # type: ignore[no-untyped-def]
-        return original(module, query, key, value, None, is_causal=True, **kwargs)
+        kwargs.pop(LAYOUT_KEYWORD, None)
+        return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)
 
-    ALL_ATTENTION_FUNCTIONS["sdpa"] = unmasked
+    register()
+    originals = {name: ALL_ATTENTION_FUNCTIONS[name] for name in ("sdpa", SEGMENT_ATTENTION)}
+    for name in originals:
+        ALL_ATTENTION_FUNCTIONS[name] = unmasked
     try:
         yield
     finally:
-        ALL_ATTENTION_FUNCTIONS["sdpa"] = original
+        for name, original in originals.items():
+            ALL_ATTENTION_FUNCTIONS[name] = original
 
 
 def test_the_first_step_check_keeps_exact_packing_on(

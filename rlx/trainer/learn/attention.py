@@ -1,0 +1,184 @@
+"""Segment attention: packed rows attended by their layout instead of a dense mask.
+
+A packed row (rlx.trainer.packing) holds segments one after another: a sequence alone, or a
+prompt once with the responses that share it. With SDPA over a dense 4-D mask every position
+of a row is scored against every other and most of the products are masked away: a response
+sees only its prompt and itself, so at a few hundred tokens a row most of attention's work
+was for nothing, and rows had to stay short (the mask grows with their square), leaving
+padding at their tails. Here each piece runs on its own: a sequence (or a shared prompt)
+causally, and each response of a segment on its prompt's keys and values followed by its own,
+causally. That is the same arithmetic as the masked row, restricted to what the mask lets
+through, so a pass can be one row of all its sequences, with no padding and no (T, T) mask.
+
+It is an attention implementation of transformers (SEGMENT_ATTENTION, registered in its
+AttentionInterface): a model switched to it (`use_segment_attention`) attends as SDPA does,
+mask and all, in every forward that does not carry a layout (generation, probes, padded
+passes), and by the layout in those that do (`layout_inputs`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from rlx.trainer.packing import Layout, Segment
+
+SEGMENT_ATTENTION = "rlx_segments"
+# The keyword a packed forward hands its layout (PackedRows.layout) through transformers'
+# model call to every attention layer.
+LAYOUT_KEYWORD = "segment_layout"
+
+
+@functools.cache
+def register() -> None:
+    """Make SEGMENT_ATTENTION an attention implementation transformers knows, with SDPA's
+    mask making (for forwards without a layout)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(SEGMENT_ATTENTION, segment_attention)
+    AttentionMaskInterface.register(SEGMENT_ATTENTION, sdpa_mask)
+
+
+def _transformers_model(model: nn.Module) -> nn.Module:
+    """The transformers model of a causal LM, a peft wrapper of one, or a ValueModel."""
+    inner = getattr(model, "body", model)
+    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+
+
+def can_attend_by_segments(model: nn.Module) -> bool:
+    """Whether use_segment_attention would switch `model`: it runs SDPA (or already segment
+    attention) and every layer attends in full (a sliding window would need its own
+    pieces)."""
+    config = getattr(_transformers_model(model), "config", None)
+    implementation = getattr(config, "_attn_implementation", None)
+    return implementation in ("sdpa", SEGMENT_ATTENTION) and attends_in_full(config)
+
+
+def use_segment_attention(model: nn.Module) -> None:
+    """Switch `model` (see can_attend_by_segments) from SDPA to segment attention."""
+    if not can_attend_by_segments(model):
+        raise ValueError(f"{type(model).__name__} cannot attend by segments")
+    register()
+    # On the config, which every attention layer reads at each call: the model's own
+    # set_attn_implementation judges by its class's source, which FSDP2's wrapper hides.
+    _transformers_model(model).config._attn_implementation = SEGMENT_ATTENTION
+
+
+def attends_in_full(config: Any) -> bool:
+    """Every layer attends to the whole sequence before it (no sliding window): what a
+    prompt-and-own-response layout or mask describes."""
+    kinds = set(getattr(config, "layer_types", None) or ("full_attention",))
+    return kinds == {"full_attention"} and getattr(config, "sliding_window", None) is None
+
+
+def attends_by_segments(model: nn.Module) -> bool:
+    """Whether `model` (as for use_segment_attention) takes a layout in packed forwards."""
+    inner = getattr(model, "body", model)
+    config = getattr(inner, "config", None)
+    return getattr(config, "_attn_implementation", None) == SEGMENT_ATTENTION
+
+
+def layout_inputs(layout: Layout, device: torch.device) -> dict[str, Any]:
+    """The keywords of a packed forward over a model that attends by segments: the layout,
+    and as the attention mask a 4-D one of a single True, which tells transformers the mask
+    is made already (it would otherwise build the (T, T) one its position ids imply)."""
+    placeholder = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
+    return {"attention_mask": placeholder, LAYOUT_KEYWORD: layout}
+
+
+def segment_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers' attention call: query (k, Hq, T, D), key and value (k, Hk, T, D) ->
+    ((k, T, Hq, D), None). With a layout (LAYOUT_KEYWORD) each row's segments attend as
+    described above and padding after them attends to itself alone; without one, SDPA."""
+    layout: Layout | None = kwargs.pop(LAYOUT_KEYWORD, None)
+    if layout is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    if len(layout) != query.shape[0]:
+        raise ValueError(f"a layout of {len(layout)} rows for {query.shape[0]} rows of queries")
+    repeats = query.shape[1] // key.shape[1]
+    if repeats > 1:  # grouped-query attention: every query head its key/value head
+        key = key.repeat_interleave(repeats, dim=1)
+        value = value.repeat_interleave(repeats, dim=1)
+    rows = [
+        _attend_row(query[r : r + 1], key[r : r + 1], value[r : r + 1], segments, dropout, scaling)
+        for r, segments in enumerate(layout)
+    ]
+    out = torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]  # (k, Hq, T, D)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _attend_row(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    segments: Sequence[Segment],
+    dropout: float,
+    scale: float | None,
+) -> Tensor:
+    """One row: q, k, v (1, H, T, D) -> (1, H, T, D)."""
+    pieces: list[Tensor] = []
+    end = 0
+    for start, prompt, responses in segments:
+        if start != end:
+            raise ValueError(f"a segment starts at {start}, the one before it ends at {end}")
+        if len(responses) <= 1:  # one sequence: causal over all of it
+            end = start + prompt + sum(responses)
+            pieces.append(_causal(q, k, v, start, end, dropout, scale))
+            continue
+        shared = start + prompt
+        keys, values = k[:, :, start:shared], v[:, :, start:shared]  # (1, H, p, D)
+        if prompt:
+            pieces.append(_causal(q, k, v, start, shared, dropout, scale))
+        end = shared
+        for length in responses:
+            if length == 0:
+                continue
+            stop = end + length
+            # the prompt in full, then its own tokens causally: lower-right aligned
+            allowed = torch.ones((length, prompt + length), dtype=torch.bool, device=q.device)
+            pieces.append(
+                F.scaled_dot_product_attention(
+                    q[:, :, end:stop],
+                    torch.cat([keys, k[:, :, end:stop]], dim=2),
+                    torch.cat([values, v[:, :, end:stop]], dim=2),
+                    attn_mask=allowed.tril(prompt),
+                    dropout_p=dropout,
+                    scale=scale,
+                )
+            )
+            end = stop
+    if end < q.shape[2]:
+        pieces.append(v[:, :, end:])  # padding: each position attends to itself alone
+    return torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0]
+
+
+def _causal(
+    q: Tensor, k: Tensor, v: Tensor, start: int, stop: int, dropout: float, scale: float | None
+) -> Tensor:
+    return F.scaled_dot_product_attention(
+        q[:, :, start:stop],
+        k[:, :, start:stop],
+        v[:, :, start:stop],
+        is_causal=True,
+        dropout_p=dropout,
+        scale=scale,
+    )
