@@ -7,6 +7,7 @@ module imports neither torch nor vLLM: lint and `rlx plan` ask it which engine a
 
     base.py       the interface every engine implements
     hf.py         transformers' generate (CPU, or a GPU without vLLM)
+    decode.py     the HF engine's decode step from the weights, and its key/value cache
     vllm.py       vLLM (GPU, or CPU with vLLM's CPU build)
     colocated.py  the engine a training worker holds (layout: colocated)
     probe.py      the check after every weight push

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -13,6 +12,7 @@ import torch
 
 from rlx.trainer.batch import RolloutBatch, pad_responses
 from rlx.trainer.rollout.base import RolloutEngine, SamplingArgs, check_sampling_args
+from rlx.trainer.rollout.decode import LeanDecoder, grow_in_place
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -90,73 +90,6 @@ class _SamplingDistribution:
         return torch.stack(values, dim=1)
 
 
-@functools.cache
-def _growing_layer_class() -> type:
-    """A full-attention cache layer that keeps its keys and values in a buffer with room
-    to spare and writes each step's into it, where transformers' DynamicLayer copies the
-    whole cache (torch.cat) at every token: on a small model that copy was most of a decode
-    step, and it grows with the length. The layer hands attention a view of the filled part;
-    when the buffer is full it doubles (up to the room the generation can need), so memory
-    stays within twice what is held, as the copy's transient did."""
-    from transformers.cache_utils import DynamicLayer
-
-    class GrowingLayer(DynamicLayer):
-        def __init__(self, keys: torch.Tensor, values: torch.Tensor, most: int):
-            super().__init__()
-            self.dtype, self.device = keys.dtype, keys.device
-            self.is_initialized = True
-            self.most = most  # no row ever holds more positions than this
-            self.filled = keys.shape[-2]
-            self._keys = self._room(keys, min(most, max(2 * self.filled, 64)))
-            self._values = self._room(values, self._keys.shape[-2])
-            self._views()
-
-        def _room(self, states: torch.Tensor, capacity: int) -> torch.Tensor:
-            """(B, H, capacity, D), the first `filled` positions copied from `states`."""
-            rows, heads, _, dim = states.shape
-            buffer = states.new_empty((rows, heads, capacity, dim))
-            buffer[:, :, : self.filled] = states[:, :, : self.filled]
-            return buffer
-
-        def _views(self) -> None:
-            self.keys = self._keys[:, :, : self.filled]
-            self.values = self._values[:, :, : self.filled]
-
-        def update(
-            self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-        ) -> tuple[torch.Tensor, torch.Tensor]:
-            end = self.filled + key_states.shape[-2]
-            if end > self._keys.shape[-2]:
-                capacity = max(end, min(self.most, 2 * self._keys.shape[-2]))
-                self._keys = self._room(self._keys, capacity)
-                self._values = self._room(self._values, capacity)
-            self._keys[:, :, self.filled : end] = key_states
-            self._values[:, :, self.filled : end] = value_states
-            self.filled = end
-            self._views()
-            return self.keys, self.values
-
-        def batch_select_indices(self, indices: torch.Tensor) -> None:
-            self._keys = self._keys[indices]
-            self._values = self._values[indices]
-            self._views()
-
-    return GrowingLayer
-
-
-def grow_in_place(cache: object, most: int) -> None:
-    """Make every plain full-attention layer of a DynamicCache write new positions into a
-    buffer instead of concatenating (see _growing_layer_class); other layers (sliding
-    windows, linear attention) stay as they are. `most`: the positions a row can reach."""
-    from transformers.cache_utils import DynamicLayer
-
-    growing = _growing_layer_class()
-    layers = getattr(cache, "layers", [])
-    for index, layer in enumerate(layers):
-        if type(layer) is DynamicLayer and layer.is_initialized and layer.keys.dim() == 4:
-            layers[index] = growing(layer.keys, layer.values, most)
-
-
 class HFEngine(RolloutEngine):
     """Rollouts with transformers' `generate`; works on CPU and as a GPU fallback.
 
@@ -224,6 +157,22 @@ class HFEngine(RolloutEngine):
         )
         self._version = 0
         self._target_tensors: dict[str, torch.Tensor] | None = None
+        self.decoder, self.decode_note = self._lean_decoder(model)
+
+    def _lean_decoder(self, model: PreTrainedModel) -> tuple[LeanDecoder | None, str | None]:
+        """The decode step from the weights directly (decode.py) where it runs this model and
+        matches transformers' forward; else (None, the one line that says why not). A model
+        sharded over ranks runs transformers' forward, which gathers its weights."""
+        if self.collective is not None or getattr(model, "_is_stateful", False):
+            return None, None
+        decoder, reason = LeanDecoder.for_model(model)
+        if decoder is not None:
+            vocab = model.get_input_embeddings().weight.shape[0]
+            gap = decoder.check(model, vocab)
+            if gap <= decoder.tolerance():
+                return decoder, None
+            reason = f"its own decode step's logits differ from the forward's by {gap:.1e}"
+        return None, f"rollouts: the HF engine decodes through transformers' forward ({reason})"
 
     @property
     def weight_version(self) -> int:
@@ -276,6 +225,9 @@ class HFEngine(RolloutEngine):
         rows = input_ids.shape[0]
         cache, logits = self._prefill(input_ids, attention_mask)  # logits: (B, V)
         grow_in_place(cache, input_ids.shape[1] + sampling.max_new_tokens)
+        generation = None
+        if self.decoder is not None:
+            generation = self.decoder.prepare(input_ids.shape[1] + sampling.max_new_tokens)
         positions = attention_mask.sum(dim=1, keepdim=True)  # (B, 1): the next token's
         mask = attention_mask
         alive = torch.arange(rows, device=self.device)  # (A,) batch row of each cache row
@@ -316,14 +268,17 @@ class HFEngine(RolloutEngine):
                 alive, live, drawn = alive[keep], live[keep], drawn[keep]
                 mask, positions = mask[keep], positions[keep]
             mask = torch.cat([mask, mask.new_ones((len(alive), 1))], dim=1)
-            out = self.model(
-                input_ids=drawn,
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=cache,
-                use_cache=True,
-            )
-            logits = out.logits[:, -1]  # (A, V)
+            if self.decoder is not None and generation is not None:
+                logits = self.decoder.step(generation, drawn, positions, mask, cache)  # (A, V)
+            else:
+                out = self.model(
+                    input_ids=drawn,
+                    attention_mask=mask,
+                    position_ids=positions,
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+                logits = out.logits[:, -1]  # (A, V)
             positions = positions + 1
             step += 1
         return tokens[:, :width], logprobs[:, :width]

@@ -143,18 +143,37 @@ def test_generation_that_stops_early_keeps_logprobs_aligned(tiny_model_dir: Path
     _assert_logprobs_match_teacher_forcing(model, batch)
 
 
-def test_finished_rows_leave_the_batch(tiny_model_dir: Path) -> None:
-    """Each decoding forward runs only the rows that have not drawn EOS yet: the forward
-    after response token k holds exactly the rows longer than k + 1, not every row."""
+@pytest.mark.parametrize("step", ["lean", "forward"])
+def test_finished_rows_leave_the_batch(tiny_model_dir: Path, step: str) -> None:
+    """Each decoding step runs only the rows that have not drawn EOS yet: the step after
+    response token k holds exactly the rows longer than k + 1, not every row; with the
+    engine's own decode step and with transformers' forward."""
     model = _eos_heavy_model(tiny_model_dir)
+    engine = HFEngine(model)
     rows_seen: list[int] = []
+    prefills: list[int] = []
+    if step == "lean":
+        assert engine.decoder is not None
+        decode = engine.decoder.step
+
+        def counted(generation, input_ids, *args):  # type: ignore[no-untyped-def]
+            rows_seen.append(input_ids.shape[0])
+            return decode(generation, input_ids, *args)
+
+        engine.decoder.step = counted  # type: ignore[method-assign]
+        seen = prefills
+    else:
+        engine.decoder = None
+        seen = rows_seen
     model.register_forward_pre_hook(
-        lambda _m, _args, kwargs: rows_seen.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+        lambda _m, _args, kwargs: seen.append(kwargs["input_ids"].shape[0]), with_kwargs=True
     )
-    batch = HFEngine(model).generate(PROMPTS, SamplingArgs(8, max_new_tokens=24), seed=1)
+    batch = engine.generate(PROMPTS, SamplingArgs(8, max_new_tokens=24), seed=1)
     lengths = batch.response_lengths
-    decoding = rows_seen[1:]  # after the prefill (one forward of the distinct prompts)
-    assert rows_seen[0] == len(PROMPTS)
+    if step == "forward":
+        prefills, rows_seen = rows_seen[:1], rows_seen[1:]
+    decoding = rows_seen
+    assert prefills == [len(PROMPTS)]  # one forward of the distinct prompts
     expected = [int((lengths >= k + 2).sum()) for k in range(len(decoding))]
     assert decoding == expected
     assert decoding[-1] < len(lengths) // 2  # most rows had left by the end
@@ -167,7 +186,7 @@ def test_growing_cache_layers_equal_concatenation() -> None:
     buffer and rows leaving, and they never hold room for more than `most` positions."""
     from transformers.cache_utils import DynamicCache, DynamicLayer
 
-    from rlx.trainer.rollout.hf import grow_in_place
+    from rlx.trainer.rollout.decode import grow_in_place
 
     gen = torch.Generator().manual_seed(0)
     prompt = [torch.randn(5, 2, 3, 4, generator=gen) for _ in range(2)]
