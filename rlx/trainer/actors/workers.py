@@ -21,6 +21,7 @@ from rlx.errors import RlxError
 from rlx.recipe.model import TrainerSettings
 from rlx.runs import GPU_FREE, GPU_PEAK, GPU_RESERVED
 from rlx.trainer.actors.placement import threads_for
+from rlx.trainer.allocator import keep_freed_memory
 from rlx.trainer.batch import RolloutBatch, SequenceBatch
 from rlx.trainer.checkpoint import capture_rng_state, restore_rng_state
 from rlx.trainer.checkpoint.faults import SAVE_ERRORS, save_failure
@@ -104,6 +105,8 @@ def _prepare_process(spec: WorkerSpec, stream: str) -> torch.device:
     from rlx.trainer.learn.models import quiet_transformers
 
     quiet_transformers()
+    if not spec.use_gpu:  # the host computes: its freed tensors stay for the next ones
+        keep_freed_memory()
     # Ray sets OMP_NUM_THREADS=1 in its workers; torch then uses one core unless told.
     torch.set_num_threads(threads_for(spec.node_share, spec.num_threads))
     torch.manual_seed(derive_seed(spec.settings.seed, stream, spec.rank))
