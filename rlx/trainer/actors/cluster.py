@@ -267,7 +267,8 @@ class Cluster:
         # every rank says the same: once is enough
         self.notes, self.attention_weight = reports[0]
         if self.rollout.handles:  # the engines load at construction; wait for them here
-            gather([r.node_ip.remote() for r in self.rollout.handles], "rollout worker")
+            said = gather([r.notes.remote() for r in self.rollout.handles], "rollout worker")
+            self.notes = [*self.notes, *said[0]]  # every engine says the same: once is enough
             self._open_weight_group()
 
     def _open_weight_group(self) -> None:

@@ -571,6 +571,11 @@ class RolloutWorker:
     def node_ip(self) -> str:
         return _node_ip()
 
+    def notes(self) -> list[str]:
+        """What the engine said at start-up, for the run's log."""
+        note = getattr(self.engine, "decode_note", None)
+        return [note] if note else []
+
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingArgs, seed: int) -> Any:
         return _generate(self.engine, prompt_ids, sampling, seed)
 

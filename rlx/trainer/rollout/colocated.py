@@ -107,13 +107,15 @@ def make_colocated_engine(
     """kind is 'hf' or 'vllm' (already resolved from 'auto'); vllm_options: vLLM's arguments
     (rollout.vllm_options.vllm_options, in_process). collective: the policy is
     sharded over the ranks (see HFEngine). `say` gets the one note about sleep mode where
-    the platform refuses it (None: keep quiet)."""
+    the platform refuses it, and the HF engine's where it decodes through transformers'
+    forward (None: keep quiet)."""
     if kind == "hf":
         if policy is None:
             raise ValueError("a colocated hf engine generates with the policy module itself")
-        return ColocatedEngine(
-            SharedModuleEngine(policy, collective=collective), shares_policy=True
-        )
+        shared = SharedModuleEngine(policy, collective=collective)
+        if shared.decode_note is not None and say is not None:
+            say(shared.decode_note)
+        return ColocatedEngine(shared, shares_policy=True)
     from rlx.trainer.rollout.vllm import VLLMEngine, sleep_mode_available
 
     can_sleep = sleep_mode_available()

@@ -19,6 +19,7 @@ from rlx.trainer.learn.tiny import build_tiny_model
 from rlx.trainer.resolve import resolve_model_path
 from rlx.trainer.rollout import decode
 from rlx.trainer.rollout.base import SamplingArgs
+from rlx.trainer.rollout.colocated import make_colocated_engine
 from rlx.trainer.rollout.decode import LeanDecoder, unsupported
 from rlx.trainer.rollout.hf import HFEngine
 from tests.support.hub import HubCache
@@ -173,6 +174,27 @@ def test_models_it_cannot_run_say_why() -> None:
     assert "not a transformers causal LM" in (unsupported(torch.nn.Linear(2, 2)) or "")
     engine = HFEngine(model, eos_token_id=1)
     assert engine.decoder is None and "not full attention" in (engine.decode_note or "")
+
+
+def test_a_colocated_engine_says_once_that_it_decodes_through_the_forward() -> None:
+    config = Qwen2Config(
+        vocab_size=260,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        use_sliding_window=True,
+        sliding_window=16,
+        max_window_layers=1,
+        eos_token_id=1,
+    )
+    said: list[str] = []
+    engine = make_colocated_engine(
+        "hf", AutoModelForCausalLM.from_config(config), "unused", dtype="float32", say=said.append
+    )
+    assert engine.engine.decoder is None  # type: ignore[attr-defined]
+    assert len(said) == 1 and said[0].startswith("rollouts: the HF engine decodes through")
 
 
 def test_a_sharded_model_runs_the_forward(tmp_path: Path) -> None:
