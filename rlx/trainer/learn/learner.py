@@ -248,9 +248,12 @@ class Learner:
         models = [m for m in (self.policy, self.reference, self.critic) if m is not None]
         # Packed rows run a prompt once for the responses that share it (a layout or a 4-D
         # mask), where every model's attention takes one; FlashAttention's varlen kernels
-        # cannot. Where every model runs SDPA over full attention, packed passes attend by
-        # their layout (attention.py): no dense mask, so a pass is one row.
-        self.by_segments = all(can_attend_by_segments(m) for m in models)
+        # cannot. On CPU, where every model runs SDPA over full attention, packed passes
+        # attend by their layout (attention.py): no dense mask, so a pass is one row. Not
+        # on GPUs: there each response's attention is a few kernel launches of its own, a
+        # cost not yet measured against the dense mask's (FlashAttention's varlen is the
+        # GPU's way to skip it).
+        self.by_segments = device.type == "cpu" and all(can_attend_by_segments(m) for m in models)
         self.share_prompts = all(shares_packed_prompts(m) for m in models)
         self.packing, self.packing_note = self._decide_packing()
         self.by_segments = self.by_segments and self.packing
