@@ -145,8 +145,9 @@ def test_the_check_catches_a_wrong_step_and_the_engine_falls_back(
     assert len(batch) == 2 * len(PROMPTS)
 
 
-def test_models_it_cannot_run_say_why() -> None:
-    sliding = Qwen2Config(
+def sliding_model() -> AutoModelForCausalLM:
+    """A Qwen2 whose second layer attends to a sliding window: not one the step runs."""
+    config = Qwen2Config(
         vocab_size=260,
         hidden_size=64,
         intermediate_size=128,
@@ -156,8 +157,13 @@ def test_models_it_cannot_run_say_why() -> None:
         use_sliding_window=True,
         sliding_window=16,
         max_window_layers=1,
+        eos_token_id=1,
     )
-    model = AutoModelForCausalLM.from_config(sliding)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def test_models_it_cannot_run_say_why() -> None:
+    model = sliding_model()
     assert "not full attention" in (unsupported(model) or "")
     dynamic = Qwen2Config(
         vocab_size=260,
@@ -172,26 +178,14 @@ def test_models_it_cannot_run_say_why() -> None:
         unsupported(AutoModelForCausalLM.from_config(dynamic)) or ""
     )
     assert "not a transformers causal LM" in (unsupported(torch.nn.Linear(2, 2)) or "")
-    engine = HFEngine(model, eos_token_id=1)
+    engine = HFEngine(model)
     assert engine.decoder is None and "not full attention" in (engine.decode_note or "")
 
 
 def test_a_colocated_engine_says_once_that_it_decodes_through_the_forward() -> None:
-    config = Qwen2Config(
-        vocab_size=260,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=1,
-        num_key_value_heads=1,
-        use_sliding_window=True,
-        sliding_window=16,
-        max_window_layers=1,
-        eos_token_id=1,
-    )
     said: list[str] = []
     engine = make_colocated_engine(
-        "hf", AutoModelForCausalLM.from_config(config), "unused", dtype="float32", say=said.append
+        "hf", sliding_model(), "unused", dtype="float32", say=said.append
     )
     assert engine.engine.decoder is None  # type: ignore[attr-defined]
     assert len(said) == 1 and said[0].startswith("rollouts: the HF engine decodes through")
