@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rlx.trainer.learn.attention import SEGMENT_ATTENTION
+from rlx.trainer.learn.attention import SEGMENT_ATTENTION, attends_in_full
 
 # The decoder layers whose forward this module repeats (their attention, MLP and norms, as
 # transformers 5 writes them): input norm, attention (q/k/v projections, optional per-head
@@ -210,7 +210,7 @@ def unsupported(model: nn.Module) -> str | None:
     kinds = {type(layer).__name__ for layer in layers}
     if not kinds <= set(DECODER_LAYERS):
         return f"{sorted(kinds - set(DECODER_LAYERS))[0]} is not a decoder layer it knows"
-    if set(getattr(config, "layer_types", None) or ("full_attention",)) != {"full_attention"}:
+    if not attends_in_full(config):  # Mistral's default window of 4096 included
         return f"{type(lm).__name__} has layers that are not full attention"
     rotary = getattr(body, "rotary_emb", None)
     rope = getattr(rotary, "rope_type", None)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config, Qwen3Config
 
 from rlx.recipe.model import LoraSettings
 from rlx.trainer.learn import lora
@@ -178,6 +178,16 @@ def test_models_it_cannot_run_say_why() -> None:
         unsupported(AutoModelForCausalLM.from_config(dynamic)) or ""
     )
     assert "not a transformers causal LM" in (unsupported(torch.nn.Linear(2, 2)) or "")
+    windowed = MistralConfig(  # a window over every layer, as Mistral's default of 4096
+        vocab_size=260,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        sliding_window=16,
+    )
+    assert "not full attention" in (unsupported(AutoModelForCausalLM.from_config(windowed)) or "")
     engine = HFEngine(model)
     assert engine.decoder is None and "not full attention" in (engine.decode_note or "")
 
