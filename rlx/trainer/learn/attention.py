@@ -45,7 +45,7 @@ def register() -> None:
     AttentionMaskInterface.register(SEGMENT_ATTENTION, sdpa_mask)
 
 
-def _transformers_model(model: nn.Module) -> nn.Module:
+def transformers_model(model: nn.Module) -> nn.Module:
     """The transformers model of a causal LM, a peft wrapper of one, or a ValueModel."""
     inner = getattr(model, "body", model)
     return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
@@ -55,7 +55,7 @@ def can_attend_by_segments(model: nn.Module) -> bool:
     """Whether use_segment_attention would switch `model`: it runs SDPA (or already segment
     attention) and every layer attends in full (a sliding window would need its own
     pieces)."""
-    config = getattr(_transformers_model(model), "config", None)
+    config = getattr(transformers_model(model), "config", None)
     implementation = getattr(config, "_attn_implementation", None)
     return implementation in ("sdpa", SEGMENT_ATTENTION) and attends_in_full(config)
 
@@ -67,7 +67,7 @@ def use_segment_attention(model: nn.Module) -> None:
     register()
     # On the config, which every attention layer reads at each call: the model's own
     # set_attn_implementation judges by its class's source, which FSDP2's wrapper hides.
-    _transformers_model(model).config._attn_implementation = SEGMENT_ATTENTION
+    transformers_model(model).config._attn_implementation = SEGMENT_ATTENTION
 
 
 def attends_in_full(config: Any) -> bool:
@@ -79,8 +79,7 @@ def attends_in_full(config: Any) -> bool:
 
 def attends_by_segments(model: nn.Module) -> bool:
     """Whether `model` (as for use_segment_attention) takes a layout in packed forwards."""
-    inner = getattr(model, "body", model)
-    config = getattr(inner, "config", None)
+    config = getattr(transformers_model(model), "config", None)
     return getattr(config, "_attn_implementation", None) == SEGMENT_ATTENTION
 
 

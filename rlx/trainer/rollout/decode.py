@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rlx.trainer.learn.attention import SEGMENT_ATTENTION, attends_in_full
+from rlx.trainer.learn.attention import SEGMENT_ATTENTION, attends_in_full, transformers_model
 
 # The decoder layers whose forward this module repeats (their attention, MLP and norms, as
 # transformers 5 writes them): input norm, attention (q/k/v projections, optional per-head
@@ -192,14 +192,9 @@ class Generation:
     qkv: list[tuple[Tensor, Tensor | None] | None]  # per layer
 
 
-def _causal_lm(model: nn.Module) -> nn.Module:
-    """The transformers model under a peft wrapper (itself when there is none)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def unsupported(model: nn.Module) -> str | None:
     """Why LeanDecoder cannot run `model`'s decode step, or None when it can."""
-    lm = _causal_lm(model)
+    lm = transformers_model(model)
     body = getattr(lm, "model", None)
     config = getattr(lm, "config", None)
     if config is None or body is None or not hasattr(lm, "lm_head"):
@@ -230,7 +225,7 @@ class LeanDecoder:
     """Decode steps of a supported model (see `unsupported`); build with `for_model`."""
 
     def __init__(self, model: nn.Module):
-        lm = _causal_lm(model)
+        lm = transformers_model(model)
         body = lm.model
         config = lm.config
         self.rotary = body.rotary_emb
@@ -330,7 +325,7 @@ class LeanDecoder:
         return CHECK_TOLERANCE.get(self.embed.weight.dtype, CHECK_TOLERANCE_LOW)
 
     @torch.no_grad()
-    def check(self, model: nn.Module, vocab: int) -> float:
+    def check(self, model: nn.Module) -> float:
         """Run three decode steps over two left-padded rows and compare each step's logits
         with transformers' forward of the whole sequence: the largest difference relative to
         the largest logit (NaN stays NaN)."""
@@ -338,13 +333,14 @@ class LeanDecoder:
 
         device = next(model.parameters()).device
         generator = torch.Generator().manual_seed(0)
+        vocab = self.embed.weight.shape[0]
         ids = torch.randint(0, vocab, (2, 8), generator=generator).to(device)  # (2, 8)
         mask = torch.ones_like(ids)
         mask[1, :3] = 0  # row 1: a prompt of 2 tokens after 3 of padding
         prompt = 5
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # (2, 8)
         whole = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
-        cache = DynamicCache(config=_causal_lm(model).config)
+        cache = DynamicCache(config=transformers_model(model).config)
         model(
             input_ids=ids[:, :prompt],
             attention_mask=mask[:, :prompt],

@@ -167,8 +167,7 @@ class HFEngine(RolloutEngine):
             return None, None
         decoder, reason = LeanDecoder.for_model(model)
         if decoder is not None:
-            vocab = model.get_input_embeddings().weight.shape[0]
-            gap = decoder.check(model, vocab)
+            gap = decoder.check(model)
             if gap <= decoder.tolerance():
                 return decoder, None
             reason = f"its own decode step's logits differ from the forward's by {gap:.1e}"
