@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from rlx.plan.memory import chunk_tokens_for_vocab
 from rlx.recipe.model import ModelSettings, OptimSettings
+from rlx.trainer.cpu_linear import linear, use_onednn
 from rlx.trainer.learn.attention import (
     SEGMENT_ATTENTION,
     attends_by_segments,
@@ -91,6 +92,8 @@ def load_causal_lm(
     if adapters is not None:
         lora.init_adapters(model, seed)
     _prepare(model, settings, trainable)
+    if shard is None and device.type == "cpu":
+        use_onednn(model)  # where oneDNN outruns BLAS on this CPU (cpu_linear.py)
     return model
 
 
@@ -203,6 +206,8 @@ def load_value_model(
         critic.body.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False}
         )
+    if shard is None and device.type == "cpu":
+        use_onednn(critic)
     return critic.train()
 
 
@@ -476,7 +481,7 @@ def _chunk_scores(
     entropy_grad: bool,
 ) -> tuple[Tensor, Tensor]:
     """Log-probs and entropies of one chunk of tokens: hidden (n, H), targets (n,) -> (n,)."""
-    logits = nn.functional.linear(hidden, weight, bias).float()  # (n, V)
+    logits = linear(hidden, weight, bias).float()  # (n, V): as the model's own linears run
     if temperature != 1.0:
         logits = logits / temperature
     logz = torch.logsumexp(logits, dim=-1)  # (n,)

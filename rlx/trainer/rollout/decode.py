@@ -13,7 +13,7 @@ Which models: decoder layers of the classes in DECODER_LAYERS (Llama, Mistral, Q
 Qwen3), every layer full attention, a rotary embedding that does not depend on the sequence
 seen (not dynamic NTK or LongRoPE), SDPA, eager or segment attention, and plain tensors (a
 model sharded by FSDP gathers its weights in module hooks: it runs transformers' forward).
-Projections that are not plain nn.Linear (LoRA adapters of peft) are called as modules, so
+Projections that are not plain linear layers (LoRA adapters of peft) are called as modules, so
 they keep their own forward. `LeanDecoder.check` compares the step with transformers'
 forward on a few tokens before an engine uses it.
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rlx.trainer.cpu_linear import choice, is_linear, onednn_linear, reorder_weight, runs_onednn
 from rlx.trainer.learn.attention import SEGMENT_ATTENTION, attends_in_full, transformers_model
 
 # The decoder layers whose forward this module repeats (their attention, MLP and norms, as
@@ -52,6 +54,9 @@ ATTENTION = ("sdpa", "eager", SEGMENT_ATTENTION)
 # different order, far below a wrong mask's or a wrong position's.
 CHECK_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-9}
 CHECK_TOLERANCE_LOW = 2e-2  # half precision
+# Where oneDNN runs the CPU's linears, a generation packs the projections' weights into its
+# layout (a copy of them, held while it decodes) when they come to at most this much.
+PACK_LIMIT = 128 * 2**20
 
 
 @functools.cache
@@ -121,11 +126,47 @@ def grow_in_place(cache: object, most: int) -> None:
             layers[index] = growing(layer.keys, layer.values, most)
 
 
-def _linear(module: nn.Module) -> Any:
-    """A callable for a projection: F.linear on a plain nn.Linear's tensors, else the module
-    itself (a peft LoRA layer adds its adapters in its own forward)."""
-    if type(module) is nn.Linear:
-        return lambda x: F.linear(x, module.weight, module.bias)
+Product = Callable[[Tensor], Tensor]  # x (..., in) -> x W^T + b (..., out)
+
+
+def _product(weight: Tensor, bias: Tensor | None, rows: int, pack: bool) -> Product:
+    """x W^T + b over weights that stay as they are for a generation, as the process's CPU
+    linears run it (cpu_linear.py): where that is oneDNN, with the weight reordered once
+    into oneDNN's own layout when `pack` (a copy the size of the weight: a small model's
+    decode step runs its products about twice as fast so, measured at 1 to 16 rows), else
+    read as it is; elsewhere F.linear. rows: how many the generation starts with."""
+    if choice() != "onednn" or not runs_onednn(weight, weight, bias):
+        return lambda x: F.linear(x, weight, bias)
+    kept = reorder_weight(weight, rows) if pack else weight
+
+    def product(x: Tensor) -> Tensor:
+        if runs_onednn(x, weight, bias):
+            return onednn_linear(x, kept, bias)
+        return F.linear(x, weight, bias)
+
+    return product
+
+
+def _joined(modules: list[nn.Module], rows: int, pack: bool) -> tuple[Product, list[int]] | None:
+    """The projections as one product whose output is theirs side by side, concatenated
+    now from their current weights, and each one's width; None where one of them is not a
+    plain linear layer (LoRA) or where some have a bias and others not."""
+    if not all(is_linear(m) for m in modules):
+        return None
+    biases = [m.bias for m in modules]
+    if any(b is None for b in biases) and not all(b is None for b in biases):
+        return None
+    weight = torch.cat([m.weight for m in modules])  # (sum of outs, in)
+    bias = None if biases[0] is None else torch.cat(biases)  # type: ignore[arg-type]
+    return _product(weight, bias, rows, pack), [m.weight.shape[0] for m in modules]
+
+
+def _single(module: nn.Module, rows: int, pack: bool) -> Product:
+    """A projection's product: over its weights for a plain linear layer (packed when
+    `pack`, a copy), else the module itself (a peft LoRA layer adds its adapters in its
+    own forward)."""
+    if is_linear(module):
+        return _product(module.weight, module.bias, rows, pack)
     return module
 
 
@@ -153,43 +194,38 @@ def _rms_norm(module: nn.Module) -> Any:
 
 @dataclass(frozen=True)
 class _Layer:
-    attention: nn.Module  # its q/k/v projections are read again each generation (fused)
+    attention: nn.Module  # its projections are read again each generation
+    mlp: nn.Module
     norm_in: Any
-    q: Any
-    k: Any
-    v: Any
     q_norm: Any  # None: no per-head norm (Qwen3 has one)
     k_norm: Any
-    o: Any
     norm_post: Any
-    gate: Any
-    up: Any
     act: Any
-    down: Any
 
-    def fused_qkv(self) -> tuple[Tensor, Tensor | None] | None:
-        """The q, k and v projections as one (weight, bias), concatenated now from the
-        current weights; None where one of them is not a plain nn.Linear (LoRA) or where
-        some have a bias and others not."""
-        projections = [getattr(self.attention, f"{name}_proj") for name in "qkv"]
-        if any(type(p) is not nn.Linear for p in projections):
-            return None
-        biases = [p.bias for p in projections]
-        if any(b is None for b in biases) and not all(b is None for b in biases):
-            return None
-        weight = torch.cat([p.weight for p in projections])  # (Hq D + 2 Hk D, H)
-        bias = None if biases[0] is None else torch.cat(biases)  # type: ignore[arg-type]
-        return weight, bias
+
+@dataclass(frozen=True)
+class _Projections:
+    """One layer's products for a generation (see LeanDecoder.prepare)."""
+
+    qkv: Product  # the three side by side where they join (sizes), else q alone
+    sizes: list[int] | None  # None: q, k and v run each on its own (k, v below)
+    k: Product | None
+    v: Product | None
+    o: Product
+    gate_up: Product  # gate and up side by side where they join, else gate alone
+    up: Product | None  # None: joined with gate
+    down: Product
 
 
 @dataclass(frozen=True)
 class Generation:
     """What one generation's decode steps read, made by LeanDecoder.prepare: the rotary
-    tables of its positions and each layer's q, k and v weights as one."""
+    tables of its positions and each layer's products over the weights as they are now."""
 
     cos: Tensor  # (positions, D)
     sin: Tensor  # (positions, D) with the first half negated (see _rotate)
-    qkv: list[tuple[Tensor, Tensor | None] | None]  # per layer
+    layers: list[_Projections]
+    head: Product
 
 
 def unsupported(model: nn.Module) -> str | None:
@@ -231,7 +267,7 @@ class LeanDecoder:
         self.rotary = body.rotary_emb
         self.embed = body.embed_tokens
         self.norm = _rms_norm(body.norm)
-        self.head = _linear(lm.lm_head)
+        self.lm_head = lm.lm_head
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         first = body.layers[0].self_attn
@@ -240,25 +276,22 @@ class LeanDecoder:
         self.layers = [
             _Layer(
                 attention=layer.self_attn,
+                mlp=layer.mlp,
                 norm_in=_rms_norm(layer.input_layernorm),
-                q=_linear(layer.self_attn.q_proj),
-                k=_linear(layer.self_attn.k_proj),
-                v=_linear(layer.self_attn.v_proj),
                 q_norm=_rms_norm(layer.self_attn.q_norm)
                 if hasattr(layer.self_attn, "q_norm")
                 else None,
                 k_norm=_rms_norm(layer.self_attn.k_norm)
                 if hasattr(layer.self_attn, "k_norm")
                 else None,
-                o=_linear(layer.self_attn.o_proj),
                 norm_post=_rms_norm(layer.post_attention_layernorm),
-                gate=_linear(layer.mlp.gate_proj),
-                up=_linear(layer.mlp.up_proj),
                 act=layer.mlp.act_fn,
-                down=_linear(layer.mlp.down_proj),
             )
             for layer in body.layers
         ]
+        linears = [m for m in lm.modules() if is_linear(m)]
+        size = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+        self.pack = size <= PACK_LIMIT
 
     @classmethod
     def for_model(cls, model: nn.Module) -> tuple[LeanDecoder | None, str | None]:
@@ -266,16 +299,37 @@ class LeanDecoder:
         reason = unsupported(model)
         return (None, reason) if reason else (cls(model), None)
 
-    def prepare(self, positions: int) -> Generation:
-        """What a generation of up to `positions` positions reads (once per generation, after
-        any weight change): the rotary tables as the rotary module computes them for those
-        positions, in the embeddings' dtype, and the fused q/k/v projections."""
+    def prepare(self, positions: int, rows: int) -> Generation:
+        """What a generation of up to `positions` positions over `rows` rows reads (once per
+        generation, after any weight change): the rotary tables as the rotary module
+        computes them for those positions, in the embeddings' dtype, and each layer's
+        products (q/k/v as one; weights packed for oneDNN where it runs them and the model
+        is small, PACK_LIMIT, and then gate/up as one too: _product)."""
         like = self.embed.weight
         ids = torch.arange(positions, device=like.device)[None]  # (1, T)
         cos, sin = self.rotary(like, ids)  # (1, T, D) each
         half = sin.shape[-1] // 2
         signed = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)  # (T, D)
-        return Generation(cos[0], signed, [layer.fused_qkv() for layer in self.layers])
+        layers = []
+        for layer in self.layers:
+            attention, mlp = layer.attention, layer.mlp
+            qkv = _joined([attention.q_proj, attention.k_proj, attention.v_proj], rows, self.pack)
+            # gate and up as one only where packing copies them anyway (a small model)
+            gate_up = _joined([mlp.gate_proj, mlp.up_proj], rows, True) if self.pack else None
+            layers.append(
+                _Projections(
+                    qkv=qkv[0] if qkv else _single(attention.q_proj, rows, self.pack),
+                    sizes=qkv[1] if qkv else None,
+                    k=None if qkv else _single(attention.k_proj, rows, self.pack),
+                    v=None if qkv else _single(attention.v_proj, rows, self.pack),
+                    o=_single(attention.o_proj, rows, self.pack),
+                    gate_up=gate_up[0] if gate_up else _single(mlp.gate_proj, rows, self.pack),
+                    up=None if gate_up else _single(mlp.up_proj, rows, self.pack),
+                    down=_single(mlp.down_proj, rows, self.pack),
+                )
+            )
+        head = _single(self.lm_head, rows, self.pack)
+        return Generation(cos[0], signed, layers, head)
 
     def step(
         self,
@@ -295,14 +349,13 @@ class LeanDecoder:
         sin = generation.sin[position_ids].unsqueeze(1)
         mask = attention_mask.bool()[:, None, None, :]  # (A, 1, 1, T)
         gqa = self.kv_heads != self.heads
-        sizes = [self.heads, self.kv_heads, self.kv_heads]
-        for index, layer in enumerate(self.layers):
+        for index, (layer, products) in enumerate(zip(self.layers, generation.layers, strict=True)):
             h = layer.norm_in(x)
-            fused = generation.qkv[index]
-            if fused is None:
-                q, k, v = layer.q(h), layer.k(h), layer.v(h)
+            if products.sizes is None:
+                assert products.k is not None and products.v is not None
+                q, k, v = products.qkv(h), products.k(h), products.v(h)
             else:
-                q, k, v = F.linear(h, *fused).split([n * dim for n in sizes], dim=-1)
+                q, k, v = products.qkv(h).split(products.sizes, dim=-1)
             q = q.view(rows, 1, -1, dim)  # (A, 1, Hq, D)
             k = k.view(rows, 1, -1, dim)  # (A, 1, Hk, D)
             v = v.view(rows, 1, -1, dim).transpose(1, 2)  # (A, Hk, 1, D)
@@ -315,10 +368,14 @@ class LeanDecoder:
             attended = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=gqa
             )  # (A, Hq, 1, D)
-            x = x + layer.o(attended.transpose(1, 2).reshape(rows, 1, -1))
+            x = x + products.o(attended.transpose(1, 2).reshape(rows, 1, -1))
             h = layer.norm_post(x)
-            x = x + layer.down(layer.act(layer.gate(h)) * layer.up(h))
-        return self.head(self.norm(x))[:, -1]  # (A, V)
+            if products.up is None:
+                gate, up = products.gate_up(h).chunk(2, dim=-1)
+            else:
+                gate, up = products.gate_up(h), products.up(h)
+            x = x + products.down(layer.act(gate) * up)
+        return generation.head(self.norm(x))[:, -1]  # (A, V)
 
     def tolerance(self) -> float:
         """How far check's gap may go for this model's dtype (CHECK_TOLERANCE)."""
@@ -349,7 +406,7 @@ class LeanDecoder:
             use_cache=True,
         )
         grow_in_place(cache, ids.shape[1])
-        generation = self.prepare(ids.shape[1])
+        generation = self.prepare(ids.shape[1], ids.shape[0])
         gaps = []
         for t in range(prompt, ids.shape[1]):
             logits = self.step(

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlx.trainer.batch import RolloutBatch, pad_responses
+from rlx.trainer.cpu_linear import use_onednn
 from rlx.trainer.rollout.base import RolloutEngine, SamplingArgs, check_sampling_args
 from rlx.trainer.rollout.decode import LeanDecoder, grow_in_place
 
@@ -134,6 +135,8 @@ class HFEngine(RolloutEngine):
             model = model.to(device)
         self.model = model.eval()
         self.device = next(model.parameters()).device
+        if self.device.type == "cpu" and collective is None:
+            use_onednn(model)  # where oneDNN outruns BLAS on this CPU (cpu_linear.py)
         eos = eos_token_id
         if eos is None:
             eos = model.generation_config.eos_token_id
@@ -226,7 +229,7 @@ class HFEngine(RolloutEngine):
         grow_in_place(cache, input_ids.shape[1] + sampling.max_new_tokens)
         generation = None
         if self.decoder is not None:
-            generation = self.decoder.prepare(input_ids.shape[1] + sampling.max_new_tokens)
+            generation = self.decoder.prepare(input_ids.shape[1] + sampling.max_new_tokens, rows)
         positions = attention_mask.sum(dim=1, keepdim=True)  # (B, 1): the next token's
         mask = attention_mask
         alive = torch.arange(rows, device=self.device)  # (A,) batch row of each cache row

@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config, Qwen3Config
 
 from rlx.recipe.model import LoraSettings
+from rlx.trainer import cpu_linear
 from rlx.trainer.learn import lora
 from rlx.trainer.learn.attention import use_segment_attention
 from rlx.trainer.learn.tiny import build_tiny_model
@@ -74,6 +75,27 @@ def test_the_step_equals_the_forward_with_grouped_query_attention(
     tmp_path: Path, arch: str
 ) -> None:
     assert gap_of(gqa_model(tmp_path / arch, arch)) <= LOGIT_TOLERANCE
+
+
+@pytest.mark.parametrize("products", ["blas", "onednn", "onednn, packed"])
+def test_the_step_equals_the_forward_whichever_way_the_cpu_linears_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, products: str
+) -> None:
+    """BLAS, oneDNN over the weights as they are, and oneDNN over weights packed for the
+    generation (what a small model gets): the same logits within rounding."""
+    if products != "blas" and cpu_linear._product() is None:
+        pytest.skip("this torch has no oneDNN linear")
+    monkeypatch.setenv(cpu_linear.ENV, products.split(",")[0])
+    cpu_linear.choice.cache_clear()
+    try:
+        monkeypatch.setattr(decode, "PACK_LIMIT", 2**40 if "packed" in products else 0)
+        model = gqa_model(tmp_path / "model")
+        cpu_linear.use_onednn(model)
+        decoder = LeanDecoder(model)
+        assert decoder.pack == ("packed" in products)
+        assert decoder.check(model) <= LOGIT_TOLERANCE
+    finally:
+        cpu_linear.choice.cache_clear()
 
 
 def test_the_step_equals_the_forward_with_per_head_norms() -> None:
