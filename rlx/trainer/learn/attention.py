@@ -117,12 +117,34 @@ def segment_attention(
     if repeats > 1:  # grouped-query attention: every query head its key/value head
         key = key.repeat_interleave(repeats, dim=1)
         value = value.repeat_interleave(repeats, dim=1)
+    # Pieces by split, never by slicing: split's backward puts the pieces' gradients side
+    # by side in one pass, where each slice's would fill a whole-row tensor of zeros first.
     rows = [
-        _attend_row(query[r : r + 1], key[r : r + 1], value[r : r + 1], segments, dropout, scaling)
-        for r, segments in enumerate(layout)
+        _attend_row(q, k, v, segments, dropout, scaling)
+        for q, k, v, segments in zip(
+            query.split(1), key.split(1), value.split(1), layout, strict=True
+        )
     ]
     out = torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]  # (k, Hq, T, D)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _pieces(segments: Sequence[Segment], width: int) -> list[int]:
+    """The lengths a row splits into along its positions: each segment's prompt (where it
+    has one) and each of its responses, then the padding after the last (if any)."""
+    sizes: list[int] = []
+    end = 0
+    for start, prompt, responses in segments:
+        if start != end:
+            raise ValueError(f"a segment starts at {start}, the one before it ends at {end}")
+        if len(responses) <= 1:  # one sequence: one piece
+            sizes.append(prompt + sum(responses))
+        else:
+            sizes += [prompt, *responses]
+        end = start + prompt + sum(responses)
+    if end > width:
+        raise ValueError(f"the segments reach position {end} of a row of {width}")
+    return [*sizes, width - end]
 
 
 def _attend_row(
@@ -134,50 +156,39 @@ def _attend_row(
     scale: float | None,
 ) -> Tensor:
     """One row: q, k, v (1, H, T, D) -> (1, H, T, D)."""
+    sizes = _pieces(segments, q.shape[2])
+    qs, ks, vs = (t.split(sizes, dim=2) for t in (q, k, v))
     pieces: list[Tensor] = []
-    end = 0
-    for start, prompt, responses in segments:
-        if start != end:
-            raise ValueError(f"a segment starts at {start}, the one before it ends at {end}")
+    index = 0
+    for _, prompt, responses in segments:
         if len(responses) <= 1:  # one sequence: causal over all of it
-            end = start + prompt + sum(responses)
-            pieces.append(_causal(q, k, v, start, end, dropout, scale))
+            pieces.append(_causal(qs[index], ks[index], vs[index], dropout, scale))
+            index += 1
             continue
-        shared = start + prompt
-        keys, values = k[:, :, start:shared], v[:, :, start:shared]  # (1, H, p, D)
-        if prompt:
-            pieces.append(_causal(q, k, v, start, shared, dropout, scale))
-        end = shared
+        keys, values = ks[index], vs[index]  # (1, H, p, D): the prompt's
+        pieces.append(_causal(qs[index], keys, values, dropout, scale))
+        index += 1
         for length in responses:
-            if length == 0:
-                continue
-            stop = end + length
-            # the prompt in full, then its own tokens causally: lower-right aligned
-            allowed = torch.ones((length, prompt + length), dtype=torch.bool, device=q.device)
-            pieces.append(
-                F.scaled_dot_product_attention(
-                    q[:, :, end:stop],
-                    torch.cat([keys, k[:, :, end:stop]], dim=2),
-                    torch.cat([values, v[:, :, end:stop]], dim=2),
-                    attn_mask=allowed.tril(prompt),
-                    dropout_p=dropout,
-                    scale=scale,
+            if length:
+                # the prompt in full, then its own tokens causally: lower-right aligned
+                allowed = torch.ones((length, prompt + length), dtype=torch.bool, device=q.device)
+                pieces.append(
+                    F.scaled_dot_product_attention(
+                        qs[index],
+                        torch.cat([keys, ks[index]], dim=2),
+                        torch.cat([values, vs[index]], dim=2),
+                        attn_mask=allowed.tril(prompt),
+                        dropout_p=dropout,
+                        scale=scale,
+                    )
                 )
-            )
-            end = stop
-    if end < q.shape[2]:
-        pieces.append(v[:, :, end:])  # padding: each position attends to itself alone
+            index += 1
+    pieces.append(vs[index])  # padding: each position attends to itself alone
+    pieces = [piece for piece in pieces if piece.shape[2]]
     return torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0]
 
 
-def _causal(
-    q: Tensor, k: Tensor, v: Tensor, start: int, stop: int, dropout: float, scale: float | None
-) -> Tensor:
-    return F.scaled_dot_product_attention(
-        q[:, :, start:stop],
-        k[:, :, start:stop],
-        v[:, :, start:stop],
-        is_causal=True,
-        dropout_p=dropout,
-        scale=scale,
-    )
+def _causal(q: Tensor, k: Tensor, v: Tensor, dropout: float, scale: float | None) -> Tensor:
+    if q.shape[2] == 0:
+        return q
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, scale=scale)
