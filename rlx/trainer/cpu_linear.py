@@ -16,6 +16,15 @@ nn.Linear's own forward on anything else (autocast, another dtype or device, a D
 so a layer keeps working wherever the model goes. Its parameters, state dict and saved
 checkpoints are an nn.Linear's. The products differ from BLAS's only in the order of the
 sums: float32 rounding, a few 1e-7 relative.
+
+oneDNN keeps what it builds for each product shape (rows, in, out) in two caches, torch's
+(LRU_CACHE_CAPACITY) and its own (ONEDNN_PRIMITIVE_CACHE_CAPACITY), 1024 entries each by
+default. A learner's passes differ in rows from step to step, so over a run they filled
+with shapes that never came back: bench/trainer.py's tiny model, its learner and HF engine
+in one process, grew from 0.51 to 1.84 GiB over 100 steps (and was still growing). rlx's
+package sets both to 64 (rlx/__init__.py: torch reads the first as it loads) unless they
+are set: the same 100 steps then held 0.81-0.94 GiB, as with BLAS (0.82-0.86), at the same
+speed.
 """
 
 from __future__ import annotations
@@ -76,6 +85,7 @@ def choice() -> str:
     """ "onednn" or "blas": what this process's CPU linears run on (see the module's note).
     Measured once per process, best of a few timings of each on PROBE; "blas" where oneDNN
     is missing, gives a different product, or is not MARGIN faster."""
+    _measured.clear()
     asked = os.environ.get(ENV, "auto").strip().lower() or "auto"
     if asked not in CHOICES:
         raise ValueError(f"{ENV}={asked!r}: use one of {', '.join(CHOICES)}")
@@ -97,7 +107,23 @@ def choice() -> str:
             return "onednn"
         blas = _best_time(lambda: F.linear(x, weight))
         onednn = _best_time(lambda: onednn_linear(x, weight))
+    _measured["speed"] = blas / onednn
     return "onednn" if blas >= MARGIN * onednn else "blas"
+
+
+_measured: dict[str, float] = {}  # "speed": oneDNN's over BLAS's, where choice measured it
+
+
+def describe() -> str:
+    """The one line a run's log gets: what its CPU linears run on, and why."""
+    taken = choice()
+    speed = _measured.get("speed")
+    measured = f"{speed:.1f}x BLAS's speed measured here" if speed else f"{ENV} set"
+    if taken == "onednn":
+        return f"cpu linears: oneDNN ({measured}; {ENV}=blas keeps BLAS)"
+    if speed:
+        return f"cpu linears: BLAS (oneDNN at {measured}, under the {MARGIN}x it must beat)"
+    return "cpu linears: BLAS" + ("" if _product() is None else f" ({ENV} set)")
 
 
 def _plain(tensor: Tensor | None) -> bool:

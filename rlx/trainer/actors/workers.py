@@ -20,6 +20,7 @@ from rlx import procfs
 from rlx.errors import RlxError
 from rlx.recipe.model import TrainerSettings
 from rlx.runs import GPU_FREE, GPU_PEAK, GPU_RESERVED
+from rlx.trainer import cpu_linear
 from rlx.trainer.actors.placement import threads_for
 from rlx.trainer.allocator import keep_freed_memory
 from rlx.trainer.batch import RolloutBatch, SequenceBatch
@@ -256,6 +257,8 @@ class TrainWorker:
                 self.learner.policy, self.learner.collective, notes
             )
         notes.append(self.learner.packing_note)
+        if self.device.type == "cpu":
+            notes.append(cpu_linear.describe())
         return notes, self.learner.attention_weight if self.learner.packing else None
 
     def _colocated_engine(self, policy: Any, collective: Any, notes: list[str]) -> ColocatedEngine:

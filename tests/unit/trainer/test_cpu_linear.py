@@ -136,6 +136,7 @@ def test_blas_leaves_models_as_they_are(blas: None) -> None:
     layer = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     assert use_onednn(layer) == 0
     assert all(type(m) is nn.Linear for m in layer)
+    assert cpu_linear.describe() == "cpu linears: BLAS (RLX_CPU_LINEAR set)"
 
 
 def test_a_setting_it_does_not_know_says_what_it_takes(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -152,4 +153,7 @@ def test_auto_measures_and_settles_on_one(monkeypatch: pytest.MonkeyPatch) -> No
     first = cpu_linear.choice()
     assert first in ("onednn", "blas")
     assert cpu_linear.choice() == first
+    line = cpu_linear.describe()  # the run log's line: what was taken, at what measured speed
+    assert line.startswith(f"cpu linears: {'oneDNN' if first == 'onednn' else 'BLAS'} (")
+    assert "x BLAS's speed measured here" in line and "\n" not in line
     cpu_linear.choice.cache_clear()
