@@ -33,6 +33,7 @@ import functools
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -80,17 +81,22 @@ def _best_time(fn: Callable[[], Tensor]) -> float:
     return best
 
 
+@dataclass(frozen=True)
+class Decision:
+    taken: str  # "onednn" | "blas"
+    speed: float | None  # oneDNN's speed over BLAS's, where it was measured
+
+
 @functools.cache
-def choice() -> str:
-    """ "onednn" or "blas": what this process's CPU linears run on (see the module's note).
-    Measured once per process, best of a few timings of each on PROBE; "blas" where oneDNN
-    is missing, gives a different product, or is not MARGIN faster."""
-    _measured.clear()
+def decision() -> Decision:
+    """What this process's CPU linears run on (see the module's note), decided once: by
+    ENV, else by the best of a few timings of each on PROBE. BLAS where oneDNN is missing,
+    gives a different product, or is not MARGIN faster."""
     asked = os.environ.get(ENV, "auto").strip().lower() or "auto"
     if asked not in CHOICES:
         raise ValueError(f"{ENV}={asked!r}: use one of {', '.join(CHOICES)}")
     if asked == "blas" or _product() is None:
-        return "blas"
+        return Decision("blas", None)
     rows, width, out = PROBE
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(rows, width, generator=generator)
@@ -99,25 +105,26 @@ def choice() -> str:
         try:
             got = onednn_linear(x, weight)
         except RuntimeError:
-            return "blas"
+            return Decision("blas", None)
         want = F.linear(x, weight)
         if float((got - want).abs().max()) > 1e-4 * float(want.abs().max()):
-            return "blas"
+            return Decision("blas", None)
         if asked == "onednn":
-            return "onednn"
-        blas = _best_time(lambda: F.linear(x, weight))
-        onednn = _best_time(lambda: onednn_linear(x, weight))
-    _measured["speed"] = blas / onednn
-    return "onednn" if blas >= MARGIN * onednn else "blas"
+            return Decision("onednn", None)
+        speed = _best_time(lambda: F.linear(x, weight)) / _best_time(
+            lambda: onednn_linear(x, weight)
+        )
+    return Decision("onednn" if speed >= MARGIN else "blas", speed)
 
 
-_measured: dict[str, float] = {}  # "speed": oneDNN's over BLAS's, where choice measured it
+def choice() -> str:
+    """ "onednn" or "blas": decision().taken."""
+    return decision().taken
 
 
 def describe() -> str:
     """The one line a run's log gets: what its CPU linears run on, and why."""
-    taken = choice()
-    speed = _measured.get("speed")
+    taken, speed = decision().taken, decision().speed
     measured = f"{speed:.1f}x BLAS's speed measured here" if speed else f"{ENV} set"
     if taken == "onednn":
         return f"cpu linears: oneDNN ({measured}; {ENV}=blas keeps BLAS)"
@@ -126,7 +133,7 @@ def describe() -> str:
     return "cpu linears: BLAS" + ("" if _product() is None else f" ({ENV} set)")
 
 
-def _plain(tensor: Tensor | None) -> bool:
+def plain(tensor: Tensor | None) -> bool:
     """A dense float32 CPU tensor (or Parameter), not a subclass such as DTensor."""
     return tensor is None or (
         type(tensor) in (Tensor, nn.Parameter)
@@ -140,9 +147,9 @@ def runs_onednn(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     """Whether a linear of these tensors goes through oneDNN: plain float32 CPU tensors,
     autocast off, at least one row."""
     return (
-        _plain(x)
-        and _plain(weight)
-        and _plain(bias)
+        plain(x)
+        and plain(weight)
+        and plain(bias)
         and x.numel() > 0
         and not torch.is_autocast_enabled("cpu")
     )

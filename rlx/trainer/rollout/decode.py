@@ -30,7 +30,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rlx.trainer.cpu_linear import choice, is_linear, onednn_linear, reorder_weight, runs_onednn
+from rlx.trainer.cpu_linear import (
+    choice,
+    is_linear,
+    onednn_linear,
+    plain,
+    reorder_weight,
+    runs_onednn,
+)
 from rlx.trainer.learn.attention import SEGMENT_ATTENTION, attends_in_full, transformers_model
 
 # The decoder layers whose forward this module repeats (their attention, MLP and norms, as
@@ -135,7 +142,7 @@ def _product(weight: Tensor, bias: Tensor | None, rows: int, pack: bool) -> Prod
     into oneDNN's own layout when `pack` (a copy the size of the weight: a small model's
     decode step runs its products about twice as fast so, measured at 1 to 16 rows), else
     read as it is; elsewhere F.linear. rows: how many the generation starts with."""
-    if choice() != "onednn" or not runs_onednn(weight, weight, bias):
+    if choice() != "onednn" or not (plain(weight) and plain(bias)):
         return lambda x: F.linear(x, weight, bias)
     kept = reorder_weight(weight, rows) if pack else weight
 

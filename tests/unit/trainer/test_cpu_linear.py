@@ -29,7 +29,7 @@ needs_onednn = pytest.mark.skipif(
 
 def with_choice(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     monkeypatch.setenv(cpu_linear.ENV, value)
-    cpu_linear.choice.cache_clear()
+    cpu_linear.decision.cache_clear()
 
 
 @pytest.fixture
@@ -37,14 +37,14 @@ def onednn(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     with_choice(monkeypatch, "onednn")
     assert cpu_linear.choice() == "onednn"
     yield
-    cpu_linear.choice.cache_clear()
+    cpu_linear.decision.cache_clear()
 
 
 @pytest.fixture
 def blas(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     with_choice(monkeypatch, "blas")
     yield
-    cpu_linear.choice.cache_clear()
+    cpu_linear.decision.cache_clear()
 
 
 def relative_gap(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -143,7 +143,7 @@ def test_a_setting_it_does_not_know_says_what_it_takes(monkeypatch: pytest.Monke
     with_choice(monkeypatch, "fastest")
     with pytest.raises(ValueError, match="RLX_CPU_LINEAR='fastest': use one of auto, onednn, blas"):
         cpu_linear.choice()
-    cpu_linear.choice.cache_clear()
+    cpu_linear.decision.cache_clear()
 
 
 @needs_onednn
@@ -156,4 +156,4 @@ def test_auto_measures_and_settles_on_one(monkeypatch: pytest.MonkeyPatch) -> No
     line = cpu_linear.describe()  # the run log's line: what was taken, at what measured speed
     assert line.startswith(f"cpu linears: {'oneDNN' if first == 'onednn' else 'BLAS'} (")
     assert "x BLAS's speed measured here" in line and "\n" not in line
-    cpu_linear.choice.cache_clear()
+    cpu_linear.decision.cache_clear()

@@ -86,7 +86,7 @@ def test_the_step_equals_the_forward_whichever_way_the_cpu_linears_run(
     if products != "blas" and cpu_linear._product() is None:
         pytest.skip("this torch has no oneDNN linear")
     monkeypatch.setenv(cpu_linear.ENV, products.split(",")[0])
-    cpu_linear.choice.cache_clear()
+    cpu_linear.decision.cache_clear()
     try:
         monkeypatch.setattr(decode, "PACK_LIMIT", 2**40 if "packed" in products else 0)
         model = gqa_model(tmp_path / "model")
@@ -95,7 +95,7 @@ def test_the_step_equals_the_forward_whichever_way_the_cpu_linears_run(
         assert decoder.pack == ("packed" in products)
         assert decoder.check(model) <= LOGIT_TOLERANCE
     finally:
-        cpu_linear.choice.cache_clear()
+        cpu_linear.decision.cache_clear()
 
 
 def test_the_step_equals_the_forward_with_per_head_norms() -> None:
