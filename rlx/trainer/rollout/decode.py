@@ -154,18 +154,26 @@ def _product(weight: Tensor, bias: Tensor | None, rows: int, pack: bool) -> Prod
     return product
 
 
-def _joined(modules: list[nn.Module], rows: int, pack: bool) -> tuple[Product, list[int]] | None:
-    """The projections as one product whose output is theirs side by side, concatenated
-    now from their current weights, and each one's width; None where one of them is not a
-    plain linear layer (LoRA) or where some have a bias and others not."""
-    if not all(is_linear(m) for m in modules):
-        return None
-    biases = [m.bias for m in modules]
-    if any(b is None for b in biases) and not all(b is None for b in biases):
-        return None
-    weight = torch.cat([m.weight for m in modules])  # (sum of outs, in)
-    bias = None if biases[0] is None else torch.cat(biases)  # type: ignore[arg-type]
-    return _product(weight, bias, rows, pack), [m.weight.shape[0] for m in modules]
+Parts = Callable[[Tensor], list[Tensor]]  # x -> each projection's output, in order
+
+
+def _parts(modules: list[nn.Module], rows: int, pack: bool, join: bool) -> Parts:
+    """The projections' outputs from x: with `join`, as one product over their weights
+    concatenated now (split after), where every one is a plain linear layer and all or none
+    have a bias; else a product each."""
+    biases = [m.bias if is_linear(m) else None for m in modules]
+    if (
+        join
+        and all(is_linear(m) for m in modules)
+        and (all(b is None for b in biases) or not any(b is None for b in biases))
+    ):
+        weight = torch.cat([m.weight for m in modules])  # (sum of outs, in)
+        bias = None if biases[0] is None else torch.cat(biases)  # type: ignore[arg-type]
+        product = _product(weight, bias, rows, pack)
+        sizes = [m.weight.shape[0] for m in modules]
+        return lambda x: list(product(x).split(sizes, dim=-1))
+    products = [_single(m, rows, pack) for m in modules]
+    return lambda x: [one(x) for one in products]
 
 
 def _single(module: nn.Module, rows: int, pack: bool) -> Product:
@@ -214,13 +222,9 @@ class _Layer:
 class _Projections:
     """One layer's products for a generation (see LeanDecoder.prepare)."""
 
-    qkv: Product  # the three side by side where they join (sizes), else q alone
-    sizes: list[int] | None  # None: q, k and v run each on its own (k, v below)
-    k: Product | None
-    v: Product | None
+    qkv: Parts  # q, k, v
     o: Product
-    gate_up: Product  # gate and up side by side where they join, else gate alone
-    up: Product | None  # None: joined with gate
+    gate_up: Parts  # gate, up
     down: Product
 
 
@@ -320,18 +324,13 @@ class LeanDecoder:
         layers = []
         for layer in self.layers:
             attention, mlp = layer.attention, layer.mlp
-            qkv = _joined([attention.q_proj, attention.k_proj, attention.v_proj], rows, self.pack)
-            # gate and up as one only where packing copies them anyway (a small model)
-            gate_up = _joined([mlp.gate_proj, mlp.up_proj], rows, True) if self.pack else None
+            qkv = [attention.q_proj, attention.k_proj, attention.v_proj]
             layers.append(
                 _Projections(
-                    qkv=qkv[0] if qkv else _single(attention.q_proj, rows, self.pack),
-                    sizes=qkv[1] if qkv else None,
-                    k=None if qkv else _single(attention.k_proj, rows, self.pack),
-                    v=None if qkv else _single(attention.v_proj, rows, self.pack),
+                    qkv=_parts(qkv, rows, self.pack, join=True),
                     o=_single(attention.o_proj, rows, self.pack),
-                    gate_up=gate_up[0] if gate_up else _single(mlp.gate_proj, rows, self.pack),
-                    up=None if gate_up else _single(mlp.up_proj, rows, self.pack),
+                    # gate and up as one only where packing copies them anyway (small models)
+                    gate_up=_parts([mlp.gate_proj, mlp.up_proj], rows, self.pack, join=self.pack),
                     down=_single(mlp.down_proj, rows, self.pack),
                 )
             )
@@ -358,11 +357,7 @@ class LeanDecoder:
         gqa = self.kv_heads != self.heads
         for index, (layer, products) in enumerate(zip(self.layers, generation.layers, strict=True)):
             h = layer.norm_in(x)
-            if products.sizes is None:
-                assert products.k is not None and products.v is not None
-                q, k, v = products.qkv(h), products.k(h), products.v(h)
-            else:
-                q, k, v = products.qkv(h).split(products.sizes, dim=-1)
+            q, k, v = products.qkv(h)
             q = q.view(rows, 1, -1, dim)  # (A, 1, Hq, D)
             k = k.view(rows, 1, -1, dim)  # (A, 1, Hk, D)
             v = v.view(rows, 1, -1, dim).transpose(1, 2)  # (A, Hk, 1, D)
@@ -377,10 +372,7 @@ class LeanDecoder:
             )  # (A, Hq, 1, D)
             x = x + products.o(attended.transpose(1, 2).reshape(rows, 1, -1))
             h = layer.norm_post(x)
-            if products.up is None:
-                gate, up = products.gate_up(h).chunk(2, dim=-1)
-            else:
-                gate, up = products.gate_up(h), products.up(h)
+            gate, up = products.gate_up(h)
             x = x + products.down(layer.act(gate) * up)
         return generation.head(self.norm(x))[:, -1]  # (A, V)
 
