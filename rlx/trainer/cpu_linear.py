@@ -1,14 +1,26 @@
-"""Linear layers on the CPU through oneDNN where it outruns the BLAS torch calls by default.
+"""Linear layers on the CPU through oneDNN where the CPU has AVX-512, BLAS elsewhere.
 
 torch runs a float32 nn.Linear on the CPU as a BLAS sgemm: MKL in the x86-64 wheels. MKL
 picks its code path by the processor's vendor, and on AMD processors that have AVX-512 it
 takes a narrower one; oneDNN, which ships inside the same torch, picks its kernels by the
 instructions the processor has. Measured on a 2-core AMD EPYC with AVX-512 (2 threads): a
 (2400 x 256) by (256 x 1024) product took 6.0 ms through MKL, 3.0 ms through oneDNN; the
-backward's two products 6.5 and 6.6 ms against 2.6 and 5.1 ms. On a processor where MKL
-runs its widest path the two are about even, so which one a process uses is measured once
-(`choice`): oneDNN only where it is clearly faster on a learner-sized product, else
-nothing changes. RLX_CPU_LINEAR=onednn|blas decides without measuring.
+backward's two products 6.5 and 6.6 ms against 2.6 and 5.1 ms. On a 2-core AMD EPYC with
+AVX2 alone oneDNN ran a learner-sized product (512 x 256 by 256 x 1024) at 0.8-1.1x BLAS's
+speed, quiet, at 1 and 2 threads; on a processor where MKL runs its widest path the two
+are about even.
+
+Which one a process uses changes the last bits of every result (the two sum in another
+order), so it is decided from what the CPU can do, never by timing (`decision`): oneDNN
+where the CPU has AVX-512 and oneDNN may use it, else BLAS. A start-up timing did decide
+once, and on a loaded machine it flipped (on the AVX2 EPYC, 3 to 8 of 30 timings under
+two busy processes measured oneDNN 1.3-2.1x faster), so two runs of one seed, or a run and
+its resume, could take different kernels. The decision is a pure function of the CPU and
+the environment: the same on the same machine whatever its load, so a run resumed there
+takes what it took before (the run's log says which, and why). oneDNN's own ISA cap,
+ONEDNN_MAX_CPU_ISA (or its older name DNNL_MAX_CPU_ISA), is honoured: below AVX-512 (AVX2,
+as a stand-in for an AVX2-only machine) it means BLAS. RLX_CPU_LINEAR=onednn|blas decides
+instead. `measured_speed()` still times the two, for benchmarks: a figure, not a vote.
 
 `use_onednn(model)` turns a model's plain nn.Linear layers into OneDNNLinear, a subclass
 whose forward (and backward, in fp32) runs oneDNN's product on plain float32 CPU tensors and
@@ -39,11 +51,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-ENV = "RLX_CPU_LINEAR"  # onednn | blas | auto (the default: measured)
+ENV = "RLX_CPU_LINEAR"  # onednn | blas | auto (the default: from the CPU's features)
 CHOICES = ("auto", "onednn", "blas")
-# oneDNN is taken only when the measured product runs at least this much faster: a margin
-# that rounding of the timings (a loaded machine) cannot cross, where the gap is real (2x).
-MARGIN = 1.3
+# oneDNN's cap on the instructions it uses; a value naming AVX-512 or above (or no cap)
+# leaves it its AVX-512 kernels.
+ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+UNCAPPED = ("ALL", "DEFAULT")
+WIDE_ISAS = ("AVX512", "AVX10")  # AVX512_CORE, AVX512_CORE_AMX, AVX10_1_512, ...
 PROBE = (512, 256, 1024)  # rows, in, out: a learner pass's product, ~0.3 GFLOP
 PROBE_REPEATS = 5
 
@@ -81,40 +95,73 @@ def _best_time(fn: Callable[[], Tensor]) -> float:
     return best
 
 
+def _probe_operands() -> tuple[Tensor, Tensor]:
+    rows, width, out = PROBE
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(rows, width, generator=generator), torch.randn(
+        out, width, generator=generator
+    )
+
+
+def onednn_isa_cap() -> str | None:
+    """The cap oneDNN was given on the instructions it may use, upper-cased, or None."""
+    for name in ISA_CAPS:
+        value = os.environ.get(name, "").strip().upper()
+        if value:
+            return value
+    return None
+
+
+def avx512_for_onednn() -> tuple[bool, str]:
+    """Whether oneDNN may run AVX-512 kernels here, and why (for the run's log): the CPU has
+    AVX-512 as torch reads it (ATen's capability, from the CPU's feature flags; ATEN_CPU_CAPABILITY
+    lowers it) and ONEDNN_MAX_CPU_ISA does not cap oneDNN below it."""
+    capability = torch.backends.cpu.get_cpu_capability()  # "AVX512", "AVX2", "DEFAULT", ...
+    if not capability.startswith(WIDE_ISAS):
+        return False, f"this CPU runs {capability}, no AVX-512"
+    cap = onednn_isa_cap()
+    if cap is not None and cap not in UNCAPPED and not cap.startswith(WIDE_ISAS):
+        return False, f"this CPU has AVX-512 but ONEDNN_MAX_CPU_ISA={cap} caps oneDNN below it"
+    return True, "this CPU has AVX-512"
+
+
 @dataclass(frozen=True)
 class Decision:
     taken: str  # "onednn" | "blas"
-    speed: float | None  # oneDNN's speed over BLAS's, where it was measured
+    reason: str  # why, as the run's log says it
 
 
 @functools.cache
 def decision() -> Decision:
-    """What this process's CPU linears run on (see the module's note), decided once: by
-    ENV, else by the best of a few timings of each on PROBE. BLAS where oneDNN is missing,
-    gives a different product, or is not MARGIN faster."""
+    """What this process's CPU linears run on (see the module's note), decided once and
+    without timing: by ENV, else oneDNN where `avx512_for_onednn`. BLAS where oneDNN is
+    missing or gives a different product. A pure function of the CPU and the environment,
+    so a resumed run on the same machine takes what the run took."""
     asked = os.environ.get(ENV, "auto").strip().lower() or "auto"
     if asked not in CHOICES:
         raise ValueError(f"{ENV}={asked!r}: use one of {', '.join(CHOICES)}")
-    if asked == "blas" or _product() is None:
-        return Decision("blas", None)
-    rows, width, out = PROBE
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, width, generator=generator)
-    weight = torch.randn(out, width, generator=generator)
+    if asked == "blas":
+        return Decision("blas", f"{ENV} set")
+    if _product() is None:
+        return Decision("blas", "this torch has no oneDNN linear")
+    if asked == "auto":
+        wide, why = avx512_for_onednn()
+        if not wide:
+            return Decision("blas", f"{why}; {ENV}=onednn takes oneDNN")
+    else:
+        why = f"{ENV} set"
+    x, weight = _probe_operands()
     with torch.no_grad():
         try:
             got = onednn_linear(x, weight)
         except RuntimeError:
-            return Decision("blas", None)
+            return Decision("blas", "oneDNN's product failed here")
         want = F.linear(x, weight)
-        if float((got - want).abs().max()) > 1e-4 * float(want.abs().max()):
-            return Decision("blas", None)
-        if asked == "onednn":
-            return Decision("onednn", None)
-        speed = _best_time(lambda: F.linear(x, weight)) / _best_time(
-            lambda: onednn_linear(x, weight)
-        )
-    return Decision("onednn" if speed >= MARGIN else "blas", speed)
+    if float((got - want).abs().max()) > 1e-4 * float(want.abs().max()):
+        return Decision("blas", "oneDNN's product differs from BLAS's here")
+    if asked == "auto":
+        why = f"{why}; {ENV}=blas keeps BLAS"
+    return Decision("onednn", why)
 
 
 def choice() -> str:
@@ -124,13 +171,21 @@ def choice() -> str:
 
 def describe() -> str:
     """The one line a run's log gets: what its CPU linears run on, and why."""
-    taken, speed = decision().taken, decision().speed
-    measured = f"{speed:.1f}x BLAS's speed measured here" if speed else f"{ENV} set"
-    if taken == "onednn":
-        return f"cpu linears: oneDNN ({measured}; {ENV}=blas keeps BLAS)"
-    if speed:
-        return f"cpu linears: BLAS (oneDNN at {measured}, under the {MARGIN}x it must beat)"
-    return "cpu linears: BLAS" + ("" if _product() is None else f" ({ENV} set)")
+    taken = decision()
+    return f"cpu linears: {'oneDNN' if taken.taken == 'onednn' else 'BLAS'} ({taken.reason})"
+
+
+def measured_speed() -> float | None:
+    """oneDNN's speed over BLAS's on PROBE here and now (best of a few timings each), None
+    where this torch has no oneDNN linear. A figure for benchmarks: it moves with the load
+    (0.3-2.1x on one AVX2 machine), which is why `decision` never asks it."""
+    if _product() is None:
+        return None
+    x, weight = _probe_operands()
+    with torch.no_grad():
+        return _best_time(lambda: F.linear(x, weight)) / _best_time(
+            lambda: onednn_linear(x, weight)
+        )
 
 
 def plain(tensor: Tensor | None) -> bool:

@@ -93,7 +93,7 @@ def load_causal_lm(
         lora.init_adapters(model, seed)
     _prepare(model, settings, trainable)
     if shard is None and device.type == "cpu":
-        use_onednn(model)  # where oneDNN outruns BLAS on this CPU (cpu_linear.py)
+        use_onednn(model)  # where this CPU takes oneDNN: AVX-512 (cpu_linear.py)
     return model
 
 

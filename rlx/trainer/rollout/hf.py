@@ -136,7 +136,7 @@ class HFEngine(RolloutEngine):
         self.model = model.eval()
         self.device = next(model.parameters()).device
         if self.device.type == "cpu" and collective is None:
-            use_onednn(model)  # where oneDNN outruns BLAS on this CPU (cpu_linear.py)
+            use_onednn(model)  # where this CPU takes oneDNN: AVX-512 (cpu_linear.py)
         eos = eos_token_id
         if eos is None:
             eos = model.generation_config.eos_token_id

@@ -1,11 +1,14 @@
 """CPU linears through oneDNN (rlx.trainer.cpu_linear): the same products and gradients as
 nn.Linear's within float32 rounding, models that keep their parameters and checkpoints, and
-BLAS wherever it is asked for. Each test fixes the choice (RLX_CPU_LINEAR), so the oneDNN
-path is the one tested whichever this CPU would measure faster."""
+BLAS wherever it is asked for; the choice between them follows the CPU's features, never a
+timing, so load cannot change it. The product tests fix the choice (RLX_CPU_LINEAR), so the
+oneDNN path is the one tested whichever this CPU would take."""
 
 from __future__ import annotations
 
 import copy
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -146,14 +149,107 @@ def test_a_setting_it_does_not_know_says_what_it_takes(monkeypatch: pytest.Monke
     cpu_linear.decision.cache_clear()
 
 
-@needs_onednn
-def test_auto_measures_and_settles_on_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Left to measure, a process picks one of the two and keeps it."""
+def with_features(
+    monkeypatch: pytest.MonkeyPatch, capability: str, cap: str | None = None
+) -> cpu_linear.Decision:
+    """The decision `auto` makes on a CPU that torch reads as `capability`, with oneDNN's
+    ISA cap `cap`; any timing on the way fails the test."""
     with_choice(monkeypatch, "auto")
-    first = cpu_linear.choice()
-    assert first in ("onednn", "blas")
-    assert cpu_linear.choice() == first
-    line = cpu_linear.describe()  # the run log's line: what was taken, at what measured speed
-    assert line.startswith(f"cpu linears: {'oneDNN' if first == 'onednn' else 'BLAS'} (")
-    assert "x BLAS's speed measured here" in line and "\n" not in line
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    for name in cpu_linear.ISA_CAPS:
+        monkeypatch.delenv(name, raising=False)
+    if cap is not None:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+
+    def no_timing() -> float:
+        raise AssertionError("the choice timed something")
+
+    monkeypatch.setattr(time, "perf_counter", no_timing)
+    try:
+        return cpu_linear.decision()
+    finally:
+        cpu_linear.decision.cache_clear()
+
+
+@needs_onednn
+@pytest.mark.parametrize(
+    ("capability", "cap", "taken"),
+    [
+        ("AVX512", None, "onednn"),
+        ("AVX512", "AVX512_CORE", "onednn"),
+        ("AVX512", "all", "onednn"),
+        ("AVX512", "AVX2", "blas"),  # the cap that stands in for an AVX2-only machine
+        ("AVX2", None, "blas"),
+        ("AVX2", "ALL", "blas"),
+        ("DEFAULT", None, "blas"),
+    ],
+)
+def test_auto_follows_the_cpus_features_not_a_timing(
+    monkeypatch: pytest.MonkeyPatch, capability: str, cap: str | None, taken: str
+) -> None:
+    got = with_features(monkeypatch, capability, cap)
+    assert got.taken == taken
+    if taken == "blas":
+        assert "RLX_CPU_LINEAR=onednn takes oneDNN" in got.reason
+        assert ("ONEDNN_MAX_CPU_ISA=AVX2" in got.reason) == (cap == "AVX2")
+    else:
+        assert got.reason == "this CPU has AVX-512; RLX_CPU_LINEAR=blas keeps BLAS"
+
+
+@needs_onednn
+def test_the_setting_overrides_the_features(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    with_choice(monkeypatch, "onednn")
+    assert cpu_linear.describe() == "cpu linears: oneDNN (RLX_CPU_LINEAR set)"
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    with_choice(monkeypatch, "blas")
+    assert cpu_linear.describe() == "cpu linears: BLAS (RLX_CPU_LINEAR set)"
+    cpu_linear.decision.cache_clear()
+
+
+def _busy(stop: threading.Event) -> None:
+    a = torch.randn(384, 384)
+    while not stop.is_set():
+        a @ a  # torch leaves the GIL while it multiplies: a core's worth of load per thread
+
+
+def test_a_loaded_cpu_does_not_change_the_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decided again and again while two threads keep the cores busy (where the old
+    start-up timing took oneDNN in 3-8 of 30 tries on a 2-core AVX2 CPU under two busy
+    processes), the choice is the one the CPU's features give, every time; the timed figure
+    may move, it decides nothing."""
+    with_choice(monkeypatch, "auto")
+    quiet = cpu_linear.decision()
+    wide, _ = cpu_linear.avx512_for_onednn()
+    if cpu_linear._product() is not None:
+        assert quiet.taken == ("onednn" if wide else "blas")
+    stop = threading.Event()
+    loads = [threading.Thread(target=_busy, args=(stop,), daemon=True) for _ in range(2)]
+    for load in loads:
+        load.start()
+    try:
+        taken, speeds = set(), []
+        for _ in range(20):
+            cpu_linear.decision.cache_clear()
+            taken.add(cpu_linear.decision())
+            speeds.append(cpu_linear.measured_speed())  # what a start-up timing met
+    finally:
+        stop.set()
+        for load in loads:
+            load.join(10)
+        cpu_linear.decision.cache_clear()
+    assert taken == {quiet}, speeds
+
+
+def test_the_run_logs_what_it_took_and_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One line, the same in every process of a machine: a resume there takes it again."""
+    with_choice(monkeypatch, "auto")
+    line = cpu_linear.describe()
+    taken = cpu_linear.decision()
+    cpu_linear.decision.cache_clear()
+    assert cpu_linear.describe() == line  # decided afresh, as a resumed process does
+    assert line.startswith(f"cpu linears: {'oneDNN' if taken.taken == 'onednn' else 'BLAS'} (")
+    assert taken.reason in line and "\n" not in line and "measured" not in line
+    speed = cpu_linear.measured_speed()  # the optional figure
+    assert speed is None if cpu_linear._product() is None else speed > 0
     cpu_linear.decision.cache_clear()
