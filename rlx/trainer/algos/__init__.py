@@ -22,6 +22,12 @@ from rlx.trainer.algos.aggregation import (
     loss_denominators,
 )
 from rlx.trainer.algos.common import MAX_LOG_RATIO, Metrics
+from rlx.trainer.algos.correction import (
+    CORRECTION_ACTIONS,
+    CORRECTION_LEVELS,
+    correction_bounds_problem,
+    rollout_correction_weights,
+)
 from rlx.trainer.algos.kl import (
     KL_ESTIMATORS,
     get_kl_estimator,
@@ -48,6 +54,8 @@ from rlx.trainer.algos.masked import (
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AGGREGATIONS",
+    "CORRECTION_ACTIONS",
+    "CORRECTION_LEVELS",
     "KL_ESTIMATORS",
     "MAX_LOG_RATIO",
     "AdvantageEstimator",
@@ -57,6 +65,7 @@ __all__ = [
     "broadcast_to_tokens",
     "clipped_value_loss",
     "compute_gae",
+    "correction_bounds_problem",
     "entropy_from_logits",
     "explained_variance",
     "get_advantage_estimator",
@@ -75,4 +84,5 @@ __all__ = [
     "masked_whiten",
     "ppo_policy_loss",
     "rloo_advantages",
+    "rollout_correction_weights",
 ]

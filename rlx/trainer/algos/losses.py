@@ -4,6 +4,7 @@ import torch
 from torch import Tensor
 
 from rlx.trainer.algos.common import MAX_LOG_RATIO, Metrics
+from rlx.trainer.algos.correction import rollout_correction_weights
 from rlx.trainer.algos.masked import masked_mean
 
 
@@ -71,22 +72,23 @@ def behavior_weights(
     by pi_proximal / pi_behaviour, which corrects for the samples being up to k versions old
     and for the engine's numerics. The weight is truncated at `cap` (truncated importance
     sampling, Espeholt et al. 2018, IMPALA): a token the engine found far less likely than
-    the learner does counts at most `cap` times, bounding the update's variance.
+    the learner does counts at most `cap` times, bounding the update's variance. It is
+    correction.rollout_correction_weights at the token level, truncated at `cap`; the
+    metrics keep their offpolicy/ names.
 
     proximal_logp, behavior_logp, mask: (B, T). Returns the weights (B, T), detached, 0 on
     padding, and metrics: the raw weight's mean and mean square (its spread: std =
     sqrt(sq_mean - mean^2)) and the share of tokens whose weight was truncated.
     """
-    with torch.no_grad():
-        logw = (proximal_logp - behavior_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)  # (B, T)
-        raw = logw.exp()  # (B, T)
-        weight = torch.where(mask.bool(), raw.clamp(max=cap), 0.0)  # (B, T)
-        metrics: Metrics = {
-            "offpolicy/weight_mean": masked_mean(raw, mask),
-            "offpolicy/weight_sq_mean": masked_mean(raw.square(), mask),
-            "offpolicy/truncated_frac": masked_mean((raw > cap).float(), mask),
-        }
-    return weight, metrics
+    weight, metrics = rollout_correction_weights(
+        proximal_logp, behavior_logp, mask, level="token", action="truncate", high=cap
+    )
+    renamed = {
+        "offpolicy/weight_mean": "mismatch/weight_mean",
+        "offpolicy/weight_sq_mean": "mismatch/weight_sq_mean",
+        "offpolicy/truncated_frac": "mismatch/truncated_fraction",
+    }
+    return weight, {name: metrics[source] for name, source in renamed.items()}
 
 
 def clipped_value_loss(
