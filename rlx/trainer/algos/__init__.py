@@ -13,6 +13,7 @@ from rlx.trainer.algos.advantages import (
     compute_gae,
     get_advantage_estimator,
     grpo_advantages,
+    reinforce_pp_advantages,
     rloo_advantages,
 )
 from rlx.trainer.algos.aggregation import (
@@ -37,9 +38,14 @@ from rlx.trainer.algos.kl import (
     kl_penalized_rewards,
 )
 from rlx.trainer.algos.losses import (
+    POLICY_LOSSES,
+    PolicyLoss,
     behavior_weights,
+    cispo_policy_loss,
     clipped_value_loss,
     entropy_from_logits,
+    get_policy_loss,
+    gspo_policy_loss,
     logprobs_from_logits,
     ppo_policy_loss,
 )
@@ -58,11 +64,14 @@ __all__ = [
     "CORRECTION_LEVELS",
     "KL_ESTIMATORS",
     "MAX_LOG_RATIO",
+    "POLICY_LOSSES",
     "AdvantageEstimator",
     "Metrics",
+    "PolicyLoss",
     "aggregate_loss",
     "behavior_weights",
     "broadcast_to_tokens",
+    "cispo_policy_loss",
     "clipped_value_loss",
     "compute_gae",
     "correction_bounds_problem",
@@ -71,7 +80,9 @@ __all__ = [
     "get_advantage_estimator",
     "get_aggregation",
     "get_kl_estimator",
+    "get_policy_loss",
     "grpo_advantages",
+    "gspo_policy_loss",
     "kl_k1",
     "kl_k2",
     "kl_k3",
@@ -83,6 +94,7 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "ppo_policy_loss",
+    "reinforce_pp_advantages",
     "rloo_advantages",
     "rollout_correction_weights",
 ]

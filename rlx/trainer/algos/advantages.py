@@ -1,4 +1,5 @@
-"""Advantage estimators: GAE with a critic, group baselines (GRPO, RLOO) without one."""
+"""Advantage estimators: GAE with a critic; group baselines (GRPO, RLOO) and REINFORCE++'s
+batch-normalised returns without one."""
 
 import functools
 from collections.abc import Callable, Mapping
@@ -9,7 +10,7 @@ import torch
 from torch import Tensor
 
 from rlx.trainer.algos.common import lookup
-from rlx.trainer.algos.masked import masked_sum
+from rlx.trainer.algos.masked import masked_sum, masked_whiten
 
 
 @torch.no_grad()
@@ -150,12 +151,80 @@ def _outcome_estimator(seq_advantages: Callable[[Tensor, int], Tensor]) -> Advan
     return estimate
 
 
+def reinforce_pp_advantages(
+    token_rewards: Tensor,
+    mask: Tensor,
+    *,
+    baseline: str,
+    group_size: int = 1,
+    gamma: float = 1.0,
+    row_valid: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """REINFORCE++ (Hu 2025, "REINFORCE++: Stabilizing Critic-Free Policy Optimization with
+    Global Advantage Normalization"): the discounted return of every token, normalised over
+    the whole batch's tokens (mean shifted, unit variance) instead of per group.
+
+    token_rewards, mask: (B, T). baseline "batch": the returns G_t themselves (REINFORCE++,
+    the batch mean is the baseline); "group": G_t minus the mean score (token-reward sum) of
+    the responses to the same prompt, before the batch normalisation (REINFORCE++-baseline,
+    which keeps a group's spread out of the others'). Returns (advantages, returns G_t), each
+    (B, T), zero on padding. A batch whose advantages do not vary gets zeros. row_valid (B,)
+    bool: invalid rows (no mask) neither count in the statistics nor move a group's mean.
+    """
+    rewards = token_rewards.detach()
+    # GAE with V = 0 and lambda = 1 is the discounted return: delta_t = r_t, A_t = r_t + g A_t+1
+    returns, _ = compute_gae(rewards, torch.zeros_like(rewards), mask, gamma, 1.0)  # (B, T)
+    if baseline == "group":
+        scores = masked_sum(rewards, mask, dim=-1)  # (B,)
+        if row_valid is not None:
+            scores = impute_invalid(scores, row_valid, group_size)
+        group_mean = _groups(scores, group_size).mean(dim=1, keepdim=True)  # (P, 1)
+        per_row = group_mean.expand(-1, group_size).reshape(-1)  # (B,)
+        advantages = returns - per_row.unsqueeze(-1)  # (B, T)
+    elif baseline == "batch":
+        advantages = returns
+    else:
+        raise ValueError(
+            f"unknown REINFORCE++ baseline {baseline!r}; valid names: 'batch', 'group'"
+        )
+    valid = mask.bool()
+    if row_valid is not None:
+        valid = valid & row_valid.unsqueeze(-1)  # (B, T)
+    return masked_whiten(advantages, valid), torch.where(valid, returns, 0.0)
+
+
+def _reinforce_pp_estimator(baseline: str) -> AdvantageEstimator:
+    def estimate(
+        token_rewards: Tensor,
+        mask: Tensor,
+        *,
+        values: Tensor | None = None,
+        group_size: int = 1,
+        gamma: float = 1.0,
+        gae_lambda: float = 1.0,
+        row_valid: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        del values, gae_lambda  # no critic: the return itself, normalised over the batch
+        return reinforce_pp_advantages(
+            token_rewards,
+            mask,
+            baseline=baseline,
+            group_size=group_size,
+            gamma=gamma,
+            row_valid=row_valid,
+        )
+
+    return estimate
+
+
 ADVANTAGE_ESTIMATORS: Mapping[str, AdvantageEstimator] = MappingProxyType(
     {
         "gae": _gae_estimator,
         "grpo": _outcome_estimator(grpo_advantages),
         "grpo-no-std": _outcome_estimator(functools.partial(grpo_advantages, norm_by_std=False)),
         "rloo": _outcome_estimator(rloo_advantages),
+        "reinforce_pp": _reinforce_pp_estimator("batch"),
+        "reinforce_pp-baseline": _reinforce_pp_estimator("group"),
     }
 )
 

@@ -1,11 +1,60 @@
-"""Per-token losses (PPO policy and value) and the log-prob / entropy maths under them."""
+"""Per-token losses (policy: PPO, GSPO, CISPO; value) and the log-prob / entropy maths."""
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from rlx.trainer.algos.common import MAX_LOG_RATIO, Metrics
+from rlx.trainer.algos.common import MAX_LOG_RATIO, Metrics, lookup
 from rlx.trainer.algos.correction import rollout_correction_weights
 from rlx.trainer.algos.masked import masked_mean
+
+
+def _clip_bounds(clip_eps_low: float, clip_eps_high: float | None) -> tuple[float, float]:
+    high = clip_eps_low if clip_eps_high is None else clip_eps_high
+    return 1.0 - clip_eps_low, 1.0 + high
+
+
+def _pessimistic_surrogate(
+    ratio: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_eps_low: float,
+    clip_eps_high: float | None,
+    dual_clip_c: float | None,
+) -> tuple[Tensor, Metrics]:
+    """max(-A r, -A clip(r)), then the dual clip: PPO's per-token loss in any ratio r (B, T)."""
+    if dual_clip_c is not None and dual_clip_c <= 1.0:
+        raise ValueError(f"dual_clip_c must be greater than 1, got {dual_clip_c}")
+    low, high = _clip_bounds(clip_eps_low, clip_eps_high)
+    unclipped = -advantages * ratio  # (B, T)
+    clipped = -advantages * ratio.clamp(low, high)  # (B, T)
+    loss = torch.maximum(unclipped, clipped)  # (B, T) pessimistic bound
+    with torch.no_grad():
+        metrics: Metrics = {"clipfrac": masked_mean((clipped > unclipped).float(), mask)}
+    if dual_clip_c is not None:
+        cap = -dual_clip_c * advantages  # (B, T)
+        dual_clipped = (advantages < 0) & (loss > cap)  # (B, T)
+        loss = torch.where(dual_clipped, cap, loss)  # (B, T)
+        metrics["dual_clipfrac"] = masked_mean(dual_clipped.float(), mask)
+    return loss, metrics
+
+
+def _finish(loss: Tensor, mask: Tensor, behavior_weight: Tensor | None) -> Tensor:
+    if behavior_weight is not None:
+        loss = behavior_weight * loss  # (B, T)
+    return torch.where(mask.bool(), loss, 0.0)
+
+
+def _drift_metrics(logratio: Tensor, ratio: Tensor, mask: Tensor) -> Metrics:
+    with torch.no_grad():
+        token_ratio = logratio.exp()  # (B, T)
+        return {
+            "approx_kl": masked_mean((token_ratio - 1) - logratio, mask),
+            "ratio_mean": masked_mean(ratio, mask),
+        }
 
 
 def ppo_policy_loss(
@@ -31,32 +80,115 @@ def ppo_policy_loss(
     tokens whose gradient the clip removed), approx_kl (mean of (ratio - 1) - logratio, the k3
     estimate of KL(old || new)), ratio_mean, and dual_clipfrac when dual clipping is on.
     """
-    if clip_eps_high is None:
-        clip_eps_high = clip_eps_low
-    if dual_clip_c is not None and dual_clip_c <= 1.0:
-        raise ValueError(f"dual_clip_c must be greater than 1, got {dual_clip_c}")
     # The two log-probs come from different kernels (rollout engine, trainer) and can disagree
     # wildly on rare tokens; exp would overflow to inf and 0 * inf is NaN in the backward pass.
     # A token past the clamp gets no gradient: at that distance it is noise, not signal.
     logratio = (logp - old_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)  # (B, T)
     ratio = logratio.exp()  # (B, T)
-    unclipped = -advantages * ratio  # (B, T)
-    clipped = -advantages * ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)  # (B, T)
-    loss = torch.maximum(unclipped, clipped)  # (B, T) pessimistic bound
-    with torch.no_grad():
-        metrics: Metrics = {
-            "clipfrac": masked_mean((clipped > unclipped).float(), mask),
-            "approx_kl": masked_mean((ratio - 1) - logratio, mask),
-            "ratio_mean": masked_mean(ratio, mask),
-        }
+    loss, metrics = _pessimistic_surrogate(
+        ratio, advantages, mask, clip_eps_low, clip_eps_high, dual_clip_c
+    )
+    metrics = {**_drift_metrics(logratio.detach(), ratio.detach(), mask), **metrics}
+    return _finish(loss, mask, behavior_weight), metrics
+
+
+def gspo_policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float | None = None,
+    dual_clip_c: float | None = None,
+    behavior_weight: Tensor | None = None,
+) -> tuple[Tensor, Metrics]:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"), per token, minimised.
+
+    The ratio is the response's, normalised by its length: s_i = exp(mean_t log(pi / pi_old)),
+    clipped per sequence (every token of a response has the same s_i, so the clip keeps or
+    drops the whole response). Written per token as the paper's GSPO-token,
+    s_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)]: its value is s_i and its gradient s_i grad log
+    pi(y_t), so with per-sequence advantages the seq-mean-token-mean aggregation gives GSPO's
+    gradient s_i A_i grad log s_i exactly (a token-mean would weigh long responses more, which
+    GSPO's normalisation removes). The paper's clip range is about 1e-4 wide (3e-4 below, 4e-4
+    above), PPO's 0.2 almost never clips a sequence ratio. Arguments, dual clip and behaviour
+    weight as ppo_policy_loss; metrics too, with ratio_mean the mean sequence ratio (per token)
+    and clipfrac the share of tokens in clipped responses.
+    """
+    valid = mask.bool()  # (B, T)
+    logratio = torch.where(valid, logp - old_logp, 0.0).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    seq_logratio = masked_mean(logratio, valid, dim=-1).unsqueeze(-1)  # (B, 1) log s_i
+    own = torch.where(valid, logp - logp.detach(), 0.0)  # (B, T) value 0, gradient grad log pi
+    ratio = (seq_logratio.detach() + own).exp()  # (B, T) s_i,t
+    loss, metrics = _pessimistic_surrogate(
+        ratio, advantages, mask, clip_eps_low, clip_eps_high, dual_clip_c
+    )
+    metrics = {**_drift_metrics(logratio.detach(), ratio.detach(), mask), **metrics}
+    return _finish(loss, mask, behavior_weight), metrics
+
+
+def cispo_policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float | None = None,
+    dual_clip_c: float | None = None,
+    behavior_weight: Tensor | None = None,
+) -> tuple[Tensor, Metrics]:
+    """CISPO (MiniMax 2025, "MiniMax-M1"), per token, to be minimised: -sg(clip(r)) A log pi.
+
+    The importance weight r = pi / pi_old is clipped to [1 - clip_eps_low, 1 + clip_eps_high]
+    and its gradient stopped, so every token keeps a gradient (PPO's clip drops the gradient
+    of a token past the range; CISPO only bounds its weight). The paper bounds the weight
+    above only (a large clip_eps_low). The loss's value is A-weighted log-likelihood, not a
+    surrogate near 0: compare its gradient with PPO's, not its value. No dual clip (the loss
+    is linear in log pi; there is no unbounded ratio to cap). Metrics as ppo_policy_loss, with
+    clipfrac the share of tokens whose weight was clipped.
+    """
     if dual_clip_c is not None:
-        cap = -dual_clip_c * advantages  # (B, T)
-        dual_clipped = (advantages < 0) & (loss > cap)  # (B, T)
-        loss = torch.where(dual_clipped, cap, loss)  # (B, T)
-        metrics["dual_clipfrac"] = masked_mean(dual_clipped.float(), mask)
-    if behavior_weight is not None:
-        loss = behavior_weight * loss  # (B, T)
-    return torch.where(mask.bool(), loss, 0.0), metrics
+        raise ValueError(
+            "cispo has no dual clip: its weight is already clipped and its gradient stopped; "
+            "leave dual_clip_c unset"
+        )
+    low, high = _clip_bounds(clip_eps_low, clip_eps_high)
+    logratio = (logp - old_logp).detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)  # (B, T)
+    ratio = logratio.exp()  # (B, T), no gradient
+    # sg(clip(r)), 0 on padding: a NaN there would reach log pi's gradient as NaN x 0
+    weight = torch.where(mask.bool(), ratio.clamp(low, high), 0.0)  # (B, T)
+    loss = -advantages * weight * logp  # (B, T)
+    metrics = _drift_metrics(logratio, ratio, mask)
+    metrics["clipfrac"] = masked_mean(((ratio < low) | (ratio > high)).float(), mask)
+    return _finish(loss, mask, behavior_weight), metrics
+
+
+class PolicyLoss(Protocol):
+    """Common signature of POLICY_LOSSES entries: (B, T) inputs -> (loss (B, T), metrics)."""
+
+    def __call__(
+        self,
+        logp: Tensor,
+        old_logp: Tensor,
+        advantages: Tensor,
+        mask: Tensor,
+        *,
+        clip_eps_low: float = 0.2,
+        clip_eps_high: float | None = None,
+        dual_clip_c: float | None = None,
+        behavior_weight: Tensor | None = None,
+    ) -> tuple[Tensor, Metrics]: ...
+
+
+POLICY_LOSSES: Mapping[str, PolicyLoss] = MappingProxyType(
+    {"ppo": ppo_policy_loss, "gspo": gspo_policy_loss, "cispo": cispo_policy_loss}
+)
+
+
+def get_policy_loss(name: str) -> PolicyLoss:
+    return lookup(POLICY_LOSSES, name, "policy loss")
 
 
 def behavior_weights(

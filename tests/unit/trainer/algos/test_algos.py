@@ -363,7 +363,12 @@ def _policy_gradient(
         logp, batch["old_logp"][rows], batch["advantages"][rows], batch["mask"][rows]
     )
     scalar = aggregate_loss(
-        loss, batch["mask"][rows], mode, num_global_tokens=num_tokens, num_global_seqs=num_seqs
+        loss,
+        batch["mask"][rows],
+        mode,
+        num_global_tokens=num_tokens,
+        num_global_seqs=num_seqs,
+        token_budget=batch["mask"].shape[-1],  # a constant, the same for every micro-batch
     )
     return list(torch.autograd.grad(scalar, list(model.parameters())))
 
