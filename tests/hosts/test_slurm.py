@@ -4,12 +4,14 @@ second job leaving nothing behind on any host."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ import yaml
 from tests.conftest import RECIPES
 from tests.support.cli import run_rlx
 from tests.support.hosts.rendered import node_base_env
+from tests.support.hosts.slurm import TERMINAL_STATES
 from tests.support.slurm_jobs import launch_and_wait
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(1200)]
@@ -70,6 +73,74 @@ def job_processes(cluster) -> list[str]:
             if "slurmd" not in proc.cmdline and proc.state != "Z":
                 left.append(f"{host.name}: {proc.cmdline}")
     return left
+
+
+# A wait in the requeue test ends when what it waits for happens, and fails only once it no
+# longer can: nothing the job writes (its logs, checkpoints) or Slurm reports (its state, the
+# nodes') has changed for HANG seconds, or the job has ended. A loaded machine makes the job
+# slower, not silent: a fixed budget for each wait was what load exceeded (a trainer still
+# starting at 240 s).
+HANG = 300.0
+ENDED_GRACE = 20.0  # a predicate that comes true as the job ends is read within this
+
+
+class JobWatch:
+    """One Slurm job as the requeue test follows it: its queue state, the nodes' states and
+    the files under its folders, polled until a condition holds or progress stops."""
+
+    def __init__(self, job_id: str, env: dict[str, str], folders: tuple[Path, ...]) -> None:
+        self.job_id, self.env, self.folders = job_id, env, folders
+
+    def _run(self, *argv: str) -> str:
+        done = subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=60)
+        return done.stdout.strip()
+
+    def state(self) -> str:
+        """squeue's state of the job (RUNNING, PENDING, ...); "" once Slurm no longer lists it."""
+        return self._run("squeue", "-h", "-j", self.job_id, "-o", "%T")
+
+    def node_states(self) -> list[str]:
+        return self._run("sinfo", "-h", "-N", "-o", "%T").split()
+
+    def _files(self) -> list[tuple[str, int]]:
+        """Every file under the folders with its size. os.walk passes over what retention
+        removes as it looks."""
+        files = []
+        for folder in self.folders:
+            for root, _, names in os.walk(folder):
+                for name in names:
+                    path = os.path.join(root, name)
+                    with contextlib.suppress(FileNotFoundError):
+                        files.append((path, os.stat(path).st_size))
+        return sorted(files)
+
+    def report(self) -> str:
+        logs = (p for folder in self.folders if folder.exists() for p in folder.rglob("*.log"))
+        return "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-3000:]}" for p in logs)
+
+    def wait(self, reached: Callable[[], bool], what: str) -> None:
+        """Poll `reached` (which may act, as start_requeued_now does) until it holds."""
+        seen: tuple[object, ...] = ()
+        moved = time.monotonic()
+        ended: float | None = None
+        while not reached():
+            now = time.monotonic()
+            state = self.state()
+            mark = (state, self.node_states(), self._files())
+            if mark != seen:
+                seen, moved = mark, now
+            assert now - moved < HANG, (
+                f"waiting for {what}: nothing moved for {HANG:.0f} s (job {state or 'gone'}, "
+                f"nodes {mark[1]})\n{self.report()}"
+            )
+            if state in TERMINAL_STATES or not state:
+                ended = ended if ended is not None else now
+                assert now - ended < ENDED_GRACE, (
+                    f"the job ended ({state or 'gone'}) before {what}\n{self.report()}"
+                )
+            else:
+                ended = None
+            time.sleep(1)
 
 
 @pytest.fixture
@@ -205,6 +276,9 @@ def test_kept_cluster_attach_tunnel_and_down(slurm_cluster, launch_env, tmp_path
         time.sleep(1)
 
 
+# About 7 minutes quiet; its waits end on progress stopping (JobWatch), so this is only the
+# last guard against a hang they miss, not a budget that load should meet.
+@pytest.mark.timeout(2400)
 def test_requeue_resumes_after_a_lost_worker_and_the_warning(slurm_cluster, launch_env, tmp_path):
     """slurm.requeue: a worker killed mid-run fails the cluster (75) and the job requeues;
     the next attempt resumes from the newest checkpoint; Slurm's warning (USR1) makes the
@@ -226,30 +300,23 @@ def test_requeue_resumes_after_a_lost_worker_and_the_warning(slurm_cluster, laun
     job_id = out.stderr.split("(", 1)[1].split(")", 1)[0]
     logs = tmp_path / "rlx-logs"
     ckpts = tmp_path / "checkpoints" / job_id
-
-    def wait_for(predicate, what: str, timeout: float = 400) -> None:
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            assert time.monotonic() < deadline, f"timed out waiting for {what}: " + "\n".join(
-                f"--- {p}\n{p.read_text(errors='replace')[-3000:]}" for p in logs.rglob("*.log")
-            )
-            time.sleep(1)
+    watch = JobWatch(job_id, launch_env, (logs, ckpts))
 
     # Attempt 1: once step 2 is saved, worker 1's raylet dies: exit 75, requeue.
-    wait_for(lambda: (ckpts / "step-000002" / "COMPLETE").exists(), "the step-2 checkpoint")
+    watch.wait(lambda: (ckpts / "step-000002" / "COMPLETE").exists(), "the step-2 checkpoint")
     worker = slurm_cluster.hosts[1]
     for proc in worker.processes():
         if proc.cmdline.split(" ", 1)[0].endswith("raylet"):
             os.kill(proc.pid, 9)
     second = logs / f"requeue-{job_id}-attempt1"
-    start_requeued_now(job_id, launch_env, lambda: (logs / f"requeue-{job_id}").exists())
+    start_requeued_now(watch, lambda: (logs / f"requeue-{job_id}").exists())
 
     # The trainer may take a step or two more before the lost node is noticed: attempt 2
     # resumes from whichever checkpoint was newest, then trains.
     def training_again() -> bool:
         return "\nstep " in _read(second / "head.log").partition("resumed from")[2]
 
-    wait_for(training_again, "attempt 2 training")
+    watch.wait(training_again, "attempt 2 training")
     print(
         f"\n[slurm-requeue] lost worker -> requeued -> training: {time.monotonic() - started:.0f} s"
     )
@@ -265,9 +332,9 @@ def test_requeue_resumes_after_a_lost_worker_and_the_warning(slurm_cluster, laun
         ["scancel", "--batch", "--signal=USR1", job_id], env=launch_env, check=True, timeout=30
     )
     third = logs / f"requeue-{job_id}-attempt2"
-    start_requeued_now(job_id, launch_env, lambda: True)
+    start_requeued_now(watch, lambda: True)
     finished = f"done: {steps} of {steps} steps"
-    wait_for(lambda: finished in _read(third / "head.log"), "attempt 3 to finish")
+    watch.wait(lambda: finished in _read(third / "head.log"), "attempt 3 to finish")
     head2 = _read(second / "head.log")
     saved = sorted(p.name for p in ckpts.glob("step-*") if (p / "COMPLETE").exists())
     head3 = _read(third / "head.log")
@@ -283,7 +350,10 @@ def test_requeue_resumes_after_a_lost_worker_and_the_warning(slurm_cluster, laun
     written = re.findall(r"^checkpoint \S+/step-(\d+) ", head2, re.M)
     assert written and int(written[-1]) == step, (written, resumed)
     assert saved[-1] == f"step-{steps:06d}"
-    assert wait_state(tmp_path, launch_env, "requeue", {"SUCCEEDED", "FAILED"}, 120) == "SUCCEEDED"
+    # The job's end as Slurm sees it (its teardown's length is the machine's); then rlx's
+    # reading of it, which follows within a poll or two.
+    watch.wait(lambda: watch.state() in TERMINAL_STATES | {""}, "the job to end")
+    assert wait_state(tmp_path, launch_env, "requeue", {"SUCCEEDED", "FAILED"}, 60) == "SUCCEEDED"
     # The finished run as rlx shows it: progress from the shared run folder, every step
     # logged once across the attempts (step 0: the quickstart's validation before training),
     # the worker told the head's exit code, nothing left running.
@@ -304,34 +374,32 @@ def test_requeue_resumes_after_a_lost_worker_and_the_warning(slurm_cluster, laun
     ]
 
 
-def start_requeued_now(job_id: str, env: dict[str, str], ready) -> None:
+def start_requeued_now(watch: JobWatch, ready: Callable[[], bool]) -> None:
     """Slurm holds a requeued job back for two minutes (its BeginTime); once the job is
     pending again and its nodes are idle, let it start now so the test does not wait. The
     update is repeated until the job leaves PENDING: one issued while the requeue is still
-    settling can be refused."""
-    deadline = time.monotonic() + 300
+    settling can be refused. Waits as long as the previous attempt's teardown moves."""
     updated = False
-    while time.monotonic() < deadline:
-        state = subprocess.run(
-            ["squeue", "-h", "-j", job_id, "-o", "%T"], env=env, capture_output=True, text=True
-        ).stdout.strip()
+
+    def started() -> bool:
+        nonlocal updated
+        state = watch.state()
         if updated and state not in ("PENDING", "REQUEUED", "REQUEUE_HOLD", "COMPLETING"):
-            return
-        nodes = subprocess.run(
-            ["sinfo", "-h", "-N", "-o", "%T"], env=env, capture_output=True, text=True
-        ).stdout.split()
-        if state == "PENDING" and ready() and all(n == "idle" for n in nodes):
+            return True
+        if state == "PENDING" and ready() and all(n == "idle" for n in watch.node_states()):
             # slurmd refuses a job whose credential it revoked in the same second (the
             # previous attempt's): "Job credential revoked". Start it a second later.
             time.sleep(1.5)
             subprocess.run(
-                ["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env, check=False
+                ["scontrol", "update", f"JobId={watch.job_id}", "StartTime=now"],
+                env=watch.env,
+                check=False,
             )
             updated = True
-            time.sleep(2)
-            continue
-        time.sleep(0.5)
-    raise AssertionError(f"job {job_id} was not requeued and started within 300 s")
+            time.sleep(1)
+        return False
+
+    watch.wait(started, f"job {watch.job_id} to be requeued and start")
 
 
 def _read(path: Path) -> str:
