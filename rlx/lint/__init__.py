@@ -54,6 +54,7 @@ STARTUP_CHECKS: tuple[Check, ...] = (
     trainer.check_tensor_parallel,
     trainer.check_rollout_engine,
     trainer.check_group_size,
+    trainer.check_policy_loss,
     trainer.check_layout,
     trainer.check_colocated_tensor_parallel,
     trainer.check_trainer_specs,

@@ -115,12 +115,43 @@ def check_rollout_engine(recipe: Recipe) -> Iterator[Problem]:
 
 def check_group_size(recipe: Recipe) -> Iterator[Problem]:
     trainer = recipe.trainer
-    if trainer and trainer.algorithm in ("grpo", "rloo") and trainer.rollout.n < 2:
+    if trainer is None or trainer.rollout.n >= 2:
+        return
+    if trainer.algorithm in ("grpo", "rloo"):
         yield Problem(
             ("trainer", "rollout", "n"),
             ERROR,
             f"{trainer.algorithm} compares responses within a group, so rollout.n "
             "must be at least 2 (8 or 16 is typical)",
+        )
+    elif trainer.algorithm == "reinforce_pp" and trainer.algo.baseline == "group":
+        yield Problem(
+            ("trainer", "rollout", "n"),
+            ERROR,
+            "reinforce_pp with baseline: group subtracts the mean of the prompt's responses, "
+            "so rollout.n must be at least 2 (8 or 16 is typical), or write baseline: batch",
+        )
+
+
+def check_policy_loss(recipe: Recipe) -> Iterator[Problem]:
+    """Loss combinations that contradict themselves (the learner would run them wrongly)."""
+    trainer = recipe.trainer
+    if trainer is None:
+        return
+    algo = trainer.algo
+    if algo.policy_loss == "gspo" and algo.loss_agg != "seq-mean-token-mean":
+        yield Problem(
+            ("trainer", "algo", "loss_agg"),
+            ERROR,
+            f"gspo normalises each response's ratio by its length; {algo.loss_agg} would "
+            "weigh responses by their length again; write loss_agg: seq-mean-token-mean",
+        )
+    if algo.policy_loss == "cispo" and algo.dual_clip is not None:
+        yield Problem(
+            ("trainer", "algo", "dual_clip"),
+            ERROR,
+            "cispo clips its weight and stops its gradient, so there is no ratio for a dual "
+            "clip to cap; remove dual_clip, or write policy_loss: ppo",
         )
 
 
@@ -254,6 +285,12 @@ def check_unused_settings(recipe: Recipe) -> Iterator[Problem]:
             WARNING,
             f"{trainer.algorithm} has no critic; critic_model is ignored",
         )
+    if trainer.algorithm != "reinforce_pp" and trainer.algo.baseline != "batch":
+        yield Problem(
+            ("trainer", "algo", "baseline"),
+            WARNING,
+            f"baseline is read by algorithm reinforce_pp only; {trainer.algorithm} ignores it",
+        )
     if recipe.command is not None:
         yield Problem(
             ("command",),
@@ -269,6 +306,7 @@ CHECKS: list[Check] = [
     check_tensor_parallel,
     check_rollout_engine,
     check_group_size,
+    check_policy_loss,
     check_layout,
     check_staleness_layout,
     check_colocated_tensor_parallel,

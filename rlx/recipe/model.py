@@ -682,8 +682,30 @@ class AlgorithmSettings(StrictModel):
     vf_coef: float = Field(0.5, ge=0, description="Value loss weight (PPO).")
     value_clip: float = Field(0.2, gt=0, description="Value clip range (PPO).")
     norm_adv_by_std: bool = Field(True, description="Divide group advantages by their std (GRPO).")
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
-        "token-mean", description="How per-token losses become one number."
+    policy_loss: Literal["ppo", "gspo", "cispo"] = Field(
+        "ppo",
+        description="The policy loss. ppo: the clipped surrogate per token (Schulman et al. "
+        "2017). gspo: the response's length-normalised ratio exp(mean_t log(pi / pi_old)), "
+        "clipped per response (Zheng et al. 2025, GSPO); needs loss_agg seq-mean-token-mean, "
+        "and the paper clips at about 3e-4 / 4e-4 (clip_eps, clip_eps_high), not 0.2. cispo: "
+        "-sg(clip(pi / pi_old)) x A x log pi on every token, the clipped weight with its "
+        "gradient stopped (MiniMax-M1, 2025); no dual_clip.",
+    )
+    loss_agg: Literal[
+        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+    ] = Field(
+        "token-mean",
+        description="How per-token losses become one number, over the whole minibatch: "
+        "token-mean (sum / tokens), seq-mean-token-mean (each response's mean, averaged), "
+        "seq-mean-token-sum (each response's sum, averaged), seq-mean-token-sum-norm (each "
+        "response's sum over a constant, the response budget: rollout.max_new_tokens, or the "
+        "episode's token budget with an environment; averaged: Dr. GRPO, Liu et al. 2025).",
+    )
+    baseline: Literal["batch", "group"] = Field(
+        "batch",
+        description="algorithm reinforce_pp only: batch (REINFORCE++, Hu 2025: discounted "
+        "returns normalised over the step's tokens) or group (REINFORCE++-baseline: minus "
+        "the mean score of the prompt's responses first; needs rollout.n >= 2).",
     )
     behavior_weight_cap: float = Field(
         2.0,
@@ -834,8 +856,10 @@ class LoggingSettings(StrictModel):
 class TrainerSettings(StrictModel):
     """The shared PPO/GRPO trainer rlx runs on the head node."""
 
-    algorithm: Literal["grpo", "ppo", "rloo"] = Field(
-        "grpo", description="grpo (group-normalised), rloo (leave-one-out) or ppo (critic + GAE)."
+    algorithm: Literal["grpo", "ppo", "rloo", "reinforce_pp"] = Field(
+        "grpo",
+        description="grpo (group-normalised), rloo (leave-one-out), ppo (critic + GAE) or "
+        "reinforce_pp (REINFORCE++: returns normalised over the batch; algo.baseline).",
     )
     model: ModelSettings = Field(
         description="Policy model (also the reference and, for PPO, the critic's starting point)."

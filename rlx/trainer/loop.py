@@ -81,11 +81,13 @@ from rlx.trainer.tasks.rewards import RewardFn, score
 GIB = 2**30
 
 
-def estimator_name(algorithm: str, norm_by_std: bool) -> str:
+def estimator_name(algorithm: str, norm_by_std: bool, baseline: str = "batch") -> str:
     if algorithm == "ppo":
         return "gae"
     if algorithm == "grpo":
         return "grpo" if norm_by_std else "grpo-no-std"
+    if algorithm == "reinforce_pp":
+        return "reinforce_pp-baseline" if baseline == "group" else "reinforce_pp"
     return algorithm
 
 
@@ -140,7 +142,9 @@ class Trainer:
         )
         self.samples: StepRecords | None = None  # the prompts and versions each step trained
         self.estimator = algos.get_advantage_estimator(
-            estimator_name(settings.algorithm, settings.algo.norm_adv_by_std)
+            estimator_name(
+                settings.algorithm, settings.algo.norm_adv_by_std, settings.algo.baseline
+            )
         )
         self.old_logprobs = needs_old_logprobs(settings)
         self.needs_prepare = (

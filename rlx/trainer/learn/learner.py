@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from rlx.errors import RlxError
 from rlx.plan.budget import packed_pass_tokens
-from rlx.recipe.model import TrainerSettings
+from rlx.recipe.model import TrainerSettings, episode_token_budget
 from rlx.trainer import algos
 from rlx.trainer import packing as pack
 from rlx.trainer.batch import SequenceBatch, micro_batch_rows
@@ -685,6 +685,7 @@ class Learner:
             self.settings.algo.loss_agg,
             num_global_tokens=tokens,
             num_global_seqs=seqs,
+            token_budget=episode_token_budget(self.settings),
         )
 
     def policy_loss(
@@ -698,7 +699,8 @@ class Learner:
         kl.coef x KL to the reference (kl mode "loss"), minus entropy_coef x entropy, each
         aggregated over the minibatch's global counts (tokens, seqs). Returns it (to be
         minimised; with a graph when gradients are on) and its detached pieces: loss/policy,
-        loss/kl, per-token means kl and entropy, and ppo_policy_loss's metrics."""
+        loss/kl, per-token means kl and entropy, and the policy loss's metrics (algo.policy_loss:
+        PPO's clipped surrogate, GSPO or CISPO)."""
         algo = self.settings.algo
         mask = mb.response_mask
         scores = self._scores(
@@ -711,7 +713,7 @@ class Learner:
             weight, weight_metrics = algos.behavior_weights(
                 old_logp, mb.fields[BEHAV_LOGP], mask, cap=algo.behavior_weight_cap
             )
-        pg_per_token, pieces = algos.ppo_policy_loss(
+        pg_per_token, pieces = algos.get_policy_loss(algo.policy_loss)(
             logp,
             old_logp,
             mb.fields[ADVANTAGES],

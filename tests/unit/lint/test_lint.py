@@ -110,6 +110,28 @@ BROKEN = [
         "at least 2",
     ),
     (
+        "gspo-with-token-mean",
+        "name: job\n" + TRAINER + "  algo: {policy_loss: gspo, loss_agg: token-mean}\n",
+        5,
+        "trainer.algo.loss_agg",
+        "write loss_agg: seq-mean-token-mean",
+    ),
+    (
+        "cispo-with-dual-clip",
+        "name: job\n" + TRAINER + "  algo: {policy_loss: cispo, dual_clip: 3}\n",
+        5,
+        "trainer.algo.dual_clip",
+        "remove dual_clip",
+    ),
+    (
+        "reinforce-pp-group-of-one",
+        "name: job\n" + TRAINER + "  algorithm: reinforce_pp\n"
+        "  algo: {baseline: group}\n  rollout: {n: 1}\n",
+        7,
+        "trainer.rollout.n",
+        "or write baseline: batch",
+    ),
+    (
         "ray-port-skypilot",
         "name: job\nray:\n  port: 6380\n" + TRAINER,
         3,

@@ -78,7 +78,24 @@ BROKEN: dict[str, list[tuple[Callable[[dict[str, Any]], None], str]]] = {
     "check_rollout_engine": [
         (_set("trainer.rollout.min_new_tokens", 32), "trainer.rollout.min_new_tokens")
     ],
-    "check_group_size": [(_set("trainer.rollout.n", 1), "trainer.rollout.n")],
+    "check_group_size": [
+        (_set("trainer.rollout.n", 1), "trainer.rollout.n"),
+        (
+            _all(
+                _set("trainer.algorithm", "reinforce_pp"),
+                _set("trainer.algo.baseline", "group"),
+                _set("trainer.rollout.n", 1),
+            ),
+            "trainer.rollout.n",
+        ),
+    ],
+    "check_policy_loss": [
+        (_set("trainer.algo.policy_loss", "gspo"), "trainer.algo.loss_agg"),
+        (
+            _all(_set("trainer.algo.policy_loss", "cispo"), _set("trainer.algo.dual_clip", 3.0)),
+            "trainer.algo.dual_clip",
+        ),
+    ],
     "check_layout": [
         (
             _all(GPUS, _set("trainer.layout", "split"), _set("trainer.rollout_gpus", 8)),

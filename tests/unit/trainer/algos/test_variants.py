@@ -255,3 +255,14 @@ def test_all_tokens_masked_gives_zero_advantages(name: str) -> None:
     mask = torch.zeros(2, 2, dtype=torch.bool)
     advantages, _ = ADVANTAGE_ESTIMATORS[name](rewards, mask, group_size=2)
     assert torch.equal(advantages, torch.zeros(2, 2, dtype=F64))
+
+
+def test_the_recipe_names_the_estimators_row() -> None:
+    from rlx.trainer.loop import estimator_name
+
+    assert estimator_name("reinforce_pp", True, "batch") == "reinforce_pp"
+    assert estimator_name("reinforce_pp", True, "group") == "reinforce_pp-baseline"
+    assert estimator_name("grpo", False, "group") == "grpo-no-std"
+    for algorithm in ("grpo", "ppo", "rloo", "reinforce_pp"):
+        for baseline in ("batch", "group"):
+            assert estimator_name(algorithm, True, baseline) in ADVANTAGE_ESTIMATORS

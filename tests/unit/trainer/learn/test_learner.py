@@ -31,16 +31,26 @@ def params(learner: Learner) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
-@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize(
+    ("loss_agg", "policy_loss"),
+    [
+        ("token-mean", "ppo"),
+        ("seq-mean-token-mean", "ppo"),
+        ("seq-mean-token-sum", "ppo"),
+        ("seq-mean-token-sum-norm", "ppo"),
+        ("seq-mean-token-mean", "gspo"),
+        ("token-mean", "cispo"),
+    ],
+)
 def test_micro_batches_do_not_change_the_update(
-    tmp_path, tiny_model_dir, advantage_batch, loss_agg, packing
+    tmp_path, tiny_model_dir, advantage_batch, loss_agg, policy_loss, packing
 ):
     gradients = []
     for micro in (16, 5, 1):
         conf = small_trainer(
             tmp_path,
             batch={"micro_batch_size": micro, "packing": packing},
-            algo={"loss_agg": loss_agg},
+            algo={"loss_agg": loss_agg, "policy_loss": policy_loss},
             optim={"grad_clip": 1e9},
         )
         learner = Learner(conf, str(tiny_model_dir), None, torch.device("cpu"))
@@ -65,6 +75,18 @@ def test_one_update_without_old_logprobs_has_ratio_one(tmp_path, tiny_model_dir,
     assert stats["ratio_mean"] == pytest.approx(1.0)
     assert stats["clipfrac"] == 0.0 and stats["approx_kl"] == pytest.approx(0.0, abs=1e-7)
     assert stats["grad_norm"] > 0 and stats["entropy"] > 0
+
+
+def test_the_recipe_chooses_the_policy_loss(tmp_path, tiny_model_dir, advantage_batch):
+    # At ratio 1 PPO's and CISPO's gradients agree (-A grad log pi) but their values do not:
+    # PPO's loss is -A x 1, CISPO's -A x log pi. The reported loss says which one ran.
+    losses = {}
+    for name in ("ppo", "cispo"):
+        conf = small_trainer(tmp_path, algo={"policy_loss": name})
+        learner = Learner(conf, str(tiny_model_dir), None, torch.device("cpu"))
+        losses[name] = merge_update_stats([learner.update(advantage_batch, step=1)])
+    assert losses["ppo"]["grad_norm"] == pytest.approx(losses["cispo"]["grad_norm"], rel=1e-4)
+    assert losses["ppo"]["loss/policy"] != pytest.approx(losses["cispo"]["loss/policy"], rel=1e-2)
 
 
 def test_prepare_and_several_epochs_with_kl_and_critic(tmp_path, tiny_model_dir, advantage_batch):
