@@ -206,13 +206,23 @@ def root_grad_bytes(
     return root * (b + (DTYPE_BYTES[REDUCE_DTYPE] if dtype != REDUCE_DTYPE else 0))
 
 
-def layer_activation_bytes_per_token(shape: ModelShape, dtype: str) -> int:
-    """What one decoder layer saves for backward per token (flash/SDPA attention, no
-    dropout): in the compute dtype the attention norm's output, q, k, v, the attention
-    output, the MLP norm's output, gate, up, SiLU(gate) and their product; in float32 the
-    two RMSNorm inputs they upcast: b*(4H + 2kv + 4I) + 4*2H."""
+def layer_activation_bytes_per_token(
+    shape: ModelShape, dtype: str, residual_dtype: str | None = None
+) -> int:
+    """What one decoder layer saves for backward per token (SDPA attention, no dropout), q
+    the query width (heads x head dim). In the compute dtype: the attention norm's output,
+    q, k and v repeated to every query head (transformers' SDPA path repeats them wherever a
+    mask is passed, and packed and padded passes always pass one), SDPA's output and the
+    copy o_proj reads, the MLP norm's output, gate, up, SiLU(gate) and their product; in
+    float32 the two RMSNorm inputs they upcast and, where the residual stream is float32 (a
+    whole float32 module under autocast), each norm's normalised float32 product, which the
+    norm's weight multiplies: b*(2H + 5q + 4I) + 4*2H (+ 4*2H). Measured on an H100 at
+    Qwen2.5-1.5B's shape without checkpointing (docs/gpu.md), the earlier count (k and v at
+    their own width, no SDPA output, no normalised copy) left out a fifth of it."""
     b = DTYPE_BYTES[dtype]
-    return b * (4 * shape.hidden + 2 * shape.kv_dim + 4 * shape.intermediate) + 8 * shape.hidden
+    q = shape.heads * shape.head_dim
+    normalised = 2 * shape.hidden * 4 if residual_dtype == "float32" else 0
+    return b * (2 * shape.hidden + 5 * q + 4 * shape.intermediate) + 8 * shape.hidden + normalised
 
 
 def activation_bytes(
@@ -229,7 +239,7 @@ def activation_bytes(
     layer's LoRA adapters save). With (non-reentrant, per layer) checkpointing each layer
     keeps only its input, the residual stream, and one layer is recomputed at a time:
     T*L*H*r + T*a (r: bytes of the residual stream)."""
-    per_layer = layer_activation_bytes_per_token(shape, dtype) + extra_per_token
+    per_layer = layer_activation_bytes_per_token(shape, dtype, residual_dtype) + extra_per_token
     if not checkpointing:
         return tokens * shape.layers * per_layer
     residual = tokens * shape.layers * shape.hidden * DTYPE_BYTES[residual_dtype]

@@ -46,9 +46,9 @@ def test_plan_prints_a_row_per_alternative_with_numbers() -> None:
     result = runner.invoke(app, ["plan", str(SEVEN_B)], env={"COLUMNS": "200"})
     assert result.exit_code == 1, result.output  # two of them do not fit
     rows = {line.split()[0]: line for line in result.output.splitlines() if "│" in line}
-    assert "train 48.0/80.0" in rows["H100:8"] and "yes" in rows["H100:8"]
-    assert "train 48.0/40.0" in rows["A100-40GB:8"] and "no" in rows["A100-40GB:8"]
-    assert "train 48.0/24.0" in rows["L4:8"] and "activations" in rows["L4:8"]
+    assert "train 48.9/80.0" in rows["H100:8"] and "yes" in rows["H100:8"]
+    assert "train 48.9/40.0" in rows["A100-40GB:8"] and "no" in rows["A100-40GB:8"]
+    assert "train 48.9/24.0" in rows["L4:8"] and "activations" in rows["L4:8"]
     # then the preferred one's detailed plan, as for a recipe with one accelerator
     assert "H100:8, 8 training rank(s)" in result.output
 
@@ -57,7 +57,7 @@ def test_lint_names_each_alternative_that_does_not_fit_and_what_to_change() -> N
     code, errors = _lint(SEVEN_B)
     assert code == 1 and len(errors) == 2, errors
     a100, l4 = sorted(errors)
-    assert "resources.accelerators: A100-40GB:8: does not fit: training GPU: needs 48.0" in a100
+    assert "resources.accelerators: A100-40GB:8: does not fit: training GPU: needs 48.9" in a100
     assert "drop A100-40GB:8 from resources.accelerators" in a100
     # auto would make the A100s fit: lint says so, with the sizes it would choose
     assert "batch.micro_batch_size: auto (8 here)" in a100
