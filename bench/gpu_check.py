@@ -113,6 +113,7 @@ class Check:
     json_path: Path
     steps: int
     results: dict[str, Any]
+    running: str = ""  # the part under way (what a deadline cuts)
 
     @property
     def cuda(self) -> bool:
@@ -655,6 +656,8 @@ def part_decode(check: Check) -> dict[str, Any]:
 
     case = CASES[0]
     rows, prompt_len, new = (8, 16, 16) if check.tiny else (64, 128, 128)
+    if not check.cuda and not check.tiny:
+        rows, prompt_len, new = 16, 64, 32  # a CPU step reads 2 GB of weights: seconds
     out: dict[str, Any] = {"model": case.model, "batch": rows, "max_new_tokens": new}
     g = torch.Generator().manual_seed(3)
     dtypes = ("bfloat16", "float32") if check.cuda else ("float32",)
@@ -665,14 +668,15 @@ def part_decode(check: Check) -> dict[str, Any]:
         vocab = model.config.vocab_size
         prompts = torch.randint(3, vocab, (rows, prompt_len), generator=g)  # (B, P)
         greedy = SamplingArgs(n=1, max_new_tokens=new, temperature=0.0)
-        # Each generation runs twice, the second timed: on an H100 the first bf16 one of a
-        # process ran at a fifth of the second's speed, both engines alike (900 against 4,600
-        # tokens/s), also after a 4-token warm-up at the same batch.
-        engine.generate(prompts.tolist(), greedy, seed=0)
+        # On a GPU each generation runs twice, the second timed: on an H100 the first bf16
+        # one of a process ran at a fifth of the second's speed, both engines alike (900
+        # against 4,600 tokens/s), also after a 4-token warm-up at the same batch.
+        warm = new if check.cuda else 4
+        engine.generate(prompts.tolist(), SamplingArgs(n=1, max_new_tokens=warm, temperature=0))
         ours_s, ours = timed(check, engine.generate, prompts.tolist(), greedy, seed=0)
         ids = prompts.to(check.device)
         kwargs = {"do_sample": False, "pad_token_id": 0}
-        model.generate(input_ids=ids, max_new_tokens=new, **kwargs)
+        model.generate(input_ids=ids, max_new_tokens=warm, **kwargs)
         theirs_s, theirs = timed(check, model.generate, input_ids=ids, max_new_tokens=new, **kwargs)
         theirs = theirs[:, prompt_len:].cpu()
         same_rows, first_diff = 0, []
@@ -764,6 +768,7 @@ PART_FUNCTIONS: dict[str, Callable[[Check], dict[str, Any]]] = {
 
 def run_part(check: Check, name: str) -> None:
     started = time.perf_counter()
+    check.running = name
     say(f"[gpu-check] {name} ...")
     try:
         result: dict[str, Any] = {"status": "ran", **PART_FUNCTIONS[name](check)}
@@ -828,9 +833,8 @@ def watchdog(check: Check, deadline: float) -> None:
     file already; one line says which part was cut."""
 
     def stop() -> None:
-        running = [p for p in PARTS if p not in check.results]
-        say(f"[gpu-check] deadline of {deadline:.0f} s reached during {running[:1]}; stopping")
-        check.results["cut_at"] = running[:1]
+        say(f"[gpu-check] deadline of {deadline:.0f} s reached during {check.running}; stopping")
+        check.results["cut_at"] = check.running
         check.write()
         os._exit(0)
 
@@ -854,6 +858,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_check: unknown part {unknown[0]!r}; use some of {', '.join(PARTS)}")
         return 1
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from rlx.trainer.allocator import use_allocator_settings
+
+    # The allocator a training worker runs with (no vLLM here), set before the first
+    # allocation: the memory measured is the trainer's.
+    use_allocator_settings(args.device == "cuda", holds_vllm=False)
     import torch
 
     from rlx.trainer.learn.models import quiet_transformers

@@ -1,5 +1,6 @@
-"""Host memory for workers that compute on the CPU: glibc's malloc told to keep what torch
-frees for the next tensor, instead of handing it back to the kernel.
+"""Memory allocators of worker processes: on the CPU, glibc's malloc told to keep what torch
+frees for the next tensor, instead of handing it back to the kernel; on a GPU, torch's CUDA
+allocator growing its segments in place (use_allocator_settings).
 
 A training step on the CPU allocates and frees the same large tensors over and over
 (activations, gradients, a decode step's temporaries, the key/value buffers as rows leave).
@@ -47,3 +48,22 @@ def keep_freed_memory(env: Mapping[str, str] = os.environ) -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
         mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
     )
+
+
+# torch's CUDA allocator settings, read when a process first allocates on its GPU.
+CUDA_ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+# Segments that grow in place instead of a new block for every new size: a learner's passes
+# change size every step, and on an H100 the 1.5B learner without checkpointing
+# (bench/gpu_check.py, docs/gpu.md) held 72.0 GiB for 58.4 allocated without them, 58.9 for
+# 58.3 with them, at the same speed. vLLM's sleep mode allocates from a memory pool that
+# expandable segments cannot serve, so a process that holds a vLLM engine keeps the default.
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+
+
+def use_allocator_settings(use_gpu: bool, holds_vllm: bool) -> str | None:
+    """Set this process's CUDA allocator settings before its first allocation (a GPU worker
+    that holds no vLLM engine: EXPANDABLE_SEGMENTS) unless the job's environment sets them;
+    returns what the process runs with."""
+    if use_gpu and not holds_vllm:
+        os.environ.setdefault(CUDA_ALLOC_CONF, EXPANDABLE_SEGMENTS)
+    return os.environ.get(CUDA_ALLOC_CONF)

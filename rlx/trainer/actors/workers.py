@@ -22,7 +22,7 @@ from rlx.recipe.model import TrainerSettings
 from rlx.runs import GPU_FREE, GPU_PEAK, GPU_RESERVED
 from rlx.trainer import cpu_linear
 from rlx.trainer.actors.placement import threads_for
-from rlx.trainer.allocator import keep_freed_memory
+from rlx.trainer.allocator import keep_freed_memory, use_allocator_settings
 from rlx.trainer.batch import RolloutBatch, SequenceBatch
 from rlx.trainer.checkpoint import capture_rng_state, restore_rng_state
 from rlx.trainer.checkpoint.faults import SAVE_ERRORS, save_failure
@@ -102,9 +102,10 @@ class UpdateOutcome:
     gpu: dict[str, float] = dataclasses.field(default_factory=dict)  # gpu_memory's figures
 
 
-def _prepare_process(spec: WorkerSpec, stream: str) -> torch.device:
+def _prepare_process(spec: WorkerSpec, stream: str, holds_vllm: bool) -> torch.device:
     from rlx.trainer.learn.models import quiet_transformers
 
+    use_allocator_settings(spec.use_gpu, holds_vllm)
     quiet_transformers()
     if not spec.use_gpu:  # the host computes: its freed tensors stay for the next ones
         keep_freed_memory()
@@ -202,7 +203,8 @@ class TrainWorker:
     """One data-parallel rank: a Learner, and in layout: colocated its rollout engine."""
 
     def __init__(self, spec: WorkerSpec):
-        self.device = _prepare_process(spec, "train-worker")
+        colocated_vllm = spec.colocated and spec.engine_kind == "vllm"
+        self.device = _prepare_process(spec, "train-worker", holds_vllm=colocated_vllm)
         self.spec = spec = on_this_node(spec)
         self.learner: Learner | None = None
         self.engine: ColocatedEngine | None = None
@@ -551,7 +553,9 @@ class RolloutWorker:
 
     def __init__(self, spec: WorkerSpec, index: int, tensor_parallel: int):
         self.index = index
-        self.device = _prepare_process(spec, f"rollout-worker-{index}")
+        self.device = _prepare_process(
+            spec, f"rollout-worker-{index}", holds_vllm=spec.engine_kind == "vllm"
+        )
         self.spec = spec = on_this_node(spec)
         options = None
         if spec.engine_kind == "vllm":

@@ -4,6 +4,7 @@ the training GPUs' memory (torch.cuda's answers stood in for)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,28 @@ def test_gpu_memory_is_in_the_step_metrics_and_the_summary(monkeypatch) -> None:
     )
     cpu = RunResult("SUCCEEDED", "r", str(Path("/runs/r")), 3)
     assert not any(line.startswith("GPU memory") for line in summary_lines(cpu))
+
+
+@pytest.mark.parametrize(
+    ("use_gpu", "holds_vllm", "set_by_user", "runs_with"),
+    [
+        (True, False, None, "expandable_segments:True"),  # a learner alone, or an HF engine
+        (True, True, None, None),  # vLLM's sleep-mode pool: the allocator's default
+        (False, False, None, None),  # a CPU worker: nothing to set
+        (True, False, "max_split_size_mb:512", "max_split_size_mb:512"),  # the job's own
+    ],
+)
+def test_gpu_workers_grow_segments_unless_vllm_shares_the_process(
+    monkeypatch: pytest.MonkeyPatch,
+    use_gpu: bool,
+    holds_vllm: bool,
+    set_by_user: str | None,
+    runs_with: str | None,
+) -> None:
+    from rlx.trainer.allocator import CUDA_ALLOC_CONF, use_allocator_settings
+
+    monkeypatch.delenv(CUDA_ALLOC_CONF, raising=False)
+    if set_by_user is not None:
+        monkeypatch.setenv(CUDA_ALLOC_CONF, set_by_user)
+    assert use_allocator_settings(use_gpu, holds_vllm) == runs_with
+    assert os.environ.get(CUDA_ALLOC_CONF) == runs_with
