@@ -323,4 +323,9 @@ class VLLMEngine(RolloutEngine):
         self.llm.wake_up(tags=["kv_cache"])
 
     def close(self) -> None:
-        del self.llm
+        """Stop vLLM's engine core and its workers now, not whenever the garbage collector
+        reaches the LLM: a reference kept anywhere (a test's frame, a traceback) would leave
+        those processes running, holding their GPU memory and ports. Closing twice is fine."""
+        llm = self.__dict__.pop("llm", None)
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()

