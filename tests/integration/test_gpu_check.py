@@ -130,3 +130,33 @@ def test_step_flops_is_the_documented_count(shared: bool) -> None:
     frozen = 1 * (linear + attention) + (2 * linear + 3 * attention)  # LoRA: input grads only
     assert gpu_check.step_flops(batch, Config, 10, passes=1, trained=4) == full
     assert gpu_check.step_flops(batch, Config, 10, passes=1, trained=2) == frozen
+
+
+def test_a_part_past_its_bound_is_one_line_and_the_next_part_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import threading
+    import time
+
+    gpu_check = load_script()
+    release = threading.Event()  # the stuck part ends with the test
+    monkeypatch.setitem(gpu_check.PART_FUNCTIONS, "stuck", lambda check: release.wait(60) and {})
+    monkeypatch.setitem(gpu_check.PART_FUNCTIONS, "quick", lambda check: {"answer": 42})
+    monkeypatch.setitem(gpu_check.PART_BOUND_S, "tiny", 0.5)
+    check = gpu_check.Check(
+        device=torch.device("cpu"),
+        tiny=True,
+        scratch=tmp_path,
+        json_path=tmp_path / "out.json",
+        steps=1,
+        results={},
+    )
+    started = time.monotonic()
+    gpu_check.run_part(check, "stuck")
+    gpu_check.run_part(check, "quick")
+    release.set()
+    assert time.monotonic() - started < 10
+    assert check.results["stuck"]["status"] == "timed out"
+    assert check.results["quick"]["status"] == "ran" and check.results["quick"]["answer"] == 42
+    assert json.loads((tmp_path / "out.json").read_text())["stuck"]["status"] == "timed out"
+    assert "[gpu-check] stuck: timed out: still running after 0 s" in capsys.readouterr().out
