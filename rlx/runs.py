@@ -45,6 +45,13 @@ STALENESS = "staleness/mean"  # weight versions the trained samples lag the poli
 IS_WEIGHT = "offpolicy/weight_mean"  # decoupled PPO's pi_proximal / pi_behaviour
 IS_WEIGHT_STD = "offpolicy/weight_std"
 IS_TRUNCATED = "offpolicy/truncated_frac"  # tokens whose weight hit behavior_weight_cap
+# Where the engines' sampling log-probs (mu) reach the learner: how far they are from pi_old
+# on the sampled tokens (algos/mismatch.py), and algo.rollout_correction's weight pi_old / mu.
+MISMATCH_KL = "mismatch/kl"  # k3 estimate of KL(engine || learner), per token
+MISMATCH_LOG_PPL = "mismatch/log_ppl_diff"  # learner minus engine log-perplexity
+MISMATCH_MAX_LOGP = "mismatch/max_abs_logprob_diff"  # largest per-token gap
+MISMATCH_LOGGED = (MISMATCH_KL, MISMATCH_LOG_PPL, MISMATCH_MAX_LOGP)
+CORRECTION_WEIGHT = "mismatch/weight_mean"  # the raw weight before truncation or the mask
 EPISODE_TURNS = "episode/turns"  # model turns per episode (trainer.environment)
 EPISODE_TOOL_CALLS = "episode/tool_calls"  # per episode
 EPISODE_TOOL_ERRORS = "episode/tool_errors"  # per episode

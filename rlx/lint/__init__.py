@@ -55,6 +55,7 @@ STARTUP_CHECKS: tuple[Check, ...] = (
     trainer.check_rollout_engine,
     trainer.check_group_size,
     trainer.check_policy_loss,
+    trainer.check_rollout_correction,
     trainer.check_layout,
     trainer.check_colocated_tensor_parallel,
     trainer.check_trainer_specs,

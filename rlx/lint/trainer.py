@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from rlx.errors import RlxError
 from rlx.lint.core import ERROR, WARNING, Check, Problem
 from rlx.recipe import Recipe
+from rlx.recipe.correction import rollout_correction_problem
 from rlx.recipe.specs import (
     SYNTHETIC_PREFIX,
     TINY_PREFIX,
@@ -153,6 +154,15 @@ def check_policy_loss(recipe: Recipe) -> Iterator[Problem]:
             "cispo clips its weight and stops its gradient, so there is no ratio for a dual "
             "clip to cap; remove dual_clip, or write policy_loss: ppo",
         )
+
+
+def check_rollout_correction(recipe: Recipe) -> Iterator[Problem]:
+    trainer = recipe.trainer
+    if trainer is None:
+        return
+    problem = rollout_correction_problem(trainer.algo)
+    if problem is not None:
+        yield Problem(("trainer", "algo", "rollout_correction"), ERROR, problem)
 
 
 def check_layout(recipe: Recipe) -> Iterator[Problem]:
@@ -307,6 +317,7 @@ CHECKS: list[Check] = [
     check_rollout_engine,
     check_group_size,
     check_policy_loss,
+    check_rollout_correction,
     check_layout,
     check_staleness_layout,
     check_colocated_tensor_parallel,

@@ -588,6 +588,12 @@ class RolloutSettings(StrictModel):
         "next k batches while the learners train on this one; every sample carries the "
         "version that made it and a batch outside [policy - k, policy] stops the run.",
     )
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None,
+        description="The engines' weights dtype; unset: the model's (model.dtype). A bfloat16 "
+        "engine beside a float32 learner samples from a slightly different policy: "
+        "algo.rollout_correction then weighs it back (on by default where they differ).",
+    )
 
 
 class RewardSettings(StrictModel):
@@ -667,6 +673,39 @@ class KLSettings(StrictModel):
     )
 
 
+class RolloutCorrectionSettings(StrictModel):
+    """Importance weights pi_old / mu for tokens the engines sampled (mu) and the learner
+    trains on (pi_old): see docs/losses.md for the paper or peer each level and action follow."""
+
+    on: Literal["auto"] | bool = Field(
+        "auto",
+        description="auto: on where engine and learner can disagree (a vLLM engine, an engine "
+        "or model dtype other than float32, rollout.max_staleness > 0), off where they agree "
+        "(the HF engine in float32 on CPU: nothing extra is computed or sent). true / false "
+        "force it.",
+    )
+    level: Literal["token", "sequence", "geometric"] = Field(
+        "token",
+        description="Whose ratio a token gets: token (its own, TIS / IcePop), sequence (the "
+        "response's product, verl's and TRL's sequence IS) or geometric (the response's "
+        "per-token geometric mean, SkyRL's geometric mask).",
+    )
+    action: Literal["truncate", "mask"] = Field(
+        "truncate",
+        description="Outside [low, high]: truncate clamps the weight into the bounds (TIS); "
+        "mask drops the token or response from the loss (IcePop, rejection sampling; needs "
+        "low and high written).",
+    )
+    low: float | None = Field(
+        None,
+        description="Lower bound, 0 <= low <= 1; unset: 0 (truncate only).",
+    )
+    high: float | None = Field(
+        None,
+        description="Upper bound, >= 1; unset: algo.behavior_weight_cap (truncate only).",
+    )
+
+
 class AlgorithmSettings(StrictModel):
     clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO ratio clip (lower side).")
     clip_eps_high: float | None = Field(
@@ -712,7 +751,13 @@ class AlgorithmSettings(StrictModel):
         gt=1,
         description="With rollout.max_staleness > 0 the loss is decoupled PPO: each token is "
         "weighted by pi_proximal / pi_behaviour (the learner's log-prob before the update "
-        "over the engine's), truncated at this value.",
+        "over the engine's), truncated at this value (rollout_correction's default high).",
+    )
+    rollout_correction: RolloutCorrectionSettings = Field(
+        default_factory=RolloutCorrectionSettings,
+        description="Weigh each token by pi_old / mu where the engines (mu) and the learner "
+        "(pi_old) can disagree: another dtype, vLLM's kernels, stale samples. One rule, which "
+        "also gives max_staleness > 0 its decoupled PPO weight.",
     )
 
 

@@ -43,6 +43,7 @@ class TrainJob:
         refuse_at_startup(recipe)
         engine = choose_engine(settings.rollout.engine, recipe.resources.engine_gpus_per_node)
         on_gpus = recipe.resources.total_gpus > 0 and not stand_in_gpus
+        settings = with_correction_decided(settings, engine, on_gpus)
         return cls(recipe, settings, plan_actors(recipe), engine, on_gpus)
 
     @property
@@ -52,3 +53,38 @@ class TrainJob:
     @property
     def resources(self) -> Resources:
         return self.recipe.resources
+
+
+def _compute_dtype_name(setting: str, on_gpus: bool) -> str:
+    """learn.models.compute_dtype's rule without torch: 'auto' is bfloat16 on GPU."""
+    if setting == "auto":
+        return "bfloat16" if on_gpus else "float32"
+    return setting
+
+
+def correction_needed(settings: TrainerSettings, engine: str, on_gpus: bool) -> bool:
+    """Whether the engines and the learner can disagree on a sampled token's log-prob: a vLLM
+    engine (its own kernels), an engine or learner dtype other than float32, or samples up to
+    max_staleness versions old. Where none holds (the HF engine in float32 on CPU) they agree
+    to float32 rounding, and rollout_correction's auto stays off."""
+    learner = _compute_dtype_name(settings.model.dtype, on_gpus)
+    rollout = settings.rollout.dtype or learner
+    return (
+        engine == "vllm"
+        or learner != "float32"
+        or rollout != "float32"
+        or settings.rollout.max_staleness > 0
+    )
+
+
+def with_correction_decided(
+    settings: TrainerSettings, engine: str, on_gpus: bool
+) -> TrainerSettings:
+    """The settings with algo.rollout_correction.on decided (auto -> true or false), once,
+    so every actor reads a bool."""
+    correction = settings.algo.rollout_correction
+    if correction.on != "auto":
+        return settings
+    decided = correction.model_copy(update={"on": correction_needed(settings, engine, on_gpus)})
+    algo = settings.algo.model_copy(update={"rollout_correction": decided})
+    return settings.model_copy(update={"algo": algo})

@@ -68,6 +68,7 @@ from rlx.trainer.learn.learner import (
     RETURNS,
     VALUES,
     needs_old_logprobs,
+    sends_engine_logprobs,
 )
 from rlx.trainer.report.console import StopRequest
 from rlx.trainer.report.metrics import MetricsLogger, StepRecords
@@ -147,6 +148,7 @@ class Trainer:
             )
         )
         self.old_logprobs = needs_old_logprobs(settings)
+        self.engine_logprobs = sends_engine_logprobs(settings)
         self.needs_prepare = (
             self.old_logprobs or settings.algo.kl.coef > 0 or settings.algorithm == "ppo"
         )
@@ -366,7 +368,7 @@ class Trainer:
         if settings.algorithm == "ppo":
             advantages = algos.masked_whiten(advantages, mask)  # (B, R)
         batch = self.with_update_fields(batch, extra, advantages, returns)
-        if self.max_staleness > 0:  # decoupled PPO weighs by the engines' own log-probs
+        if self.engine_logprobs:  # the mismatch, the correction, decoupled PPO's weight
             batch = batch.with_fields(**{BEHAV_LOGP: rollout.logprobs})
 
         prepare_in_update = self.needs_prepare and not self.prepare_first
@@ -406,6 +408,7 @@ class Trainer:
         pushed = self.cluster.push_bytes()
         if pushed:  # per engine: the adapters alone with LoRA
             metrics["sync/bytes"] = float(pushed)
+        metrics.pop("mismatch/weight_sq_mean", None)  # offpolicy/weight_std says it
         if self.max_staleness > 0:
             metrics.update(staleness_metrics(versions, policy_version, self.max_staleness))
             square = metrics.pop("offpolicy/weight_sq_mean", None)

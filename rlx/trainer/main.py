@@ -177,7 +177,7 @@ def engine_dtype(job: TrainJob) -> str:
     engine the job chose (what lint cannot see: the packages installed here)."""
     import importlib.util
 
-    from rlx.trainer.learn.models import compute_dtype
+    from rlx.trainer.learn.models import compute_dtype, engine_dtype_setting
 
     settings = job.settings
     gpu = job.on_gpus
@@ -197,7 +197,7 @@ def engine_dtype(job: TrainJob) -> str:
     import torch
 
     device = torch.device("cuda" if gpu else "cpu")
-    return str(compute_dtype(settings.model.dtype, device)).removeprefix("torch.")
+    return str(compute_dtype(engine_dtype_setting(settings), device)).removeprefix("torch.")
 
 
 @contextlib.contextmanager

@@ -42,7 +42,7 @@ from rlx.trainer.checkpoint.training import (
     save_learner_state,
 )
 from rlx.trainer.learn.learner import Learner, UpdateStats, needs_old_logprobs
-from rlx.trainer.learn.models import autocast, compute_dtype
+from rlx.trainer.learn.models import autocast, compute_dtype, engine_dtype_setting
 from rlx.trainer.rollout import make_engine
 from rlx.trainer.rollout.base import RolloutEngine, SamplingArgs
 from rlx.trainer.rollout.colocated import ColocatedEngine, make_colocated_engine
@@ -274,7 +274,7 @@ class TrainWorker:
             spec.engine_kind,
             policy,
             spec.policy_path,
-            dtype=dtype_name(compute_dtype(spec.settings.model.dtype, self.device)),
+            dtype=dtype_name(compute_dtype(engine_dtype_setting(spec.settings), self.device)),
             vllm_options=options,
             collective=collective,
             say=notes.append,
@@ -567,7 +567,7 @@ class RolloutWorker:
         self.engine = make_engine(
             spec.engine_kind,
             spec.policy_path,
-            dtype=dtype_name(compute_dtype(spec.settings.model.dtype, self.device)),
+            dtype=dtype_name(compute_dtype(engine_dtype_setting(spec.settings), self.device)),
             device=str(self.device),
             vllm_options=options,
             lora=spec.settings.model.lora,

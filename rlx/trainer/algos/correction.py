@@ -31,6 +31,7 @@ from types import MappingProxyType
 import torch
 from torch import Tensor
 
+from rlx.recipe.correction import correction_bounds_problem
 from rlx.trainer.algos.common import MAX_LOG_RATIO, Metrics, lookup
 from rlx.trainer.algos.masked import masked_mean, masked_sum
 
@@ -74,18 +75,6 @@ ActionFn = Callable[[Tensor, float, float], tuple[Tensor, Tensor]]
 CORRECTION_ACTIONS: Mapping[str, tuple[ActionFn, str]] = MappingProxyType(
     {"truncate": (_truncate, "truncated_fraction"), "mask": (_mask, "masked_fraction")}
 )
-
-
-def correction_bounds_problem(low: float, high: float) -> str | None:
-    """What is wrong with the bounds [low, high], or None. They must hold weight 1 (0 <= low
-    <= 1 <= high), or the correction would change a batch where engine and learner agree."""
-    if not 0.0 <= low <= 1.0 <= high:
-        return (
-            f"rollout correction bounds low={low}, high={high} must satisfy 0 <= low <= 1 <= "
-            "high, so that a token the engine and learner agree on keeps weight 1; write e.g. "
-            "low: 0.5, high: 2.0"
-        )
-    return None
 
 
 def rollout_correction_weights(

@@ -28,9 +28,12 @@ from torch import Tensor, nn
 
 from rlx.errors import RlxError
 from rlx.plan.budget import packed_pass_tokens
+from rlx.recipe.correction import correction_bounds
 from rlx.recipe.model import TrainerSettings, episode_token_budget
+from rlx.runs import IS_TRUNCATED, IS_WEIGHT, MISMATCH_LOGGED
 from rlx.trainer import algos
 from rlx.trainer import packing as pack
+from rlx.trainer.algos.mismatch import mismatch_metrics
 from rlx.trainer.batch import SequenceBatch, micro_batch_rows
 from rlx.trainer.learn import lora, sharding
 from rlx.trainer.learn.attention import (
@@ -57,7 +60,7 @@ from rlx.trainer.learn.models import (
 from rlx.trainer.seeding import derive_seed
 
 # Per-token inputs an update may read from SequenceBatch.fields. BEHAV_LOGP: the engines'
-# sampling log-probs, sent only when samples may be older than the policy (max_staleness).
+# sampling log-probs, sent only where engine and learner can disagree (sends_engine_logprobs).
 OLD_LOGP, REF_LOGP, VALUES, ADVANTAGES, RETURNS, BEHAV_LOGP = (
     "old_logp",
     "ref_logp",
@@ -84,6 +87,22 @@ def needs_old_logprobs(settings: TrainerSettings) -> bool:
     return several_updates or kl_in_reward or settings.rollout.max_staleness > 0
 
 
+def correction_on(settings: TrainerSettings) -> bool:
+    """Whether the policy loss weighs tokens by pi_old / mu (algo.rollout_correction, its
+    auto already decided by TrainJob.of; an undecided auto counts as on)."""
+    return settings.algo.rollout_correction.on is not False
+
+
+def sends_engine_logprobs(settings: TrainerSettings) -> bool:
+    """Whether the engines' sampling log-probs travel to the learner (BEHAV_LOGP): where the
+    correction reads them, where samples may be stale, or where the engines run another dtype
+    than the model (the mismatch is then measured). Otherwise engine and learner agree to
+    float32 rounding and nothing extra is sent or computed."""
+    rollout = settings.rollout
+    other_dtype = rollout.dtype is not None and rollout.dtype != settings.model.dtype
+    return correction_on(settings) or rollout.max_staleness > 0 or other_dtype
+
+
 @dataclass
 class UpdateStats:
     """Numbers from one rank's update, ready to be merged over ranks (merge_update_stats).
@@ -97,8 +116,12 @@ class UpdateStats:
     weights: dict[str, float] = field(default_factory=dict)
     sums: dict[str, float] = field(default_factory=dict)
     same: dict[str, float] = field(default_factory=dict)
+    maxima: dict[str, float] = field(default_factory=dict)  # largest over passes and ranks
     updates: int = 0
     notes: list[str] = field(default_factory=list)  # lines for the run's log
+
+    def max(self, name: str, value: Tensor | float) -> None:
+        self.maxima[name] = max(self.maxima.get(name, float("-inf")), float(value))
 
     def mean(self, name: str, value: Tensor | float, tokens: int) -> None:
         self.weighted[name] = self.weighted.get(name, 0.0) + float(value) * tokens
@@ -122,6 +145,8 @@ def merge_update_stats(per_rank: Sequence[UpdateStats]) -> dict[str, float]:
         merged[name] = sum(stats.sums[name] for stats in per_rank) / updates
     for name, value in first.same.items():
         merged[name] = value / updates
+    for name in first.maxima:
+        merged[name] = max(stats.maxima.get(name, float("-inf")) for stats in per_rank)
     return merged
 
 
@@ -707,12 +732,12 @@ class Learner:
             self.policy_ddp, mb, entropy_grad=algo.entropy_coef > 0, packed=packed
         )
         logp, entropy = scores.logprobs, scores.entropy  # (b, r) each
+        # Without an old forward the update's own log-probs, detached, are exactly pi_old
+        # (needs_old_logprobs): the policy has not moved before this pass.
         old_logp = mb.fields[OLD_LOGP] if OLD_LOGP in mb.fields else logp.detach()
         weight, weight_metrics = None, {}
-        if BEHAV_LOGP in mb.fields:  # decoupled PPO: old_logp is the proximal policy's
-            weight, weight_metrics = algos.behavior_weights(
-                old_logp, mb.fields[BEHAV_LOGP], mask, cap=algo.behavior_weight_cap
-            )
+        if BEHAV_LOGP in mb.fields:
+            weight, weight_metrics = self._engine_weights(old_logp, mb.fields[BEHAV_LOGP], mask)
         pg_per_token, pieces = algos.get_policy_loss(algo.policy_loss)(
             logp,
             old_logp,
@@ -738,6 +763,42 @@ class Learner:
         pieces["entropy"] = algos.masked_mean(entropy.detach(), mask)
         return loss, pieces
 
+    def _engine_weights(
+        self, old_logp: Tensor, engine_logp: Tensor, mask: Tensor
+    ) -> tuple[Tensor | None, dict[str, Tensor | float]]:
+        """The mismatch between the engines' log-probs (mu) and pi_old on this micro-batch's
+        sampled tokens (mismatch/kl, log_ppl_diff, max_abs_logprob_diff), and with
+        algo.rollout_correction on the one weight pi_old / mu of every token: with stale
+        samples it is decoupled PPO's (pi_old is then the proximal policy), whose figures keep
+        their offpolicy/ names too."""
+        settings = self.settings
+        metrics: dict[str, Tensor | float] = {}
+        if bool(mask.any()):  # NaN where nothing was measured: leave the step's figure alone
+            measured = mismatch_metrics(engine_logp, old_logp, mask)
+            metrics.update({k: v for k, v in measured.items() if k in MISMATCH_LOGGED})
+        if not correction_on(settings):
+            return None, metrics
+        correction = settings.algo.rollout_correction
+        low, high = correction_bounds(settings.algo)
+        weight, weight_metrics = algos.rollout_correction_weights(
+            old_logp,
+            engine_logp,
+            mask,
+            level=correction.level,
+            action=correction.action,
+            low=low,
+            high=high,
+        )
+        metrics.update(weight_metrics)
+        if settings.rollout.max_staleness > 0:
+            changed = weight_metrics.get(
+                "mismatch/truncated_fraction", weight_metrics.get("mismatch/masked_fraction")
+            )
+            metrics[IS_WEIGHT] = weight_metrics["mismatch/weight_mean"]
+            metrics["offpolicy/weight_sq_mean"] = weight_metrics["mismatch/weight_sq_mean"]
+            metrics[IS_TRUNCATED] = changed  # type: ignore[assignment]
+        return weight, metrics
+
     def _policy_backward(
         self,
         mb: SequenceBatch,
@@ -755,6 +816,8 @@ class Learner:
         for name, value in pieces.items():
             if name.startswith("loss/"):  # already divided by the global counts: summed
                 stats.add(name, value)
+            elif name.startswith("mismatch/max_"):
+                stats.max(name, value)
             else:
                 stats.mean(name, value, count)
 

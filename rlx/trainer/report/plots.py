@@ -10,6 +10,7 @@ from rlx.runs import (
     APPROX_KL,
     ENTROPY,
     KL,
+    MISMATCH_KL,
     REWARD_MEAN,
     REWARD_STD,
     STALENESS,
@@ -107,7 +108,8 @@ def second_panel(records: list[dict[str, Any]]) -> tuple[str, Lines, tuple[str, 
     and (y label, lines) on a right axis or None. Left: the KL to the reference when there is
     one, else the update's approx KL where it is not all zero (one update per step makes it
     exactly 0), else the policy's entropy. Right: how many weight versions the trained
-    samples lag the policy, when rollouts run ahead (max_staleness > 0)."""
+    samples lag the policy, when rollouts run ahead (max_staleness > 0), else the engines'
+    mismatch to the learner (mismatch/kl) where it was measured."""
     left: tuple[str, Lines] = ("KL", [])
     steps, values = _series(records, KL)
     if steps:
@@ -120,6 +122,8 @@ def second_panel(records: list[dict[str, Any]]) -> tuple[str, Lines, tuple[str, 
     lag_steps, lags = _series(records, STALENESS)
     if lag_steps:
         right = ("staleness (versions)", [("sample staleness, mean", lag_steps, lags)])
+    elif (mismatch := _series(records, MISMATCH_KL))[0]:
+        right = ("engine mismatch", [("k3 KL(engine || learner)", *mismatch)])
     return left[0], left[1], right
 
 

@@ -112,6 +112,9 @@ def make_colocated_engine(
     if kind == "hf":
         if policy is None:
             raise ValueError("a colocated hf engine generates with the policy module itself")
+        wanted = dtype_named(dtype)
+        if next(policy.parameters()).dtype != wanted:
+            return _own_weights_engine(policy, model_path, wanted, collective, bucket_bytes)
         shared = SharedModuleEngine(policy, collective=collective)
         if shared.decode_note is not None and say is not None:
             say(shared.decode_note)
@@ -124,3 +127,23 @@ def make_colocated_engine(
     options = {"enable_sleep_mode": can_sleep, **(vllm_options or {})}
     engine = VLLMEngine(model_path, dtype=dtype, **options)
     return ColocatedEngine(engine, False, can_sleep, bucket_bytes, dtype_named(dtype))
+
+
+def _own_weights_engine(
+    policy: nn.Module,
+    model_path: str,
+    dtype: torch.dtype,
+    collective: Callable[[bool], bool] | None,
+    bucket_bytes: int,
+) -> ColocatedEngine:
+    """An HF engine of its own in `dtype` beside the policy (rollout.dtype other than the
+    model's: e.g. a bfloat16 engine beside a float32 learner), pushed to after each update
+    as a vLLM engine is. Whole weights in one process: not for a sharded policy or LoRA."""
+    if collective is not None or hasattr(policy, "peft_config"):
+        raise ValueError(
+            "trainer.rollout.dtype other than the model's needs, colocated, an HF engine of its "
+            "own, which a sharded or LoRA policy cannot push to; leave rollout.dtype unset"
+        )
+    device = next(policy.parameters()).device
+    engine = HFEngine(model_path, dtype=dtype, device=device)
+    return ColocatedEngine(engine, False, False, bucket_bytes, dtype)

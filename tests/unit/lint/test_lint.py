@@ -124,6 +124,27 @@ BROKEN = [
         "remove dual_clip",
     ),
     (
+        "correction-bounds-reversed",
+        "name: job\n" + TRAINER + "  algo: {rollout_correction: {low: 2.0, high: 0.5}}\n",
+        5,
+        "trainer.algo.rollout_correction",
+        "must satisfy 0 <= low <= 1 <= high",
+    ),
+    (
+        "correction-high-below-one",
+        "name: job\n" + TRAINER + "  algo:\n    rollout_correction: {high: 0.9}\n",
+        6,
+        "trainer.algo.rollout_correction",
+        "write e.g. low: 0.5, high: 2.0",
+    ),
+    (
+        "correction-mask-without-bounds",
+        "name: job\n" + TRAINER + "  algo: {rollout_correction: {action: mask}}\n",
+        5,
+        "trainer.algo.rollout_correction",
+        "both bounds must be written",
+    ),
+    (
         "reinforce-pp-group-of-one",
         "name: job\n" + TRAINER + "  algorithm: reinforce_pp\n"
         "  algo: {baseline: group}\n  rollout: {n: 1}\n",

@@ -96,6 +96,13 @@ BROKEN: dict[str, list[tuple[Callable[[dict[str, Any]], None], str]]] = {
             "trainer.algo.dual_clip",
         ),
     ],
+    "check_rollout_correction": [
+        (_set("trainer.algo.rollout_correction", {"low": 1.5}), "trainer.algo.rollout_correction"),
+        (
+            _set("trainer.algo.rollout_correction", {"action": "mask", "high": 3.0}),
+            "trainer.algo.rollout_correction",
+        ),
+    ],
     "check_layout": [
         (
             _all(GPUS, _set("trainer.layout", "split"), _set("trainer.rollout_gpus", 8)),

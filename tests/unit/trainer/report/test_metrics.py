@@ -309,6 +309,16 @@ def test_the_lower_panel_shows_what_the_upper_does_not() -> None:
         [("sample staleness, mean", [1, 2], [0.0, 1.0])],
     )
     assert second_panel([{"step": 1, "reward/mean": 0.2}]) == ("KL", [], None)
+    measured = [{**record, "mismatch/kl": 1e-5 * s} for s, record in enumerate(steps)]
+    assert second_panel(measured)[2] == (
+        "engine mismatch",
+        [("k3 KL(engine || learner)", [1, 2], [0.0, 1e-5])],
+    )
+
+
+def test_the_console_line_shows_the_mismatch_where_measured() -> None:
+    line = format_console_line(3, {"reward/mean": 0.5, "mismatch/kl": 6.2e-5})
+    assert line == "step 3  reward 0.500  mismatch 6.20e-05"
 
 
 def test_summary_has_the_first_and_last_validation(tmp_path: Path) -> None:
