@@ -5,12 +5,15 @@ checkpoint holds puts a learner back exactly."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
 
 from rlx.trainer.checkpoint.training import load_learner_state, save_learner_state
 from rlx.trainer.learn.learner import (
+    ADVANTAGES,
+    BEHAV_LOGP,
     OLD_LOGP,
     REF_LOGP,
     RETURNS,
@@ -161,3 +164,58 @@ def test_optimiser_state_moves_away_and_back_whole(tmp_path, tiny_model_dir, adv
         for state in o.state.values():
             assert state["exp_avg"].is_meta and state["exp_avg_sq"].is_meta
             assert not state["step"].is_meta  # the step counter stays where it is
+
+
+def _engine_logp(tmp_path, tiny_model_dir, batch, shift_row: int, shift: float) -> torch.Tensor:
+    """The learner's own old log-probs, as an engine that agreed everywhere but on one
+    response would have returned them (that response's tokens `shift` higher)."""
+    plain = Learner(small_trainer(tmp_path), str(tiny_model_dir), None, torch.device("cpu"))
+    old = plain.prepare(batch, old_logprobs=True)[OLD_LOGP]  # (B, R)
+    engine = old.clone()
+    engine[shift_row] += shift
+    return torch.where(batch.response_mask, engine, 0.0)
+
+
+def test_a_masked_response_drops_out_and_the_mismatch_is_measured(
+    tmp_path, tiny_model_dir, advantage_batch
+) -> None:
+    # Response 0's weight is e^-0.5 = 0.61 on every token, outside [0.9, 1.1]: masked, its
+    # gradient is that of the same batch with its advantages zeroed. The rest agree exactly.
+    engine = _engine_logp(tmp_path, tiny_model_dir, advantage_batch, 0, 0.5)
+    batch = advantage_batch.with_fields(**{BEHAV_LOGP: engine})
+    mask = {"on": True, "action": "mask", "low": 0.9, "high": 1.1}
+    conf = small_trainer(tmp_path, algo={"rollout_correction": mask}, optim={"grad_clip": 1e9})
+    masked = gradient_of_update(
+        Learner(conf, str(tiny_model_dir), None, torch.device("cpu")), batch
+    )
+    advantages = batch.fields[ADVANTAGES].clone()
+    advantages[0] = 0.0
+    plain_conf = small_trainer(tmp_path, optim={"grad_clip": 1e9})
+    want = gradient_of_update(
+        Learner(plain_conf, str(tiny_model_dir), None, torch.device("cpu")),
+        advantage_batch.with_fields(**{ADVANTAGES: advantages}),
+    )
+    assert_same_gradient(masked, want)
+
+    learner = Learner(conf, str(tiny_model_dir), None, torch.device("cpu"))
+    stats = merge_update_stats([learner.update(batch, step=1)])
+    tokens = batch.response_mask.sum()
+    share = float(batch.response_mask[0].sum() / tokens)
+    assert stats["mismatch/masked_fraction"] == pytest.approx(share, abs=1e-6)
+    assert stats["mismatch/max_abs_logprob_diff"] == pytest.approx(0.5, abs=1e-5)
+    assert stats["mismatch/kl"] > 0
+    assert stats["mismatch/weight_mean"] == pytest.approx(
+        1 - share * (1 - math.exp(-0.5)), abs=1e-5
+    )
+
+
+def test_correction_off_still_measures_and_weighs_nothing(
+    tmp_path, tiny_model_dir, advantage_batch
+) -> None:
+    engine = _engine_logp(tmp_path, tiny_model_dir, advantage_batch, 0, 0.5)
+    batch = advantage_batch.with_fields(**{BEHAV_LOGP: engine})
+    conf = small_trainer(tmp_path, algo={"rollout_correction": {"on": False}})
+    stats = merge_update_stats(
+        [Learner(conf, str(tiny_model_dir), None, torch.device("cpu")).update(batch, step=1)]
+    )
+    assert stats["mismatch/kl"] > 0 and "mismatch/weight_mean" not in stats
