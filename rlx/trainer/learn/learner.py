@@ -791,12 +791,11 @@ class Learner:
         )
         metrics.update(weight_metrics)
         if settings.rollout.max_staleness > 0:
-            changed = weight_metrics.get(
-                "mismatch/truncated_fraction", weight_metrics.get("mismatch/masked_fraction")
-            )
+            # The share the action changed (truncated_fraction or masked_fraction).
+            changed = next(v for k, v in weight_metrics.items() if k.endswith("_fraction"))
             metrics[IS_WEIGHT] = weight_metrics["mismatch/weight_mean"]
             metrics["offpolicy/weight_sq_mean"] = weight_metrics["mismatch/weight_sq_mean"]
-            metrics[IS_TRUNCATED] = changed  # type: ignore[assignment]
+            metrics[IS_TRUNCATED] = changed
         return weight, metrics
 
     def _policy_backward(
