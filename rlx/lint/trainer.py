@@ -165,6 +165,27 @@ def check_rollout_correction(recipe: Recipe) -> Iterator[Problem]:
         yield Problem(("trainer", "algo", "rollout_correction"), ERROR, problem)
 
 
+def check_rollout_dtype(recipe: Recipe) -> Iterator[Problem]:
+    """A colocated HF engine in another dtype than the policy needs weights of its own, pushed
+    whole after each update: a LoRA policy pushes its adapters alone, so it cannot feed one."""
+    trainer = recipe.trainer
+    if trainer is None or trainer.rollout.dtype is None or trainer.model.lora is None:
+        return
+    gpus = recipe.resources.engine_gpus_per_node
+    model_dtype = trainer.model.dtype
+    if model_dtype == "auto":
+        model_dtype = "bfloat16" if recipe.resources.total_gpus > 0 else "float32"
+    engine = choose_engine(trainer.rollout.engine, gpus)
+    if trainer.layout == "colocated" and engine == "hf" and trainer.rollout.dtype != model_dtype:
+        yield Problem(
+            ("trainer", "rollout", "dtype"),
+            ERROR,
+            f"a colocated hf engine in {trainer.rollout.dtype} beside a {model_dtype} LoRA "
+            "policy would need the whole weights pushed, and LoRA pushes the adapters alone; "
+            "remove rollout.dtype, or use engine: vllm or layout: split",
+        )
+
+
 def check_layout(recipe: Recipe) -> Iterator[Problem]:
     trainer = recipe.trainer
     if trainer is None:
@@ -318,6 +339,7 @@ CHECKS: list[Check] = [
     check_group_size,
     check_policy_loss,
     check_rollout_correction,
+    check_rollout_dtype,
     check_layout,
     check_staleness_layout,
     check_colocated_tensor_parallel,

@@ -145,6 +145,14 @@ BROKEN = [
         "both bounds must be written",
     ),
     (
+        "bfloat16-hf-engine-beside-lora",
+        "name: job\ntrainer:\n  model: {path: Qwen/Qwen2.5-0.5B, dtype: float32, lora: {rank: 8}}"
+        "\n  data: {train: data.jsonl}\n  rollout: {engine: hf, dtype: bfloat16}\n",
+        5,
+        "trainer.rollout.dtype",
+        "or use engine: vllm or layout: split",
+    ),
+    (
         "reinforce-pp-group-of-one",
         "name: job\n" + TRAINER + "  algorithm: reinforce_pp\n"
         "  algo: {baseline: group}\n  rollout: {n: 1}\n",

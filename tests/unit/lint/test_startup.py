@@ -103,6 +103,14 @@ BROKEN: dict[str, list[tuple[Callable[[dict[str, Any]], None], str]]] = {
             "trainer.algo.rollout_correction",
         ),
     ],
+    "check_rollout_dtype": [
+        (
+            _all(
+                _set("trainer.rollout.dtype", "bfloat16"), _set("trainer.model.lora", {"rank": 4})
+            ),
+            "trainer.rollout.dtype",
+        )
+    ],
     "check_layout": [
         (
             _all(GPUS, _set("trainer.layout", "split"), _set("trainer.rollout_gpus", 8)),
