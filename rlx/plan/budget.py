@@ -19,11 +19,13 @@ from rlx.recipe.model import (
     Recipe,
     TrainerSettings,
     episode_token_budget,
+    fixed_int,
 )
 from rlx.storage import is_store_url
 from rlx.trainer.rollout import choose_engine
 
 GIB = mem.GIB
+MICRO_BATCH_FIELD = "trainer.batch.micro_batch_size"
 HEADROOM = 0.10  # a plan with less spare memory than this is a warning
 RUNTIME_GIB = 2.0  # per GPU process: CUDA context, NCCL buffers, allocator slack
 VLLM_RESERVE_GIB = 2.0  # inside vLLM's budget: its activation peak and CUDA graphs
@@ -228,7 +230,7 @@ def packed_pass_tokens(trainer: TrainerSettings) -> int:
     batch = trainer.batch
     if batch.max_tokens_per_micro_batch is not None:
         return batch.max_tokens_per_micro_batch
-    return batch.micro_batch_size * sequence_tokens(trainer)
+    return fixed_int(batch.micro_batch_size, MICRO_BATCH_FIELD) * sequence_tokens(trainer)
 
 
 def micro_batch_tokens(trainer: TrainerSettings, ranks: int) -> tuple[int, int]:
@@ -244,7 +246,7 @@ def micro_batch_tokens(trainer: TrainerSettings, ranks: int) -> tuple[int, int]:
         return budget, budget  # responses may fill the budget: the logits' worst case
     samples = batch.prompts_per_step * trainer.rollout.n
     share = max((batch.minibatch_size or samples) // max(ranks, 1), 1)
-    rows = min(batch.micro_batch_size, share)
+    rows = min(fixed_int(batch.micro_batch_size, MICRO_BATCH_FIELD), share)
     return rows * (prompt + response), rows * response
 
 

@@ -71,7 +71,7 @@ def choose_strategy(recipe: Recipe, env: Mapping[str, str] | None = None) -> Str
         return StrategyChoice("fsdp", f"auto: {where} joined by {resources.fabric}")
     where += ", no fast fabric"
     try:
-        peak, capacity = _replicated_peak(recipe, layout, env)
+        peak, capacity = _replicated_peak(_sized(recipe, env), layout, env)
     except PlanError as exc:
         return StrategyChoice("fsdp", f"auto: {where}; DDP not planned: {exc}")
     need = f"{gib(peak)} of {gib(capacity)} GiB"
@@ -80,6 +80,18 @@ def choose_strategy(recipe: Recipe, env: Mapping[str, str] | None = None) -> Str
     return StrategyChoice(
         "fsdp", f"auto: {where}, but DDP needs {need} per GPU (keep {HEADROOM:.0%} spare)"
     )
+
+
+def _sized(recipe: Recipe, env: Mapping[str, str] | None) -> Recipe:
+    """The recipe with its `auto` sizes chosen as its job would (the preferred alternative's):
+    the replicated plan counts the micro-batch the job will run with. Sizing plans recipes
+    whose sizes are all fixed, so it never comes back here with `auto` left."""
+    from rlx.plan.planner import size_recipe
+    from rlx.plan.sizing import auto_fields
+
+    if not auto_fields(recipe):
+        return recipe
+    return size_recipe(recipe, env)[0]
 
 
 def _replicated_peak(

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from rlx.cli import app
 from rlx.plan import HEADROOM, PlanError, plan_recipe
+from rlx.plan.planner import size_recipe
 from rlx.plan.strategy import StrategyChoice, choose_strategy
 from rlx.recipe import Recipe
 from tests.conftest import RECIPES
@@ -133,3 +134,12 @@ def test_rlx_plan_prints_the_choice_and_why() -> None:
     )
     assert data["strategy"] == "fsdp"
     assert data["strategy_reason"] == "auto: 8 ranks on one node shard the models"
+
+
+def test_auto_sizes_are_chosen_before_the_replicated_plan() -> None:
+    # micro_batch_size: auto across two nodes with no fabric: DDP's plan needs the size the
+    # job will run with, so the choice is the one made for the sized recipe
+    auto = recipe("gsm8k-grpo.yaml", trainer__batch__micro_batch_size="auto")
+    sized, sizes = size_recipe(auto, {})
+    assert sizes.auto == ("micro_batch_size",)
+    assert choose_strategy(auto, {}) == choose_strategy(sized, {})
