@@ -152,6 +152,26 @@ def test_shapes_know_the_models_positions() -> None:
     assert positions.max_positions == 4096
 
 
+def test_qwen3_is_planned_offline(tmp_path: Path) -> None:
+    # the built-in table: each model's config.json, head_dim 128 whatever hidden / heads is
+    offline = {"HF_HOME": str(tmp_path / "empty")}
+    small = find_shape("Qwen/Qwen3-0.6B", offline)
+    assert (small.hidden, small.layers, small.heads, small.kv_heads) == (1024, 28, 16, 8)
+    assert (small.head_dim, small.intermediate, small.vocab) == (128, 3072, 151936)
+    assert small.tie_word_embeddings and small.max_positions == 40960
+    assert small.source == "built-in table (qwen3-0.6b)"
+    params = {
+        size: find_shape(f"Qwen/Qwen3-{size}", offline).params / 1e9
+        for size in ("0.6B", "1.7B", "4B", "8B", "14B", "32B")
+    }
+    # the model cards' counts (0.6B, 1.7B, 4.0B, 8.2B, 14.8B, 32.8B), q/k norms aside
+    assert [round(p, 1) for p in params.values()] == [0.6, 1.7, 4.0, 8.2, 14.8, 32.8]
+    assert not find_shape("Qwen/Qwen3-8B", offline).tie_word_embeddings
+    path = write_shipped_variant(tmp_path, "gsm8k-grpo.yaml", trainer__model__path="Qwen/Qwen3-4B")
+    result = runner.invoke(app, ["plan", str(path)], env=offline)
+    assert "Qwen/Qwen3-4B: 4.02B params (hidden 2560, 36 layers, 32/8 heads" in result.output
+
+
 def test_tiny_shape_matches_the_built_tiny_model(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     from rlx.trainer.resolve import resolve_model_path
