@@ -7,6 +7,7 @@ planner.py puts them together into a plan and its verdict; strategy.py plans the
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -267,10 +268,18 @@ class UnknownAccelerator(PlanError):
 
 
 def unknown_accelerator(name: str) -> str:
-    """What to do about an accelerator the plan's table lacks."""
+    """What to do about an accelerator the plan's table lacks: the table's nearest names
+    first (a typo), then all of them, then how to size other hardware."""
+    by_upper = {known.upper(): known for known in mem.ACCELERATOR_GIB}
+    close = difflib.get_close_matches(name.upper(), by_upper, n=3)
+    family = name.upper().split("-")[0]
+    if family in by_upper:  # a known GPU with a suffix of its own (H100-80GB): its kin only
+        close = [family] + [c for c in close if c != family and c.split("-")[0] == family]
+    close = [by_upper[c] for c in close]
+    guess = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
     return (
         f"accelerator {name!r} has no memory size in the plan's table, so no plan can vouch "
-        f"for it; use the table's name ({', '.join(mem.ACCELERATOR_GIB)}), or for other "
+        f"for it; {guess}use the table's name ({', '.join(mem.ACCELERATOR_GIB)}), or for other "
         f"hardware give its memory: {mem.ACCELERATOR_GIB_ENV}='{name}=GIB' in the environment"
     )
 

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from rlx.cli import app
 from rlx.plan import plan_recipe
-from rlx.plan.budget import HEADROOM
+from rlx.plan.budget import HEADROOM, unknown_accelerator
 from rlx.plan.planner import plan_alternatives, size_recipe
 from rlx.plan.sizing import with_sizes
 from rlx.recipe import load_recipe
@@ -101,6 +101,20 @@ def test_an_unknown_accelerator_is_an_error_with_a_way_for_custom_hardware(
     assert "RLX_ACCELERATOR_GIB='TPU-v9=GIB'" in errors[0]
     monkeypatch.setenv("RLX_ACCELERATOR_GIB", "TPU-v9=96")
     assert _lint(path, "--strict") == (0, [])
+
+
+@pytest.mark.parametrize(
+    ("written", "guess"),
+    [
+        ("A10GG", "did you mean 'A10G' or 'A10' or 'A100'? use the table's name"),
+        ("H100-80GB", "did you mean 'H100'? use"),  # its own family, not A100-80GB
+        ("RTX-4090", "did you mean 'RTX4090' or 'RTXA6000'? use"),
+        ("TPU-v9", "for it; use the table's name"),  # nothing near: no guess
+    ],
+)
+def test_an_unknown_accelerator_says_which_name_was_meant(written: str, guess: str) -> None:
+    message = unknown_accelerator(written)
+    assert guess in message and f"'{written}=GIB'" in message
 
 
 def test_auto_where_a_number_is_needed_is_one_line(tmp_path: Path) -> None:
