@@ -43,7 +43,10 @@ class StrategyChoice:
 def choose_strategy(recipe: Recipe, env: Mapping[str, str] | None = None) -> StrategyChoice:
     """The strategy the training ranks of `recipe` use (see the module's rule). env: where
     model shapes are looked up (the Hugging Face cache's variables; None: this process's).
-    PlanError for a recipe without a trainer section; RlxError for an impossible layout."""
+    The recipe's sizes are the ones it runs with: `auto` chosen first
+    (rlx.plan.planner.size_recipe), as the plan, lint and the trainer do; one left is an
+    RlxError naming its field. PlanError for a recipe without a trainer section; RlxError
+    for an impossible layout."""
     trainer = recipe.trainer
     if trainer is None:
         raise PlanError(f"recipe {recipe.name!r} has no trainer section; nothing to train")
@@ -71,7 +74,7 @@ def choose_strategy(recipe: Recipe, env: Mapping[str, str] | None = None) -> Str
         return StrategyChoice("fsdp", f"auto: {where} joined by {resources.fabric}")
     where += ", no fast fabric"
     try:
-        peak, capacity = _replicated_peak(_sized(recipe, env), layout, env)
+        peak, capacity = _replicated_peak(recipe, layout, env)
     except PlanError as exc:
         return StrategyChoice("fsdp", f"auto: {where}; DDP not planned: {exc}")
     need = f"{gib(peak)} of {gib(capacity)} GiB"
@@ -80,18 +83,6 @@ def choose_strategy(recipe: Recipe, env: Mapping[str, str] | None = None) -> Str
     return StrategyChoice(
         "fsdp", f"auto: {where}, but DDP needs {need} per GPU (keep {HEADROOM:.0%} spare)"
     )
-
-
-def _sized(recipe: Recipe, env: Mapping[str, str] | None) -> Recipe:
-    """The recipe with its `auto` sizes chosen as its job would (the preferred alternative's):
-    the replicated plan counts the micro-batch the job will run with. Sizing plans recipes
-    whose sizes are all fixed, so it never comes back here with `auto` left."""
-    from rlx.plan.planner import size_recipe
-    from rlx.plan.sizing import auto_fields
-
-    if not auto_fields(recipe):
-        return recipe
-    return size_recipe(recipe, env)[0]
 
 
 def _replicated_peak(
