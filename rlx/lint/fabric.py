@@ -28,7 +28,8 @@ def check_fabric_for_fsdp(recipe: Recipe) -> Iterator[Problem]:
         return
     if choice.strategy != "fsdp" or nodes <= 1:
         return
-    auto = recipe.trainer.parallel.strategy == "auto"
+    # why auto chose FSDP, only where DDP was planned (an unknown GPU or model has no plan)
+    auto = recipe.trainer.parallel.strategy == "auto" and choice.ddp_short_of_headroom
     yield Problem(
         ("resources",),
         WARNING,

@@ -38,6 +38,9 @@ class StrategyChoice:
 
     strategy: Strategy
     reason: str
+    # 'fsdp' because DDP was planned and leaves less than HEADROOM spare (not for want of a
+    # plan: an unknown model or accelerator)
+    ddp_short_of_headroom: bool = False
 
 
 def choose_strategy(recipe: Recipe, env: Mapping[str, str] | None = None) -> StrategyChoice:
@@ -81,7 +84,9 @@ def choose_strategy(recipe: Recipe, env: Mapping[str, str] | None = None) -> Str
     if 1 - peak / capacity >= HEADROOM:
         return StrategyChoice("ddp", f"auto: {where}, and DDP fits ({need} per GPU)")
     return StrategyChoice(
-        "fsdp", f"auto: {where}, but DDP needs {need} per GPU (keep {HEADROOM:.0%} spare)"
+        "fsdp",
+        f"auto: {where}, but DDP needs {need} per GPU (keep {HEADROOM:.0%} spare)",
+        ddp_short_of_headroom=True,
     )
 
 

@@ -106,3 +106,11 @@ def test_auto_micro_batch_across_nodes_is_a_decision_not_a_traceback(tmp_path: P
         assert result.exit_code == 0, (backend, result.output)
     result = invoke(["launch", "--dry-run", str(path)])
     assert result.exit_code == 0, result.output
+
+
+def test_auto_says_why_only_where_ddp_was_planned(tmp_path: Path) -> None:
+    # a GPU the table lacks: DDP has no plan, so no claim that it leaves no spare
+    path = variant(tmp_path, "gsm8k-grpo.yaml", resources__accelerators="A10GG:1")
+    (warning,) = findings(path, "resources")
+    assert warning.startswith("warning: FSDP's training ranks span 2 nodes and no fabric")
+    assert "strategy auto chose FSDP" not in warning
