@@ -24,11 +24,12 @@ from typer.testing import CliRunner
 
 from rlx.cli import app
 from rlx.launchers import renderable
+from rlx.plan.sizing import AUTO_FIELDS
 from rlx.recipe.model import Recipe
 from tests.support.cli import error_lines
 from tests.support.recipes import shipped_recipe_data
 
-EXAMPLES = int(os.environ.get("RLX_ANY_RECIPE_EXAMPLES", "48"))
+EXAMPLES = int(os.environ.get("RLX_ANY_RECIPE_EXAMPLES", "32"))
 SCHEMA = Recipe.model_json_schema()
 BASES = (
     "quickstart.yaml",
@@ -165,14 +166,15 @@ FIELDS: dict[str, list[Any]] = {
 
 
 def generated(seed: int) -> dict[str, Any]:
-    """One recipe: a shipped one with 1 to 8 of FIELDS changed."""
+    """One recipe: a shipped one with 2 to 14 of FIELDS changed (a section the shipped one
+    lacks comes only whole), and half the time some of its sizes left to `auto`."""
     rng = random.Random(seed)
     data = shipped_recipe_data(rng.choice(BASES))
-    for dotted in rng.sample(sorted(FIELDS), rng.randint(1, 8)):
+    for dotted in rng.sample(sorted(FIELDS), rng.randint(2, 14)):
         *parents, last = dotted.split(".")
         node = data
         for key in parents:
-            node = node.setdefault(key, {}) if isinstance(node.get(key), dict) else None
+            node = node.get(key) if isinstance(node.get(key), dict) else None
             if node is None:
                 break
         if node is None:
@@ -182,6 +184,11 @@ def generated(seed: int) -> dict[str, Any]:
             node.pop(last, None)
         else:
             node[last] = value
+    trainer = data.get("trainer")
+    if isinstance(trainer, dict) and rng.random() < 0.5:  # `auto` sizes, often, as users do
+        for _, section, field in AUTO_FIELDS.values():
+            if rng.random() < 0.5 and isinstance(trainer.get(section), dict):
+                trainer[section][field] = "auto"
     if "groups" in data.get("resources", {}):  # groups replace nodes and accelerators
         data["resources"].pop("nodes", None)
         data["resources"].pop("accelerators", None)
