@@ -29,9 +29,10 @@ def _errors(recipe: Recipe) -> list[Problem]:
     return [p for check in LAYOUT_CHECKS for p in check(recipe) if p.severity == ERROR]
 
 
-def _sized(recipe: Recipe) -> Recipe:
-    """The alternative with its `auto` sizes chosen (each as 1 where the plan cannot say:
-    an unknown model or accelerator, which check_memory_plan reports)."""
+def sized(recipe: Recipe) -> Recipe:
+    """The recipe (or one alternative) with its `auto` sizes chosen as its job would (each
+    as 1 where the plan cannot say: an unknown model or accelerator, which
+    check_memory_plan reports): what a check needing the sizes it runs with reads."""
     from rlx.plan.planner import size_recipe
     from rlx.plan.sizing import auto_fields, with_sizes
 
@@ -57,7 +58,7 @@ def check_alternative_layouts(recipe: Recipe) -> Iterator[Problem]:
     seen = {(p.field, p.message) for p in _errors(recipe)}
     several = len(alternatives) > 1
     for label, alternative in alternatives:
-        found = [p for p in _errors(_sized(alternative)) if (p.field, p.message) not in seen]
+        found = [p for p in _errors(sized(alternative)) if (p.field, p.message) not in seen]
         if not found:
             continue
         first = found[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from rlx.errors import RlxError
+from rlx.lint.alternatives import sized
 from rlx.lint.core import WARNING, Check, Problem
 from rlx.recipe import Recipe
 
@@ -22,12 +23,13 @@ def check_fabric_for_fsdp(recipe: Recipe) -> Iterator[Problem]:
         return
     try:
         nodes = layout_of(recipe).train_nodes
-        choice = choose_strategy(recipe)
+        choice = choose_strategy(sized(recipe))  # the sizes the job runs with, not `auto`
     except RlxError:  # an impossible layout (check_layout says so) or an unknown model
         return
     if choice.strategy != "fsdp" or nodes <= 1:
         return
-    auto = recipe.trainer.parallel.strategy == "auto"
+    # why auto chose FSDP, only where DDP was planned (an unknown GPU or model has no plan)
+    auto = recipe.trainer.parallel.strategy == "auto" and choice.ddp_short_of_headroom
     yield Problem(
         ("resources",),
         WARNING,

@@ -7,6 +7,7 @@ planner.py puts them together into a plan and its verdict; strategy.py plans the
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -19,11 +20,13 @@ from rlx.recipe.model import (
     Recipe,
     TrainerSettings,
     episode_token_budget,
+    fixed_int,
 )
 from rlx.storage import is_store_url
 from rlx.trainer.rollout import choose_engine
 
 GIB = mem.GIB
+MICRO_BATCH_FIELD = "trainer.batch.micro_batch_size"
 HEADROOM = 0.10  # a plan with less spare memory than this is a warning
 RUNTIME_GIB = 2.0  # per GPU process: CUDA context, NCCL buffers, allocator slack
 VLLM_RESERVE_GIB = 2.0  # inside vLLM's budget: its activation peak and CUDA graphs
@@ -228,7 +231,7 @@ def packed_pass_tokens(trainer: TrainerSettings) -> int:
     batch = trainer.batch
     if batch.max_tokens_per_micro_batch is not None:
         return batch.max_tokens_per_micro_batch
-    return batch.micro_batch_size * sequence_tokens(trainer)
+    return fixed_int(batch.micro_batch_size, MICRO_BATCH_FIELD) * sequence_tokens(trainer)
 
 
 def micro_batch_tokens(trainer: TrainerSettings, ranks: int) -> tuple[int, int]:
@@ -244,7 +247,7 @@ def micro_batch_tokens(trainer: TrainerSettings, ranks: int) -> tuple[int, int]:
         return budget, budget  # responses may fill the budget: the logits' worst case
     samples = batch.prompts_per_step * trainer.rollout.n
     share = max((batch.minibatch_size or samples) // max(ranks, 1), 1)
-    rows = min(batch.micro_batch_size, share)
+    rows = min(fixed_int(batch.micro_batch_size, MICRO_BATCH_FIELD), share)
     return rows * (prompt + response), rows * response
 
 
@@ -265,10 +268,18 @@ class UnknownAccelerator(PlanError):
 
 
 def unknown_accelerator(name: str) -> str:
-    """What to do about an accelerator the plan's table lacks."""
+    """What to do about an accelerator the plan's table lacks: the table's nearest names
+    first (a typo), then all of them, then how to size other hardware."""
+    by_upper = {known.upper(): known for known in mem.ACCELERATOR_GIB}
+    close = difflib.get_close_matches(name.upper(), by_upper, n=3)
+    family = name.upper().split("-")[0]
+    if family in by_upper:  # a known GPU with a suffix of its own (H100-80GB): its kin only
+        close = [family] + [c for c in close if c != family and c.split("-")[0] == family]
+    close = [by_upper[c] for c in close]
+    guess = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
     return (
         f"accelerator {name!r} has no memory size in the plan's table, so no plan can vouch "
-        f"for it; use the table's name ({', '.join(mem.ACCELERATOR_GIB)}), or for other "
+        f"for it; {guess}use the table's name ({', '.join(mem.ACCELERATOR_GIB)}), or for other "
         f"hardware give its memory: {mem.ACCELERATOR_GIB_ENV}='{name}=GIB' in the environment"
     )
 

@@ -24,31 +24,37 @@ LOGITS_CHUNK_BYTES = 1 << 28
 # FSDP2 reduces gradients in float32 (the trainer's MixedPrecisionPolicy reduce_dtype).
 REDUCE_DTYPE = "float32"
 
-# Accelerator memory in GiB, by the names resources.accelerators uses (SkyPilot's).
+# Accelerator memory in GiB as the device reports it, by the names resources.accelerators uses
+# (SkyPilot's); not the maker's GB, which overstates a 24 GB card by 7% read as GiB. Sources,
+# best first: CUDA's total memory (torch.cuda.get_device_properties().total_memory) measured
+# here; else nvidia-smi's memory.total in MiB as quoted in public issues (it reads about
+# 0.5 GiB above CUDA's: 81559 MiB against 79.18 GiB on an H100); else the maker's GB
+# converted (GB * 1e9 / 2**30), marked "maker's", a floor where nothing better was found.
+_MAKER = 1e9 / GIB  # GiB per maker's GB
 ACCELERATOR_GIB: dict[str, float] = {
-    "H100": 80,
-    "H100-SXM": 80,
-    "H100-MEGA": 80,
-    "H100-NVL": 94,
-    "H200": 141,
-    "GH200": 96,
-    "B200": 180,
-    "A100": 40,
-    "A100-40GB": 40,
-    "A100-80GB": 80,
-    "L40S": 48,
-    "L40": 48,
-    "L4": 24,
-    "A10G": 24,
-    "A10": 24,
-    "A40": 48,
-    "RTXA6000": 48,
-    "RTX6000-ADA": 48,
-    "RTX4090": 24,
-    "V100": 16,
-    "V100-32GB": 32,
-    "T4": 16,
-    "MI300X": 192,
+    "H100": 79.18,  # torch total_memory on an H100 80GB HBM3, measured here (81559 MiB)
+    "H100-SXM": 79.18,  # the same device
+    "H100-MEGA": 79.18,  # GCP a3-mega: the same H100 80GB HBM3
+    "H100-NVL": 95830 / 1024,  # nvidia-smi: NVIDIA/gpu-admin-tools#4
+    "H200": 143771 / 1024,  # nvidia-smi on an H200, measured here
+    "GH200": 96 * _MAKER,  # maker's 96 GB
+    "B200": 183359 / 1024,  # nvidia-smi: NVIDIA/TensorRT-LLM#10278
+    "A100": 40960 / 1024,  # nvidia-smi, A100 40GB: modal-labs/modal-client#2797
+    "A100-40GB": 40960 / 1024,  # as A100
+    "A100-80GB": 81920 / 1024,  # nvidia-smi: modal-labs/modal-client#2797
+    "L40S": 46068 / 1024,  # nvidia-smi: modal-labs/modal-client#2797
+    "L40": 48 * _MAKER,  # maker's 48 GB
+    "L4": 23034 / 1024,  # nvidia-smi: modal-labs/modal-client#2797
+    "A10G": 23028 / 1024,  # nvidia-smi: NVIDIA/DCGM#232
+    "A10": 23028 / 1024,  # nvidia-smi: modal-labs/modal-client#2797
+    "A40": 48 * _MAKER,  # maker's 48 GB
+    "RTXA6000": 48 * _MAKER,  # maker's 48 GB
+    "RTX6000-ADA": 48 * _MAKER,  # maker's 48 GB
+    "RTX4090": 24564 / 1024,  # nvidia-smi: RLinf/RLinf#255
+    "V100": 16 * _MAKER,  # maker's 16 GB
+    "V100-32GB": 32 * _MAKER,  # maker's 32 GB
+    "T4": 15360 / 1024,  # nvidia-smi: modal-labs/modal-client#2797
+    "MI300X": 192 * _MAKER,  # maker's 192 GB
 }
 
 

@@ -132,7 +132,7 @@ class ModelShape:
 
 
 # Public config.json numbers: (hidden, layers, heads, kv heads, intermediate, vocab, tied,
-# max_position_embeddings).
+# max_position_embeddings); head_dim is hidden / heads unless a family says otherwise.
 _QWEN25 = {
     "0.5b": (896, 24, 14, 2, 4864, 151936, True, 32768),
     "1.5b": (1536, 28, 12, 2, 8960, 151936, True, 32768),
@@ -152,12 +152,27 @@ _LLAMA3 = {
     "llama-3.2-3b": (3072, 28, 24, 8, 8192, 128256, True, 131072),
 }
 
+# Qwen3's dense models, from each one's config.json on the Hugging Face hub (Qwen/Qwen3-0.6B
+# ... Qwen/Qwen3-32B): head_dim 128 throughout (not hidden / heads), vocab 151936,
+# max_position_embeddings 40960, embeddings tied up to 4B. Their per-head q/k RMSNorms
+# (2 x 128 weights a layer) are left out of the parameter count.
+_QWEN3_HEAD_DIM = 128
+_QWEN3 = {
+    "0.6b": (1024, 28, 16, 8, 3072, 151936, True, 40960),
+    "1.7b": (2048, 28, 16, 8, 6144, 151936, True, 40960),
+    "4b": (2560, 36, 32, 8, 9728, 151936, True, 40960),
+    "8b": (4096, 36, 32, 8, 12288, 151936, False, 40960),
+    "14b": (5120, 40, 40, 8, 17408, 151936, False, 40960),
+    "32b": (5120, 64, 64, 8, 25600, 151936, False, 40960),
+}
+
 
 def builtin_configs() -> dict[str, dict[str, Any]]:
     """The built-in table as config.json-like dicts, keyed by a normalised model name."""
     table: dict[str, dict[str, Any]] = {}
     rows = [(f"qwen2.5-{size}", "qwen2", row) for size, row in _QWEN25.items()]
     rows += [(name, "llama", row) for name, row in _LLAMA3.items()]
+    rows += [(f"qwen3-{size}", "qwen3", row) for size, row in _QWEN3.items()]
     for name, model_type, (hidden, layers, heads, kv, inter, vocab, tied, positions) in rows:
         table[name] = {
             "model_type": model_type,
@@ -170,6 +185,8 @@ def builtin_configs() -> dict[str, dict[str, Any]]:
             "tie_word_embeddings": tied,
             "max_position_embeddings": positions,
         }
+        if model_type == "qwen3":
+            table[name]["head_dim"] = _QWEN3_HEAD_DIM
     return table
 
 

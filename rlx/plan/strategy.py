@@ -38,12 +38,18 @@ class StrategyChoice:
 
     strategy: Strategy
     reason: str
+    # 'fsdp' because DDP was planned and leaves less than HEADROOM spare (not for want of a
+    # plan: an unknown model or accelerator)
+    ddp_short_of_headroom: bool = False
 
 
 def choose_strategy(recipe: Recipe, env: Mapping[str, str] | None = None) -> StrategyChoice:
     """The strategy the training ranks of `recipe` use (see the module's rule). env: where
     model shapes are looked up (the Hugging Face cache's variables; None: this process's).
-    PlanError for a recipe without a trainer section; RlxError for an impossible layout."""
+    The recipe's sizes are the ones it runs with: `auto` chosen first
+    (rlx.plan.planner.size_recipe), as the plan, lint and the trainer do; one left is an
+    RlxError naming its field. PlanError for a recipe without a trainer section; RlxError
+    for an impossible layout."""
     trainer = recipe.trainer
     if trainer is None:
         raise PlanError(f"recipe {recipe.name!r} has no trainer section; nothing to train")
@@ -78,7 +84,9 @@ def choose_strategy(recipe: Recipe, env: Mapping[str, str] | None = None) -> Str
     if 1 - peak / capacity >= HEADROOM:
         return StrategyChoice("ddp", f"auto: {where}, and DDP fits ({need} per GPU)")
     return StrategyChoice(
-        "fsdp", f"auto: {where}, but DDP needs {need} per GPU (keep {HEADROOM:.0%} spare)"
+        "fsdp",
+        f"auto: {where}, but DDP needs {need} per GPU (keep {HEADROOM:.0%} spare)",
+        ddp_short_of_headroom=True,
     )
 
 

@@ -147,9 +147,9 @@ def matching_alternative(
     """The alternative these GPUs are (its type names the same table row, or one of the same
     memory; of several, the one whose count is theirs), or, for GPUs that are none of them,
     their own name with the preferred alternative's count (what the job asked for); and the
-    plan's env sizing that name by the memory the GPUs report. The table's sizes are the
-    makers' (L40S: 48 GB, of which CUDA reports 44.5 GiB); at start-up the reported one is
-    the truth."""
+    plan's env sizing that name by the memory the GPUs report. The table's sizes are what
+    such devices report (some only the maker's GB converted); at start-up the reported one
+    is the truth."""
     table = devices.table_name
     chosen = None
     if table is not None:

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from rlx.errors import RlxError
+from rlx.lint import refuse_at_startup
 from rlx.node.env import environment
 from rlx.plan.actors import plan_actors
 from rlx.plan.shapes import ModelShape, PlanError, find_shape
@@ -94,6 +95,7 @@ def plan_rehearsal(recipe: Recipe, env: Mapping[str, str] | None = None) -> Rehe
         )
     try:
         recipe = _as_gpus_run_it(recipe, env)
+        refuse_at_startup(recipe)  # what start-up refuses is no job to scale down
         strategy = choose_strategy(recipe, env)
     except PlanError as exc:
         raise RlxError(f"{recipe.name}: {exc}") from None

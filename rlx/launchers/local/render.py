@@ -3,10 +3,9 @@ the run folder's date and time are shown as placeholders."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from rlx.errors import RlxError
 from rlx.recipe import Recipe
+from rlx.storage import join
 
 # This machine is one node: running both groups on it would hide what the recipe asks for.
 NO_GROUPS = (
@@ -40,7 +39,8 @@ def render(recipe: Recipe, source: str) -> str:
         command = " && ".join(recipe.head_command)
         lines.append(f"would run on this machine, with a Ray head started for it: {command}")
         return "\n".join(lines) + "\n"
-    run_dir = Path(trainer.logging.dir) / f"{recipe.name}-<date>-<time>"
+    # storage.join, not Path: a store URL keeps its two slashes (gs://bucket, not gs:/bucket)
+    run_dir = join(trainer.logging.dir, f"{recipe.name}-<date>-<time>")
     ckpt = trainer.checkpoint
     rollout, batch = trainer.rollout, trainer.batch
     rows = [
@@ -58,7 +58,7 @@ def render(recipe: Recipe, source: str) -> str:
             "checkpoints",
             "off (checkpoint.dir unset)"
             if ckpt.dir is None
-            else f"{Path(ckpt.dir) / '<run id>'} every {ckpt.every} steps, keep {ckpt.keep}",
+            else f"{join(ckpt.dir, '<run id>')} every {ckpt.every} steps, keep {ckpt.keep}",
         ),
     ]
     width = max(len(key) for key, _ in rows)

@@ -207,3 +207,12 @@ def test_cli_render_unknown_backend(write_recipe):
     result = runner.invoke(app, ["render", str(path), "-b", "kubernetes"])
     assert result.exit_code != 0
     assert "Traceback" not in result.output
+
+
+def test_local_dry_run_shows_store_urls_as_written() -> None:
+    # the run folder and checkpoints of a bucket keep the URL's two slashes (not gs:/...)
+    result = CliRunner().invoke(app, ["launch", "--dry-run", str(RECIPES / "gsm8k-grpo.yaml")])
+    assert result.exit_code == 0, result.output
+    assert "run folder   gs://rlx-gsm8k/runs/gsm8k-grpo-<date>-<time> (" in result.output
+    assert "checkpoints  gs://rlx-gsm8k/checkpoints/<run id> every 25 steps" in result.output
+    assert "gs:/r" not in result.output

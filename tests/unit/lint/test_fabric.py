@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from rlx.lint import lint_file
+from tests.support.cli import invoke
 from tests.support.recipes import write_shipped_variant
 
 
@@ -92,3 +93,24 @@ def test_skypilot_network_tier_points_at_the_recipe_field(write_recipe) -> None:
     value = write_recipe("name: job\nresources:\n  fabric: ib\n", "value.yaml")
     (bad,) = findings(value, "resources.fabric")
     assert "write one of 'efa', 'infiniband' or 'tcp'" in bad
+
+
+def test_auto_micro_batch_across_nodes_is_a_decision_not_a_traceback(tmp_path: Path) -> None:
+    # the strategy rule plans DDP with the micro-batch auto chooses, never with "auto"
+    path = variant(tmp_path, "gsm8k-grpo.yaml", trainer__batch__micro_batch_size="auto")
+    (warning,) = findings(path, "resources")
+    assert warning.startswith("warning: FSDP's training ranks span 2 nodes and no fabric")
+    assert invoke(["lint", str(path)]).exit_code == 0
+    for backend in ("sky", "dstack", "slurm", "ray"):
+        result = invoke(["render", str(path), "-b", backend])
+        assert result.exit_code == 0, (backend, result.output)
+    result = invoke(["launch", "--dry-run", str(path)])
+    assert result.exit_code == 0, result.output
+
+
+def test_auto_says_why_only_where_ddp_was_planned(tmp_path: Path) -> None:
+    # a GPU the table lacks: DDP has no plan, so no claim that it leaves no spare
+    path = variant(tmp_path, "gsm8k-grpo.yaml", resources__accelerators="A10GG:1")
+    (warning,) = findings(path, "resources")
+    assert warning.startswith("warning: FSDP's training ranks span 2 nodes and no fabric")
+    assert "strategy auto chose FSDP" not in warning

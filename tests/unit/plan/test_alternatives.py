@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from rlx.cli import app
 from rlx.plan import plan_recipe
-from rlx.plan.budget import HEADROOM
+from rlx.plan.budget import HEADROOM, unknown_accelerator
 from rlx.plan.planner import plan_alternatives, size_recipe
 from rlx.plan.sizing import with_sizes
 from rlx.recipe import load_recipe
@@ -46,9 +46,9 @@ def test_plan_prints_a_row_per_alternative_with_numbers() -> None:
     result = runner.invoke(app, ["plan", str(SEVEN_B)], env={"COLUMNS": "200"})
     assert result.exit_code == 1, result.output  # two of them do not fit
     rows = {line.split()[0]: line for line in result.output.splitlines() if "│" in line}
-    assert "train 48.9/80.0" in rows["H100:8"] and "yes" in rows["H100:8"]
+    assert "train 48.9/79.2" in rows["H100:8"] and "yes" in rows["H100:8"]
     assert "train 48.9/40.0" in rows["A100-40GB:8"] and "no" in rows["A100-40GB:8"]
-    assert "train 48.9/24.0" in rows["L4:8"] and "activations" in rows["L4:8"]
+    assert "train 48.9/22.5" in rows["L4:8"] and "activations" in rows["L4:8"]
     # then the preferred one's detailed plan, as for a recipe with one accelerator
     assert "H100:8, 8 training rank(s)" in result.output
 
@@ -73,7 +73,7 @@ def test_auto_sizes_make_the_a100s_fit_and_lint_still_refuses_the_l4s(tmp_path: 
         _write(tmp_path, {"H100:8": None, "A100-40GB:8": None, "L4:8": None}, **AUTO)
     )
     assert code == 1 and len(errors) == 1 and "L4:8: does not fit" in errors[0], errors
-    assert "micro_batch_size: auto" in errors[0] and "24.0 GiB" in errors[0]
+    assert "micro_batch_size: auto" in errors[0] and "22.5 GiB" in errors[0]
     assert "drop L4:8 from resources.accelerators" in errors[0]
     path = _write(tmp_path, {"H100:8": None, "A100-40GB:8": None}, **AUTO)
     assert _lint(path, "--strict") == (0, [])
@@ -101,6 +101,20 @@ def test_an_unknown_accelerator_is_an_error_with_a_way_for_custom_hardware(
     assert "RLX_ACCELERATOR_GIB='TPU-v9=GIB'" in errors[0]
     monkeypatch.setenv("RLX_ACCELERATOR_GIB", "TPU-v9=96")
     assert _lint(path, "--strict") == (0, [])
+
+
+@pytest.mark.parametrize(
+    ("written", "guess"),
+    [
+        ("A10GG", "did you mean 'A10G' or 'A10' or 'A100'? use the table's name"),
+        ("H100-80GB", "did you mean 'H100'? use"),  # its own family, not A100-80GB
+        ("RTX-4090", "did you mean 'RTX4090' or 'RTXA6000'? use"),
+        ("TPU-v9", "for it; use the table's name"),  # nothing near: no guess
+    ],
+)
+def test_an_unknown_accelerator_says_which_name_was_meant(written: str, guess: str) -> None:
+    message = unknown_accelerator(written)
+    assert guess in message and f"'{written}=GIB'" in message
 
 
 def test_auto_where_a_number_is_needed_is_one_line(tmp_path: Path) -> None:

@@ -78,14 +78,14 @@ def test_the_engines_kv_cache_counts_episodes(tmp_path: Path) -> None:
 
 def test_no_room_for_an_episode_names_max_tokens(tmp_path: Path) -> None:
     data = yaml.safe_load(TOOLS.read_text())
-    data["trainer"]["rollout"]["gpu_memory_utilization"] = 0.12  # 2.9 GiB: weights + reserve
+    data["trainer"]["rollout"]["gpu_memory_utilization"] = 0.12  # 2.7 GiB: weights + reserve
     path = tmp_path / "starved.yaml"
     path.write_text(yaml.safe_dump(data))
     plan = plan_recipe(_recipe(path), {}, advise=False)
     assert plan.problems == [
         "training GPU: vLLM's share (gpu_memory_utilization) leaves no room for the KV cache "
         "of one 1536-token sequence (vLLM weights (colocated) 0.9, vLLM KV cache (colocated) "
-        "0.0, vLLM budget (colocated) 2.9); raise rollout.gpu_memory_utilization or "
+        "0.0, vLLM budget (colocated) 2.7); raise rollout.gpu_memory_utilization or "
         "tensor_parallel_size (layout: split), or shorten environment.max_tokens"
     ]
 

@@ -244,7 +244,7 @@ def test_the_7b_lora_recipe_by_hand() -> None:
     rollout = items(named(plan.gpus, "rollout"))
     assert rollout["vLLM LoRA slots"].bytes == 1 * 32 * 28 * 90112 * 2
     assert rollout["vLLM LoRA scratch"].bytes == 16384 * (12 * 32 + 48)
-    engine = int(0.85 * 24 * 2**30)
+    engine = int(0.85 * int(23034 / 1024 * 2**30))  # of an L4 as nvidia-smi reports it
     held = QWEN7B_PARAMS * 2 + 2 * 2**30 + rollout["vLLM LoRA slots"].bytes
     assert rollout["vLLM KV cache"].bytes == engine - held - rollout["vLLM LoRA scratch"].bytes
     # the push, the engine's copies and the checkpoint are the adapter's
@@ -369,5 +369,5 @@ def test_lora_fits_where_full_training_does_not() -> None:
     # the same recipe without LoRA: the policy's float32 state alone is 4 x 28.4 GiB
     full = plan_recipe(recipe("gsm8k-lora-7b.yaml", trainer__model__lora=None), {}, advise=False)
     assert not full.fits
-    assert "training GPU: needs 132.2 GiB of 24.0 GiB" in full.problems[0]
-    assert mem.DTYPE_BYTES["bfloat16"] * QWEN7B_PARAMS < 24 * 2**30  # the base alone fits
+    assert "training GPU: needs 132.2 GiB of 22.5 GiB" in full.problems[0]
+    assert mem.DTYPE_BYTES["bfloat16"] * QWEN7B_PARAMS < 23034 / 1024 * 2**30  # the base alone fits

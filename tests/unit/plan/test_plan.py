@@ -152,6 +152,26 @@ def test_shapes_know_the_models_positions() -> None:
     assert positions.max_positions == 4096
 
 
+def test_qwen3_is_planned_offline(tmp_path: Path) -> None:
+    # the built-in table: each model's config.json, head_dim 128 whatever hidden / heads is
+    offline = {"HF_HOME": str(tmp_path / "empty")}
+    small = find_shape("Qwen/Qwen3-0.6B", offline)
+    assert (small.hidden, small.layers, small.heads, small.kv_heads) == (1024, 28, 16, 8)
+    assert (small.head_dim, small.intermediate, small.vocab) == (128, 3072, 151936)
+    assert small.tie_word_embeddings and small.max_positions == 40960
+    assert small.source == "built-in table (qwen3-0.6b)"
+    params = {
+        size: find_shape(f"Qwen/Qwen3-{size}", offline).params / 1e9
+        for size in ("0.6B", "1.7B", "4B", "8B", "14B", "32B")
+    }
+    # the model cards' counts (0.6B, 1.7B, 4.0B, 8.2B, 14.8B, 32.8B), q/k norms aside
+    assert [round(p, 1) for p in params.values()] == [0.6, 1.7, 4.0, 8.2, 14.8, 32.8]
+    assert not find_shape("Qwen/Qwen3-8B", offline).tie_word_embeddings
+    path = write_shipped_variant(tmp_path, "gsm8k-grpo.yaml", trainer__model__path="Qwen/Qwen3-4B")
+    result = runner.invoke(app, ["plan", str(path)], env=offline)
+    assert "Qwen/Qwen3-4B: 4.02B params (hidden 2560, 36 layers, 32/8 heads" in result.output
+
+
 def test_tiny_shape_matches_the_built_tiny_model(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     from rlx.trainer.resolve import resolve_model_path
@@ -180,11 +200,13 @@ def test_logits_chunk_is_the_trainers(tmp_path: Path) -> None:
 
 
 def test_accelerator_table_uses_the_recipe_names() -> None:
-    assert mem.accelerator_gib("H100") == 80
-    assert mem.accelerator_gib("a100-80gb") == 80
+    # the memory the devices report, not the makers' GB read as GiB
+    assert mem.accelerator_gib("H100") == 79.18  # CUDA's total memory, measured on one
+    assert mem.accelerator_gib("a100-80gb") == 80  # nvidia-smi: 81920 MiB
     assert mem.accelerator_gib("A100") == 40
-    assert mem.accelerator_gib("H200") == 141
-    assert mem.accelerator_gib("L4") == mem.accelerator_gib("A10G") == 24
+    assert round(mem.accelerator_gib("H200") or 0, 1) == 140.4  # nvidia-smi: 143771 MiB
+    assert mem.accelerator_gib("L4") == 23034 / 1024  # 22.49, not 24
+    assert mem.accelerator_gib("A10G") == 23028 / 1024
     assert mem.accelerator_gib("TPU-v9") is None
 
 
@@ -231,7 +253,7 @@ def test_ddp_at_7b_on_80gb_fails_lint_with_the_numbers(tmp_path: Path) -> None:
         tmp_path, "ppo-7b.yaml", trainer__parallel__strategy="ddp", resources__accelerators=ONE_GPU
     )
     (error,) = _lint_errors(path)
-    assert "does not fit: training GPU: needs 296.0 GiB of 80.0 GiB" in error
+    assert "does not fit: training GPU: needs 296.0 GiB of 79.2 GiB" in error
     assert "parallel.strategy: fsdp" in error
     result = runner.invoke(app, ["plan", str(path)])
     assert result.exit_code == 1 and "does not fit" in result.output
@@ -240,7 +262,7 @@ def test_ddp_at_7b_on_80gb_fails_lint_with_the_numbers(tmp_path: Path) -> None:
 def test_32b_on_l4s_fails_lint_with_the_numbers(tmp_path: Path) -> None:
     path = _variant(tmp_path, "grpo-large.yaml", resources__accelerators="L4:8")
     (error,) = _lint_errors(path)
-    assert "needs 58.5 GiB of 24.0 GiB" in error and "policy optimizer (AdamW) 15.3" in error
+    assert "needs 58.5 GiB of 22.5 GiB" in error and "policy optimizer (AdamW) 15.3" in error
 
 
 def test_colocated_tensor_parallel_fails_lint(tmp_path: Path) -> None:
@@ -339,3 +361,10 @@ def test_cpu_kv_cache_is_sized_per_token_as_the_plan_counts(tmp_path: Path) -> N
     # 2 (K, V) x 2 layers x 1 head x 64 dims x 4 bytes = 1 KiB per token; 64 x 16 sequences
     # of 128 tokens, twice over.
     assert cpu_kv_cache_bytes(recipe.trainer, folder) == 2 * 64 * 16 * 128 * 1024
+
+
+def test_rlx_plan_on_l4s_uses_the_memory_they_report() -> None:
+    # gsm8k-grpo asks for L4s: 23034 MiB as nvidia-smi reports them, 22.5 GiB, not 24
+    result = runner.invoke(app, ["plan", str(RECIPES / "gsm8k-grpo.yaml")])
+    assert result.exit_code == 0, result.output
+    assert "training GPU (x2): " in result.output and " of 22.5 GiB at " in result.output

@@ -11,7 +11,9 @@ import pytest
 from typer.testing import CliRunner
 
 from rlx.cli import app
+from rlx.errors import RlxError
 from rlx.plan import HEADROOM, PlanError, plan_recipe
+from rlx.plan.planner import size_recipe
 from rlx.plan.strategy import StrategyChoice, choose_strategy
 from rlx.recipe import Recipe
 from tests.conftest import RECIPES
@@ -133,3 +135,15 @@ def test_rlx_plan_prints_the_choice_and_why() -> None:
     )
     assert data["strategy"] == "fsdp"
     assert data["strategy_reason"] == "auto: 8 ranks on one node shard the models"
+
+
+def test_auto_sizes_are_chosen_before_the_strategy() -> None:
+    # micro_batch_size: auto across two nodes with no fabric: DDP's plan needs the size the
+    # job runs with; given `auto`, the rule says so in one line instead of comparing a string
+    auto = recipe("gsm8k-grpo.yaml", trainer__batch__micro_batch_size="auto")
+    with pytest.raises(RlxError, match=r"^trainer\.batch\.micro_batch_size: auto is chosen"):
+        choose_strategy(auto, {})
+    sized, sizes = size_recipe(auto, {})
+    assert sizes.auto == ("micro_batch_size",)
+    assert choose_strategy(sized, {}).strategy in ("ddp", "fsdp")
+    assert plan_recipe(auto, {}, advise=False).strategy == choose_strategy(sized, {}).strategy

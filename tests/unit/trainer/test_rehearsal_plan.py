@@ -12,6 +12,7 @@ from rlx.recipe import load_recipe, parse_recipe
 from rlx.trainer.rehearsal import RayNode, plan_rehearsal
 from tests.conftest import RECIPES
 from tests.support.cli import assert_one_line_error, invoke
+from tests.support.recipes import write_shipped_variant
 
 KEPT = (
     "trainer.algorithm",
@@ -66,3 +67,11 @@ def test_dry_run_says_what_changes_and_a_command_recipe_is_refused(tmp_path: Pat
     path = tmp_path / "cmd.yaml"
     path.write_text("name: bring-up\nresources: {nodes: 2}\ncommand: [python x.py]\n")
     assert_one_line_error(invoke(["rehearse", str(path)]), "there is nothing to rehearse")
+
+
+def test_a_recipe_start_up_refuses_is_refused_before_it_is_scaled(tmp_path: Path) -> None:
+    # a minibatch larger than a step's 512 sequences: start-up's line, not a ZeroDivisionError
+    path = write_shipped_variant(tmp_path, "grpo-async.yaml", trainer__batch__minibatch_size=1024)
+    with pytest.raises(RlxError, match="minibatch_size 1024 does not divide the 512 sequences"):
+        plan_rehearsal(load_recipe(path).recipe)
+    assert_one_line_error(invoke(["rehearse", "--dry-run", str(path)]), "minibatch_size 1024")
