@@ -180,6 +180,7 @@ def test_a_lost_worker_fails_the_job_fast(make_job) -> None:
 
 
 @pytest.mark.parametrize("first", ["failed", "killed"])
+@pytest.mark.timeout(1800)  # two attempts whose waits may each stretch while they advance
 def test_a_retried_job_starts_clean(make_job, first: str) -> None:
     """The run block runs twice on the same hosts: after a failed attempt (every node joined
     and the trainer ran, from the head, on all three; its exit code is every node's and the
@@ -209,7 +210,12 @@ def test_a_retried_job_starts_clean(make_job, first: str) -> None:
     else:
         job.control(hold=True)
         first_run = job.start()
-        poll(lambda: (job.out / "holding-1").exists(), RUN_TIMEOUT, "the first trainer")
+        poll(
+            lambda: (job.out / "holding-1").exists(),
+            RUN_TIMEOUT,
+            "the first trainer",
+            progress=lambda: job.all_logs(first_run),
+        )
         # A worker's node is ALIVE a moment before its `ray start` exits; killed before
         # then, the daemons would go down with it, which is not the case under test.
         poll(
@@ -228,7 +234,12 @@ def test_a_retried_job_starts_clean(make_job, first: str) -> None:
                 assert len(ray_processes(host, "raylet")) == 1, host.processes()
     job.control(hold=True)
     second = job.start()
-    poll(lambda: (job.out / "holding-2").exists(), RUN_TIMEOUT, "the retried trainer")
+    poll(
+        lambda: (job.out / "holding-2").exists(),
+        RUN_TIMEOUT,
+        "the retried trainer",
+        progress=lambda: job.all_logs(second),
+    )
     logs = job.all_logs(second)
     for host in job.hosts:  # one Ray per host, not two
         assert len(ray_processes(host, "raylet")) == 1, (host.processes(), logs)

@@ -52,15 +52,36 @@ def probe_recipe(out: Path, join_timeout: int = JOIN_TIMEOUT) -> Recipe:
     return parse_recipe(text, "probe.yaml").recipe
 
 
-def poll(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.1) -> T:
-    """Poll until `predicate()` is truthy and return it; AssertionError naming `what`."""
-    deadline = time.monotonic() + timeout
+# A wait that sees its job move (`progress` changes) goes on up to this many times its own
+# timeout: on a loaded machine a bring-up can outlast a fixed bound while it still advances.
+PROGRESS_FACTOR = 3
+
+
+def poll(
+    predicate: Callable[[], T],
+    timeout: float,
+    what: str,
+    interval: float = 0.1,
+    progress: Callable[[], object] | None = None,
+) -> T:
+    """Poll until `predicate()` is truthy and return it; AssertionError naming `what` once
+    `timeout` seconds pass with nothing new from `progress` (its value unchanged; without
+    one, `timeout` seconds in all), and at PROGRESS_FACTOR x timeout whatever it says."""
+    started = time.monotonic()
+    deadline = started + timeout
+    last = progress() if progress is not None else None
+    checked = started
     while True:
         value = predicate()
         if value:
             return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        now = time.monotonic()
+        if progress is not None and now - checked >= 1.0:
+            checked, seen = now, progress()
+            if seen != last:
+                last, deadline = seen, min(now + timeout, started + PROGRESS_FACTOR * timeout)
+        if now > deadline:
+            raise AssertionError(f"timed out after {now - started:.0f} s waiting for {what}")
         time.sleep(interval)
 
 
