@@ -231,6 +231,18 @@ def trainer_recipe(check: Check, case: Case, folder: Path, accelerator: str) -> 
     return parse_recipe(json.dumps(recipe), f"{case.part}.yaml").recipe
 
 
+def learner_plan(recipe: Any) -> tuple[int, dict[str, int]]:
+    """What `rlx plan` books for the learner on one training GPU: the update phase's items
+    (name -> bytes) and their sum without the fixed runtime item, the figure compared with
+    torch's peak allocated bytes."""
+    from rlx.plan.planner import plan_recipe
+
+    budget = plan_recipe(recipe, advise=False).gpus[0]
+    items = {i.name: i.bytes for i in budget.items if i.phase in ("all", "update")}
+    planned = sum(size for name, size in items.items() if not name.startswith("runtime"))
+    return planned, items
+
+
 def skewed_batch(settings: Any, vocab: int, seed: int = 0) -> Any:
     """A GRPO step's samples as the engines return them: prompts of mixed length, n responses
     each of skewed lengths (most short, a few up to max_new_tokens), random tokens, GRPO
@@ -442,7 +454,6 @@ def learner_part(case: Case) -> Callable[[Check], dict[str, Any]]:
 
 
 def part_learner(check: Check, case: Case) -> dict[str, Any]:
-    from rlx.plan.planner import plan_recipe
     from rlx.trainer.learn.learner import Learner, merge_update_stats, needs_old_logprobs
 
     accelerator = accelerator_of(check)
@@ -460,14 +471,12 @@ def part_learner(check: Check, case: Case) -> dict[str, Any]:
     out: dict[str, Any] = {"recipe": case.recipe, "model": case.model}
     if accelerator:
         try:
-            budget = plan_recipe(recipe, advise=False).gpus[0]
+            planned, items = learner_plan(recipe)
         except Exception as exc:  # the plan's failure is a figure too; the steps still run
             out["plan_error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
         else:
-            update = [i for i in budget.items if i.phase in ("all", "update")]
-            runtime = sum(i.bytes for i in update if i.name.startswith("runtime"))
-            out["plan_gib"] = round((sum(i.bytes for i in update) - runtime) / GIB, 3)
-            out["plan_items"] = {i.name: round(i.bytes / GIB, 3) for i in update}
+            out["plan_gib"] = round(planned / GIB, 3)
+            out["plan_items"] = {name: round(size / GIB, 3) for name, size in items.items()}
             out["plan_for"] = accelerator if check.cuda else f"{accelerator} (planned on CPU)"
     started = time.perf_counter()
     learner = Learner(settings, str(folder), None, check.device)

@@ -5,7 +5,6 @@ count."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -16,17 +15,9 @@ import pytest
 import torch
 
 from tests.conftest import REPO
+from tests.support.bench import load_bench
 
 SCRIPT = REPO / "bench" / "gpu_check.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def run(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> tuple[str, dict]:
@@ -45,7 +36,7 @@ def run(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> tuple[
 
 
 def test_every_part_runs_the_trainer_on_cpu(tmp_path: Path) -> None:
-    gpu_check = load_script()
+    gpu_check = load_bench("gpu_check")
     stdout, results = run(tmp_path)
     for part in gpu_check.PARTS:
         assert results[part]["status"] == "ran", (part, results[part])
@@ -93,7 +84,8 @@ def test_unknown_part_is_one_line_and_exit_1(tmp_path: Path) -> None:
     )
     assert proc.returncode == 1
     assert proc.stdout.strip().splitlines() == [
-        "gpu_check: unknown part 'learner-3b'; use some of " + ", ".join(load_script().PARTS)
+        "gpu_check: unknown part 'learner-3b'; use some of "
+        + ", ".join(load_bench("gpu_check").PARTS)
     ]
 
 
@@ -104,7 +96,7 @@ def test_step_flops_is_the_documented_count(shared: bool) -> None:
     the response up to itself."""
     from rlx.trainer.batch import RolloutBatch, pack_rollout
 
-    gpu_check = load_script()
+    gpu_check = load_bench("gpu_check")
     prompt = [5, 6, 7]
     rollout = RolloutBatch(
         prompt_ids=[prompt, prompt if shared else [5, 6, 8]],
@@ -138,7 +130,7 @@ def test_a_part_past_its_bound_is_one_line_and_the_next_part_runs(
     import threading
     import time
 
-    gpu_check = load_script()
+    gpu_check = load_bench("gpu_check")
     release = threading.Event()  # the stuck part ends with the test
     monkeypatch.setitem(gpu_check.PART_FUNCTIONS, "stuck", lambda check: release.wait(60) and {})
     monkeypatch.setitem(gpu_check.PART_FUNCTIONS, "quick", lambda check: {"answer": 42})

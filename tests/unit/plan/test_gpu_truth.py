@@ -5,28 +5,16 @@ before a GPU run would show it."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-from rlx.plan.planner import plan_recipe
-from tests.conftest import REPO
+from tests.support.bench import load_bench
 
 GIB = 2**30
 # peak allocated GiB over 3 GRPO steps (prepare + update), H100 80GB HBM3, torch 2.11
 MEASURED_H100 = {"learner-0.5b": 10.902, "learner-1.5b": 58.435, "learner-7b-lora": 17.290}
-
-
-def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "bench" / "gpu_check.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 class OnGpu:
@@ -41,15 +29,13 @@ class OnGpu:
 
 @pytest.mark.parametrize("part", sorted(MEASURED_H100))
 def test_the_learner_plan_is_within_its_promise_of_the_h100(part: str, tmp_path: Path) -> None:
-    check = gpu_check()
+    check = load_bench("gpu_check")
     case = next(c for c in check.CASES if c.part == part)
     (tmp_path / "config.json").write_text(json.dumps(check.model_config(case.model, tiny=False)))
     recipe = check.trainer_recipe(OnGpu(tmp_path), case, tmp_path, "H100")
-    budget = plan_recipe(recipe, advise=False).gpus[0]
-    update = [i for i in budget.items if i.phase in ("all", "update")]
-    planned = sum(i.bytes for i in update if not i.name.startswith("runtime")) / GIB
+    planned_bytes, items = check.learner_plan(recipe)
+    planned = planned_bytes / GIB
     ratio = planned / MEASURED_H100[part]
     assert abs(ratio - 1) <= check.PLAN_PROMISE, (part, round(planned, 2), ratio)
     if part == "learner-1.5b":  # no checkpointing: autocast keeps every layer's bf16 copy
-        names = {i.name for i in update}
-        assert {"weights, autocast's copies", "activations, no checkpointing"} <= names
+        assert {"weights, autocast's copies", "activations, no checkpointing"} <= set(items)
