@@ -102,24 +102,36 @@ def release(names: SlotNames, fd: int) -> None:
 
 
 def claim_free_slot(prefix: str) -> tuple[SlotNames, int]:
+    used = _addresses()
     for slot in range(MAX_SLOTS):
         names = SlotNames(prefix, slot)
+        # A slot whose subnet is on a link is never locked, not even for a moment: its lock
+        # may be free because a crashed run left it, and the sweep of that run's prefix must
+        # find the lock free to tear its litter down (a probe here made it skip the slot).
+        if any(addr in names.subnet for addr in used):
+            continue
         fd = try_lock(names.lock_path)
         if fd is None:
             continue
         if _subnet_in_use(names.subnet):
-            release(names, fd)  # something else on this machine uses that subnet
+            release(names, fd)  # a link took that subnet since we looked
             continue
         return names, fd
     raise HostsError(f"all {MAX_SLOTS} slots for prefix {prefix!r} are in use")
 
 
+def _addresses() -> list[ipaddress.IPv4Address]:
+    """Every IPv4 address on a link of this (root) namespace."""
+    return [
+        ipaddress.IPv4Address(addr["local"])
+        for link in json.loads(ip("-json", "addr", "show").stdout or "[]")
+        for addr in link.get("addr_info", [])
+        if addr.get("family") == "inet"
+    ]
+
+
 def _subnet_in_use(subnet: ipaddress.IPv4Network) -> bool:
-    for link in json.loads(ip("-json", "addr", "show").stdout or "[]"):
-        for addr in link.get("addr_info", []):
-            if addr.get("family") == "inet" and ipaddress.IPv4Address(addr["local"]) in subnet:
-                return True
-    return False
+    return any(addr in subnet for addr in _addresses())
 
 
 def _bridged_traffic_filtered() -> bool:
