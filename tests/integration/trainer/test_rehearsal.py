@@ -5,9 +5,11 @@ machine (training ranks and engines placed as on GPUs, computing on CPU); the re
 layout, strategy, engines (vLLM's CPU build), node groups, staleness, reward or environment,
 data layout, storage (real S3 and GCS servers started here, the recipes' own buckets),
 checkpoints and probe. Each trains steps 1-2, checkpoints, resumes as a retried job would and
-trains step 3. The five share one Ray cluster (three nodes: two stand-in GPUs labelled
-train, two and one labelled rollout), its nodes started with the hub cache and the stores in
-their environment, as a cloud node would have them.
+trains step 3. The rehearsals one worker of `make test` runs share one Ray cluster (three
+nodes: two stand-in GPUs labelled train, two and one labelled rollout), its nodes started
+with the hub cache and the stores in their environment, as a cloud node would have them; each
+rehearsal is a unit of the schedule of its own (tests/support/schedule.py), so the workers
+share them out.
 """
 
 from __future__ import annotations
