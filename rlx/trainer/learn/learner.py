@@ -35,11 +35,7 @@ from rlx.trainer import algos
 from rlx.trainer import packing as pack
 from rlx.trainer.algos.mismatch import mismatch_metrics
 from rlx.trainer.batch import SequenceBatch, micro_batch_rows
-from rlx.trainer.learn import lora, sharding
-from rlx.trainer.learn.attention import (
-    can_attend_by_segments,
-    use_segment_attention,
-)
+from rlx.trainer.learn import sharding
 from rlx.trainer.learn.models import (
     ResponseScorer,
     TokenScores,
@@ -56,6 +52,11 @@ from rlx.trainer.learn.models import (
     sequence_logprob,
     shares_packed_prompts,
     uses_varlen_attention,
+)
+from rlx.trainer.model import lora
+from rlx.trainer.model.attention import (
+    can_attend_by_segments,
+    use_segment_attention,
 )
 from rlx.trainer.seeding import derive_seed
 

@@ -14,13 +14,13 @@ from torch import Tensor, nn
 
 from rlx.plan.memory import chunk_tokens_for_vocab
 from rlx.recipe.model import ModelSettings, OptimSettings, TrainerSettings
-from rlx.trainer.cpu_linear import linear, use_onednn
-from rlx.trainer.learn.attention import (
+from rlx.trainer.model.attention import (
     SEGMENT_ATTENTION,
     attends_by_segments,
     attends_in_full,
     layout_inputs,
 )
+from rlx.trainer.model.cpu_linear import linear, use_onednn
 from rlx.trainer.packing import Layout
 
 if TYPE_CHECKING:
@@ -71,7 +71,7 @@ def load_causal_lm(
     FSDP2-sharded, each rank reading only its own rows."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rlx.trainer.learn import lora
+    from rlx.trainer.model import lora
 
     adapters = settings.lora if trainable else None
     dtype = compute_dtype(settings.dtype, device)
@@ -172,7 +172,7 @@ def load_value_model(
     head trains whole."""
     from transformers import AutoConfig, AutoModel
 
-    from rlx.trainer.learn import lora
+    from rlx.trainer.model import lora
 
     adapters = settings.lora
     dtype = compute_dtype(settings.dtype, device)
@@ -611,7 +611,7 @@ def packed_attention(
     model: nn.Module, attention: Tensor | None, layout: Layout, device: torch.device
 ) -> dict[str, Any]:
     """The attention keywords of a packed forward of `model` (a decoder body): its layout
-    where it attends by segments (rlx.trainer.learn.attention); else the 4-D mask of rows
+    where it attends by segments (rlx.trainer.model.attention); else the 4-D mask of rows
     that share prompts in the form its attention takes, or None, from which transformers
     derives the block-diagonal mask (restarting position ids)."""
     if attends_by_segments(model):

@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from rlx.trainer.learn.dtensors import local_rows
-from rlx.trainer.learn.lora import base_name, is_adapter
+from rlx.trainer.model.dtensors import local_rows
+from rlx.trainer.model.lora import base_name, is_adapter
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlx.trainer.batch import RolloutBatch, pad_responses
-from rlx.trainer.cpu_linear import use_onednn
+from rlx.trainer.model.cpu_linear import use_onednn
+from rlx.trainer.model.decode import LeanDecoder, grow_in_place
 from rlx.trainer.rollout.base import RolloutEngine, SamplingArgs, check_sampling_args
-from rlx.trainer.rollout.decode import LeanDecoder, grow_in_place
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -128,7 +128,7 @@ class HFEngine(RolloutEngine):
         elif isinstance(dtype, torch.dtype):
             model = model.to(dtype=dtype)
         if lora is not None and not hasattr(model, "peft_config"):
-            from rlx.trainer.learn.lora import add_adapters
+            from rlx.trainer.model.lora import add_adapters
 
             model = add_adapters(model, lora)
         if device is not None:

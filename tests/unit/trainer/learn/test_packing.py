@@ -16,16 +16,16 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlx.trainer.batch import RolloutBatch, SequenceBatch, pack_rollout, pad_responses
-from rlx.trainer.learn.attention import (
+from rlx.trainer.learn.learner import OLD_LOGP, REF_LOGP, RETURNS, VALUES, Learner
+from rlx.trainer.learn.models import ResponseScorer, prompt_groups, score_responses
+from rlx.trainer.model.attention import (
     LAYOUT_KEYWORD,
     SEGMENT_ATTENTION,
     attends_by_segments,
     register,
     use_segment_attention,
 )
-from rlx.trainer.learn.learner import OLD_LOGP, REF_LOGP, RETURNS, VALUES, Learner
-from rlx.trainer.learn.models import ResponseScorer, prompt_groups, score_responses
-from rlx.trainer.learn.tiny import build_tiny_model
+from rlx.trainer.model.tiny import build_tiny_model
 from rlx.trainer.packing import (
     PackedRows,
     pack_rows,

@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rlx.trainer.cpu_linear import (
+from rlx.trainer.model.attention import SEGMENT_ATTENTION, attends_in_full, transformers_model
+from rlx.trainer.model.cpu_linear import (
     choice,
     is_linear,
     onednn_linear,
@@ -38,7 +39,6 @@ from rlx.trainer.cpu_linear import (
     reorder_weight,
     runs_onednn,
 )
-from rlx.trainer.learn.attention import SEGMENT_ATTENTION, attends_in_full, transformers_model
 
 # The decoder layers whose forward this module repeats (their attention, MLP and norms, as
 # transformers 5 writes them): input norm, attention (q/k/v projections, optional per-head
@@ -54,7 +54,7 @@ DECODER_LAYERS = (
 # once would not follow them.
 SEQUENCE_DEPENDENT_ROPE = ("dynamic", "longrope")
 # Attention implementations whose decode step is the scaled dot-product attention this step
-# runs (segment attention is SDPA outside packed passes: rlx.trainer.learn.attention).
+# runs (segment attention is SDPA outside packed passes: rlx.trainer.model.attention).
 ATTENTION = ("sdpa", "eager", SEGMENT_ATTENTION)
 # How far the step's logits may stray from transformers' forward, relative to the largest
 # logit (at least 1), by the dtype the check runs in: rounding of the same ops in a

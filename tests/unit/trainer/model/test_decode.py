@@ -1,4 +1,4 @@
-"""The HF engine's own decode step (rlx.trainer.rollout.decode): its logits equal
+"""The HF engine's own decode step (rlx.trainer.model.decode): its logits equal
 transformers' forward for every architecture it takes (grouped-query attention, per-head
 norms, LoRA adapters, a model named by hub id), it samples what the forward samples, the
 start-up check catches a step that is wrong, and models it cannot run go through the
@@ -13,15 +13,13 @@ import torch
 from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config, Qwen3Config
 
 from rlx.recipe.model import LoraSettings
-from rlx.trainer import cpu_linear
-from rlx.trainer.learn import lora
-from rlx.trainer.learn.attention import use_segment_attention
-from rlx.trainer.learn.tiny import build_tiny_model
+from rlx.trainer.model import cpu_linear, decode, lora
+from rlx.trainer.model.attention import use_segment_attention
+from rlx.trainer.model.decode import LeanDecoder, unsupported
+from rlx.trainer.model.tiny import build_tiny_model
 from rlx.trainer.resolve import resolve_model_path
-from rlx.trainer.rollout import decode
 from rlx.trainer.rollout.base import SamplingArgs
 from rlx.trainer.rollout.colocated import make_colocated_engine
-from rlx.trainer.rollout.decode import LeanDecoder, unsupported
 from rlx.trainer.rollout.hf import HFEngine
 from tests.support.hub import HubCache
 
