@@ -349,7 +349,7 @@ class TrainWorker:
     def push_bytes(self, dtype: str | None) -> int:
         """Colocated: bytes a refresh hands this worker's engine (the pushed parameters in
         the engine's dtype); 0 when the engine runs the policy's own module."""
-        from rlx.trainer.learn.sharding import pushed_parameters
+        from rlx.trainer.model.push import pushed_parameters
 
         if self.engine is None or self.engine.shares_policy:
             return 0

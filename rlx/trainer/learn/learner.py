@@ -40,13 +40,11 @@ from rlx.trainer.learn.models import (
     ResponseScorer,
     TokenScores,
     autocast,
-    can_share_prompts,
     compute_dtype,
     load_causal_lm,
     load_value_model,
     make_optimizer,
     packing_obstacle,
-    prompt_groups,
     response_values,
     score_responses,
     sequence_logprob,
@@ -58,6 +56,7 @@ from rlx.trainer.model.attention import (
     can_attend_by_segments,
     use_segment_attention,
 )
+from rlx.trainer.model.prefill import can_share_prompts, prompt_groups
 from rlx.trainer.seeding import derive_seed
 
 # Per-token inputs an update may read from SequenceBatch.fields. BEHAV_LOGP: the engines'

@@ -21,6 +21,7 @@ from rlx.trainer.model.attention import (
     layout_inputs,
 )
 from rlx.trainer.model.cpu_linear import linear, use_onednn
+from rlx.trainer.model.prefill import can_share_prompts, prompt_groups, shared_prompt_cache
 from rlx.trainer.packing import Layout
 
 if TYPE_CHECKING:
@@ -218,56 +219,6 @@ def load_value_model(
 
 
 # --------------------------------------------------------------------------- forwards
-
-
-def prompt_groups(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor] | None:
-    """Rows that hold the same prompt (same tokens, same padding), as (first row of each
-    distinct prompt (U,), which distinct prompt each row holds (B,)); None when no prompt
-    repeats. prompt_ids, prompt_mask: (B, P)."""
-    rows = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)  # (B, 2P)
-    distinct, inverse = torch.unique(rows, dim=0, return_inverse=True)  # (U, 2P), (B,)
-    if len(distinct) == len(rows):
-        return None
-    order = torch.arange(len(rows), device=rows.device)  # (B,)
-    first = torch.full((len(distinct),), len(rows), device=rows.device, dtype=torch.long)
-    first = first.scatter_reduce(0, inverse, order, reduce="amin")  # (U,)
-    return first, inverse
-
-
-def can_share_prompts(model: nn.Module) -> bool:
-    """Whether a prompt's keys and values can be computed once and extended by several
-    continuations: attention models of transformers (not recurrent, "stateful" ones), and not
-    while gradient checkpointing is on in training, which turns the cache off."""
-    if not hasattr(model, "config") or getattr(model, "_is_stateful", False):
-        return False
-    return not (model.training and getattr(model, "is_gradient_checkpointing", False))
-
-
-def shared_prompt_cache(
-    model: nn.Module, groups: tuple[Tensor, Tensor], prompt_ids: Tensor, prompt_mask: Tensor
-) -> tuple[Any, Tensor]:
-    """Run each distinct prompt through `model` once and give every row its prompt's keys
-    and values: (the cache, each row's output at its last prompt position: (B, 1, V) logits
-    of a causal LM, or (B, 1, H) hidden state of a decoder body)."""
-    from transformers import DynamicCache
-
-    first, inverse = groups
-    positions = (prompt_mask.cumsum(dim=-1) - 1).clamp(min=0)  # (B, P) as SequenceBatch's
-    cache = DynamicCache(config=model.config)
-    inputs: dict[str, Any] = {
-        "input_ids": prompt_ids[first],
-        "attention_mask": prompt_mask[first],
-        "position_ids": positions[first],
-        "past_key_values": cache,
-        "use_cache": True,
-    }
-    is_lm = getattr(model, "get_output_embeddings", lambda: None)() is not None
-    if is_lm:
-        head = model(**inputs, logits_to_keep=1).logits  # (U, 1, V)
-    else:
-        head = model(**inputs).last_hidden_state[:, -1:]  # (U, 1, H)
-    cache.batch_select_indices(inverse)  # indexing: gradients flow back to the U prompts
-    return cache, head[inverse]
 
 
 @dataclass(frozen=True)

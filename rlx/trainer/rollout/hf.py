@@ -291,7 +291,7 @@ class HFEngine(RolloutEngine):
         once and every row gets its keys and values (see can_share_prompts)."""
         from transformers import DynamicCache
 
-        from rlx.trainer.learn.models import can_share_prompts, prompt_groups, shared_prompt_cache
+        from rlx.trainer.model.prefill import can_share_prompts, prompt_groups, shared_prompt_cache
 
         groups = prompt_groups(input_ids, attention_mask) if can_share_prompts(self.model) else None
         if self.collective is not None and not self.collective(groups is not None):

@@ -213,8 +213,8 @@ def test_vllm_serves_the_exported_adapter_as_peft_runs_it(run, engine) -> None:
 
 
 def test_pushed_versions_are_served_side_by_side_and_a_bad_push_is_caught(run, engine) -> None:
-    from rlx.trainer.learn.sharding import engine_tensors
     from rlx.trainer.model.lora import adapter_bytes
+    from rlx.trainer.model.push import engine_tensors
     from rlx.trainer.rollout.hf import HFEngine
 
     policy = _peft(run)

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from rlx.trainer.batch import RolloutBatch, SequenceBatch, pack_rollout, pad_responses
 from rlx.trainer.learn.learner import OLD_LOGP, REF_LOGP, RETURNS, VALUES, Learner
-from rlx.trainer.learn.models import ResponseScorer, prompt_groups, score_responses
+from rlx.trainer.learn.models import ResponseScorer, score_responses
 from rlx.trainer.model.attention import (
     LAYOUT_KEYWORD,
     SEGMENT_ATTENTION,
@@ -25,6 +25,7 @@ from rlx.trainer.model.attention import (
     register,
     use_segment_attention,
 )
+from rlx.trainer.model.prefill import prompt_groups
 from rlx.trainer.model.tiny import build_tiny_model
 from rlx.trainer.packing import (
     PackedRows,
