@@ -24,15 +24,6 @@ def prompt_groups(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tens
     return first, inverse
 
 
-def can_share_prompts(model: nn.Module) -> bool:
-    """Whether a prompt's keys and values can be computed once and extended by several
-    continuations: attention models of transformers (not recurrent, "stateful" ones), and not
-    while gradient checkpointing is on in training, which turns the cache off."""
-    if not hasattr(model, "config") or getattr(model, "_is_stateful", False):
-        return False
-    return not (model.training and getattr(model, "is_gradient_checkpointing", False))
-
-
 def shared_prompt_cache(
     model: nn.Module, groups: tuple[Tensor, Tensor], prompt_ids: Tensor, prompt_mask: Tensor
 ) -> tuple[Any, Tensor]:
