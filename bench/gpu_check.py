@@ -613,7 +613,7 @@ def part_fsdp_dcp(check: Check) -> dict[str, Any]:
 
 def part_packing(check: Check) -> dict[str, Any]:
     from rlx.trainer.learn.learner import Learner, _mean_gap, packing_tolerance
-    from rlx.trainer.learn.models import uses_varlen_attention
+    from rlx.trainer.model.traits import traits
     from rlx.trainer.rollout.probe import Probe
 
     case = CASES[0]
@@ -649,8 +649,8 @@ def part_packing(check: Check) -> dict[str, Any]:
         probe = Probe(prompt_ids=[0] * 8, response_ids=[0] * 14)
         out[dtype] = {
             "attention": "flash varlen"
-            if uses_varlen_attention(learner.policy)
-            else learner.policy.config._attn_implementation,
+            if traits(learner.policy).varlen
+            else traits(learner.policy).attention,
             "packed_passes": learner.packing,
             "worst_mean_gap": worst,
             "its_tolerance": worst_tolerance,

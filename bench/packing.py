@@ -145,7 +145,7 @@ def main() -> None:
     torch.set_num_threads(THREADS)
     torch.manual_seed(SEED)
     from rlx.trainer.learn.learner import Learner
-    from rlx.trainer.learn.tiny import build_tiny_model
+    from rlx.trainer.model.tiny import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_model(

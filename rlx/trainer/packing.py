@@ -12,7 +12,7 @@ Sequences that share a prompt can share it in a row too (`shared_segments`): the
 then each response; the position ids cannot say that a response sees the prompt but not its
 siblings, so such rows carry their own 4-D mask (PackedRows.attention), which SDPA and eager
 attention take as it is. Every row also says where its segments lie (PackedRows.layout): a
-model that attends by segments (rlx.trainer.learn.attention) reads that instead of any mask,
+model that attends by segments (rlx.trainer.model.attention) reads that instead of any mask,
 and then needs no mask at all.
 
 How sequences are cut up: `pack_bins` puts sequences into rows of at most `row_tokens`
@@ -216,7 +216,7 @@ class PackedRows:
     # (a segment's first tokens of its responses all follow its prompt's last position)
     target_index: Tensor | None = None
     # Per row, its segments in order: what a model that attends by segments reads instead
-    # of a mask (rlx.trainer.learn.attention).
+    # of a mask (rlx.trainer.model.attention).
     layout: Layout = ()
 
     def target_positions(self) -> Tensor:

@@ -295,7 +295,7 @@ class RehearsalResult:
 def build_stand_in(shape: ModelShape, folder: Path, seed: int = 0) -> Path:
     """A small random model of the shape's architecture (tied or untied head, grouped-query
     attention when the real one has it, its position range) with the byte-level tokenizer."""
-    from rlx.trainer.learn.tiny import build_tiny_model
+    from rlx.trainer.model.tiny import build_tiny_model
 
     kv_heads = STAND_IN_HEADS if shape.kv_heads >= shape.heads else 1
     return build_tiny_model(

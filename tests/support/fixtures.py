@@ -14,7 +14,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from rlx.trainer.learn.tiny import build_tiny_model
+    from rlx.trainer.model.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 

@@ -20,7 +20,6 @@ from rlx import procfs
 from rlx.errors import RlxError
 from rlx.recipe.model import TrainerSettings
 from rlx.runs import GPU_FREE, GPU_PEAK, GPU_RESERVED
-from rlx.trainer import cpu_linear
 from rlx.trainer.actors.placement import threads_for
 from rlx.trainer.allocator import keep_freed_memory, use_allocator_settings
 from rlx.trainer.batch import RolloutBatch, SequenceBatch
@@ -43,6 +42,7 @@ from rlx.trainer.checkpoint.training import (
 )
 from rlx.trainer.learn.learner import Learner, UpdateStats, needs_old_logprobs
 from rlx.trainer.learn.models import autocast, compute_dtype, engine_dtype_setting
+from rlx.trainer.model import cpu_linear
 from rlx.trainer.rollout import make_engine
 from rlx.trainer.rollout.base import RolloutEngine, SamplingArgs
 from rlx.trainer.rollout.colocated import ColocatedEngine, make_colocated_engine
@@ -349,7 +349,7 @@ class TrainWorker:
     def push_bytes(self, dtype: str | None) -> int:
         """Colocated: bytes a refresh hands this worker's engine (the pushed parameters in
         the engine's dtype); 0 when the engine runs the policy's own module."""
-        from rlx.trainer.learn.sharding import pushed_parameters
+        from rlx.trainer.model.push import pushed_parameters
 
         if self.engine is None or self.engine.shares_policy:
             return 0

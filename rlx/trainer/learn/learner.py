@@ -35,28 +35,23 @@ from rlx.trainer import algos
 from rlx.trainer import packing as pack
 from rlx.trainer.algos.mismatch import mismatch_metrics
 from rlx.trainer.batch import SequenceBatch, micro_batch_rows
-from rlx.trainer.learn import lora, sharding
-from rlx.trainer.learn.attention import (
-    can_attend_by_segments,
-    use_segment_attention,
-)
+from rlx.trainer.learn import sharding
 from rlx.trainer.learn.models import (
     ResponseScorer,
     TokenScores,
     autocast,
-    can_share_prompts,
     compute_dtype,
     load_causal_lm,
     load_value_model,
     make_optimizer,
-    packing_obstacle,
-    prompt_groups,
     response_values,
     score_responses,
     sequence_logprob,
-    shares_packed_prompts,
-    uses_varlen_attention,
 )
+from rlx.trainer.model import lora
+from rlx.trainer.model.attention import use_segment_attention
+from rlx.trainer.model.prefill import prompt_groups
+from rlx.trainer.model.traits import traits
 from rlx.trainer.seeding import derive_seed
 
 # Per-token inputs an update may read from SequenceBatch.fields. BEHAV_LOGP: the engines'
@@ -278,8 +273,9 @@ class Learner:
         # on GPUs: there each response's attention is a few kernel launches of its own, a
         # cost not yet measured against the dense mask's (FlashAttention's varlen is the
         # GPU's way to skip it).
-        self.by_segments = device.type == "cpu" and all(can_attend_by_segments(m) for m in models)
-        self.share_prompts = all(shares_packed_prompts(m) for m in models)
+        facts = [traits(m) for m in models]
+        self.by_segments = device.type == "cpu" and all(f.can_attend_by_segments for f in facts)
+        self.share_prompts = all(f.shares_packed_prompts for f in facts)
         self.packing, self.packing_note = self._decide_packing()
         self.by_segments = self.by_segments and self.packing
         if self.by_segments:
@@ -298,7 +294,7 @@ class Learner:
 
     @property
     def _varlen(self) -> bool:
-        return uses_varlen_attention(self.policy)
+        return traits(self.policy).varlen
 
     def _decide_packing(self) -> tuple[bool, str]:
         """Whether the passes are packed, and the line that says so. trainer.batch.packing
@@ -308,7 +304,7 @@ class Learner:
             return False, "packing: off (trainer.batch.packing: false); padded micro-batches"
         models = [m for m in (self.policy, self.reference, self.critic) if m is not None]
         for model in models:
-            obstacle = packing_obstacle(model)
+            obstacle = traits(model).packing_obstacle
             if obstacle is not None:
                 return False, f"packing: off, {obstacle}; padded micro-batches instead"
         path = (
@@ -450,7 +446,7 @@ class Learner:
         width = mb.prompt_width
         responses = mb.response_mask.shape[1]
         groups = None
-        if width > 0 and responses > 1 and can_share_prompts(self.policy):
+        if width > 0 and responses > 1 and traits(self.policy).shares_prefill(self.policy.training):
             groups = prompt_groups(mb.input_ids[:, :width], mb.attention_mask[:, :width])
         if groups is None:
             return mb.input_ids.numel(), mb.num_tokens

@@ -14,13 +14,10 @@ from torch import Tensor, nn
 
 from rlx.plan.memory import chunk_tokens_for_vocab
 from rlx.recipe.model import ModelSettings, OptimSettings, TrainerSettings
-from rlx.trainer.cpu_linear import linear, use_onednn
-from rlx.trainer.learn.attention import (
-    SEGMENT_ATTENTION,
-    attends_by_segments,
-    attends_in_full,
-    layout_inputs,
-)
+from rlx.trainer.model.attention import layout_inputs
+from rlx.trainer.model.cpu_linear import linear, use_onednn
+from rlx.trainer.model.prefill import prompt_groups, shared_prompt_cache
+from rlx.trainer.model.traits import traits
 from rlx.trainer.packing import Layout
 
 if TYPE_CHECKING:
@@ -71,7 +68,7 @@ def load_causal_lm(
     FSDP2-sharded, each rank reading only its own rows."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rlx.trainer.learn import lora
+    from rlx.trainer.model import lora
 
     adapters = settings.lora if trainable else None
     dtype = compute_dtype(settings.dtype, device)
@@ -172,7 +169,7 @@ def load_value_model(
     head trains whole."""
     from transformers import AutoConfig, AutoModel
 
-    from rlx.trainer.learn import lora
+    from rlx.trainer.model import lora
 
     adapters = settings.lora
     dtype = compute_dtype(settings.dtype, device)
@@ -218,56 +215,6 @@ def load_value_model(
 
 
 # --------------------------------------------------------------------------- forwards
-
-
-def prompt_groups(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor] | None:
-    """Rows that hold the same prompt (same tokens, same padding), as (first row of each
-    distinct prompt (U,), which distinct prompt each row holds (B,)); None when no prompt
-    repeats. prompt_ids, prompt_mask: (B, P)."""
-    rows = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)  # (B, 2P)
-    distinct, inverse = torch.unique(rows, dim=0, return_inverse=True)  # (U, 2P), (B,)
-    if len(distinct) == len(rows):
-        return None
-    order = torch.arange(len(rows), device=rows.device)  # (B,)
-    first = torch.full((len(distinct),), len(rows), device=rows.device, dtype=torch.long)
-    first = first.scatter_reduce(0, inverse, order, reduce="amin")  # (U,)
-    return first, inverse
-
-
-def can_share_prompts(model: nn.Module) -> bool:
-    """Whether a prompt's keys and values can be computed once and extended by several
-    continuations: attention models of transformers (not recurrent, "stateful" ones), and not
-    while gradient checkpointing is on in training, which turns the cache off."""
-    if not hasattr(model, "config") or getattr(model, "_is_stateful", False):
-        return False
-    return not (model.training and getattr(model, "is_gradient_checkpointing", False))
-
-
-def shared_prompt_cache(
-    model: nn.Module, groups: tuple[Tensor, Tensor], prompt_ids: Tensor, prompt_mask: Tensor
-) -> tuple[Any, Tensor]:
-    """Run each distinct prompt through `model` once and give every row its prompt's keys
-    and values: (the cache, each row's output at its last prompt position: (B, 1, V) logits
-    of a causal LM, or (B, 1, H) hidden state of a decoder body)."""
-    from transformers import DynamicCache
-
-    first, inverse = groups
-    positions = (prompt_mask.cumsum(dim=-1) - 1).clamp(min=0)  # (B, P) as SequenceBatch's
-    cache = DynamicCache(config=model.config)
-    inputs: dict[str, Any] = {
-        "input_ids": prompt_ids[first],
-        "attention_mask": prompt_mask[first],
-        "position_ids": positions[first],
-        "past_key_values": cache,
-        "use_cache": True,
-    }
-    is_lm = getattr(model, "get_output_embeddings", lambda: None)() is not None
-    if is_lm:
-        head = model(**inputs, logits_to_keep=1).logits  # (U, 1, V)
-    else:
-        head = model(**inputs).last_hidden_state[:, -1:]  # (U, 1, H)
-    cache.batch_select_indices(inverse)  # indexing: gradients flow back to the U prompts
-    return cache, head[inverse]
 
 
 @dataclass(frozen=True)
@@ -370,7 +317,7 @@ class ResponseScorer(nn.Module):
     def _can_share(self, input_ids: Tensor, attention_mask: Tensor, prompt_width: int) -> Any:
         width = input_ids.shape[1] - prompt_width  # R
         groups = None
-        if prompt_width > 0 and width > 1 and can_share_prompts(self.lm):
+        if prompt_width > 0 and width > 1 and traits(self.lm).shares_prefill(self.lm.training):
             groups = prompt_groups(input_ids[:, :prompt_width], attention_mask[:, :prompt_width])
         if self.agree is not None and not self.agree(groups is not None):
             return None
@@ -587,22 +534,18 @@ def response_values(
     return values[:, batch.prompt_width - 1 : -1]  # (B, R)
 
 
-# Attention implementations that take a 4-D mask as it is: True/False (SDPA) or 0/-inf
-# added to the scores (eager). Rows whose sequences share a prompt need one.
-MASKED_ATTENTION = ("sdpa", "eager")
-
-
 def attention_for(model: nn.Module, attention: Tensor | None) -> Tensor | None:
     """PackedRows.attention ((k, 1, T, T), True where a position attends) in the form the
     model's attention implementation takes; None stays None (the position ids say it all)."""
     if attention is None:
         return None
-    implementation = getattr(model.config, "_attn_implementation", None) or "eager"
+    facts = traits(model)
+    implementation = facts.attention
     if implementation == "sdpa":
         return attention
     if implementation != "eager":
         raise ValueError(f"rows sharing prompts need SDPA or eager attention, not {implementation}")
-    dtype = model.get_input_embeddings().weight.dtype  # type: ignore[operator]
+    dtype = facts.dtype
     scores = torch.zeros(attention.shape, dtype=dtype, device=attention.device)
     return scores.masked_fill(~attention, torch.finfo(dtype).min)
 
@@ -611,67 +554,14 @@ def packed_attention(
     model: nn.Module, attention: Tensor | None, layout: Layout, device: torch.device
 ) -> dict[str, Any]:
     """The attention keywords of a packed forward of `model` (a decoder body): its layout
-    where it attends by segments (rlx.trainer.learn.attention); else the 4-D mask of rows
+    where it attends by segments (rlx.trainer.model.attention); else the 4-D mask of rows
     that share prompts in the form its attention takes, or None, from which transformers
     derives the block-diagonal mask (restarting position ids)."""
-    if attends_by_segments(model):
+    if traits(model).attends_by_segments:
         return layout_inputs(layout, device)
     if attention is None and any(len(s[2]) > 1 for row in layout for s in row):
         raise ValueError("rows that share prompts need their 4-D mask for this model")
     return {"attention_mask": attention_for(model, attention)}
-
-
-def shares_packed_prompts(model: nn.Module) -> bool:
-    """Whether packed rows may run a prompt once for several responses (a layout or a 4-D
-    mask of prompt-and-own-response): the model attends by segments, or its attention
-    takes such a mask as it is, and every layer attends in full (a sliding window would
-    need its own)."""
-    inner = getattr(model, "body", model)
-    config = getattr(inner, "config", None)
-    if config is None or packing_obstacle(model) is not None:
-        return False
-    return attends_in_full(config) and (
-        getattr(config, "_attn_implementation", None) or "eager"
-    ) in (*MASKED_ATTENTION, SEGMENT_ATTENTION)
-
-
-# Attention implementations of transformers that keep packed sequences apart when called with
-# restarting position ids, no attention mask and no cache (see rlx.trainer.packing), and
-# segment attention, which reads their layout.
-PACKABLE_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", SEGMENT_ATTENTION)
-VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
-
-
-def packing_obstacle(model: nn.Module) -> str | None:
-    """Why `model` cannot run packed sequences exactly, or None when it can: a recurrent
-    ("stateful") model or one with linear-attention layers carries state across the
-    sequences of a row, and an attention implementation other than SDPA, eager or
-    FlashAttention may ignore the restarting position ids."""
-    inner = getattr(model, "body", model)  # a ValueModel's decoder
-    config = getattr(inner, "config", None)
-    if config is None:
-        return f"{type(model).__name__} has no transformers config"
-    name = type(inner).__name__
-    if getattr(inner, "_is_stateful", False):
-        return f"{name} is recurrent (its state runs across the sequences of a row)"
-    kinds = set(getattr(config, "layer_types", None) or ())
-    others = kinds - {"full_attention", "sliding_attention"}
-    if others:
-        return f"{name} has {sorted(others)[0]} layers, which packing would mix"
-    attention = getattr(config, "_attn_implementation", None) or "eager"
-    if attention not in PACKABLE_ATTENTION:
-        return f"{name} runs {attention} attention; packing is exact with " + ", ".join(
-            PACKABLE_ATTENTION
-        )
-    return None
-
-
-def uses_varlen_attention(model: nn.Module) -> bool:
-    """FlashAttention's varlen kernels: packed rows cost nothing for a mask, so a pass is one
-    row (transformers reads sequence starts from the position ids of a single row only)."""
-    inner = getattr(model, "body", model)
-    attention = getattr(getattr(inner, "config", None), "_attn_implementation", None)
-    return attention in VARLEN_ATTENTION
 
 
 @torch.no_grad()

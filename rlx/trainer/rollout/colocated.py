@@ -77,7 +77,7 @@ class ColocatedEngine:
             if learner is not None and learner.device.type == "cuda":
                 self._state_away = learner.move_optimizer_state("cpu") > 0
             engine.wake_weights()
-        from rlx.trainer.learn.sharding import engine_tensors
+        from rlx.trainer.model.push import engine_tensors
 
         # Parameters one at a time (the engine streams them in buckets), not a state-dict
         # copy; tied weights appear once. A sharded policy gathers each on every rank.

@@ -15,14 +15,14 @@ import textwrap
 import pytest
 
 from rlx import ONEDNN_CACHES
-from rlx.trainer import cpu_linear
+from rlx.trainer.model import cpu_linear
 
 LOOP = textwrap.dedent(
     """
     import json, os
     import rlx  # before torch, as rlx's processes import it
     import torch
-    from rlx.trainer.cpu_linear import OneDNNLinear
+    from rlx.trainer.model.cpu_linear import OneDNNLinear
     torch.set_num_threads(1)
     def resident():
         return int(open("/proc/self/statm").read().split()[1]) * 4096

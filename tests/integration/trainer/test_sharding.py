@@ -346,7 +346,7 @@ class _Grads(torch.nn.Module):
 
 @pytest.fixture(scope="module")
 def big_model_dir(tmp_path_factory) -> Path:
-    from rlx.trainer.learn.tiny import build_tiny_model
+    from rlx.trainer.model.tiny import build_tiny_model
 
     folder = tmp_path_factory.mktemp("big") / "model"
     return build_tiny_model(folder, hidden_size=512, num_layers=8, num_heads=8)

@@ -16,16 +16,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlx.trainer.batch import RolloutBatch, SequenceBatch, pack_rollout, pad_responses
-from rlx.trainer.learn.attention import (
-    LAYOUT_KEYWORD,
-    SEGMENT_ATTENTION,
-    attends_by_segments,
-    register,
-    use_segment_attention,
-)
 from rlx.trainer.learn.learner import OLD_LOGP, REF_LOGP, RETURNS, VALUES, Learner
-from rlx.trainer.learn.models import ResponseScorer, prompt_groups, score_responses
-from rlx.trainer.learn.tiny import build_tiny_model
+from rlx.trainer.learn.models import ResponseScorer, score_responses
+from rlx.trainer.model.attention import LAYOUT_KEYWORD, register, use_segment_attention
+from rlx.trainer.model.prefill import prompt_groups
+from rlx.trainer.model.tiny import build_tiny_model
+from rlx.trainer.model.traits import SEGMENT_ATTENTION, traits
 from rlx.trainer.packing import (
     PackedRows,
     pack_rows,
@@ -180,7 +176,7 @@ def segment_policy(
         )
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     use_segment_attention(model)
-    assert attends_by_segments(model)
+    assert traits(model).attends_by_segments
     return ResponseScorer(model.eval())
 
 
@@ -247,7 +243,7 @@ def test_segment_attention_is_sdpa_outside_packed_passes(
     switched.save_pretrained(tmp_path / "saved")
     assert SEGMENT_ATTENTION not in (tmp_path / "saved" / "config.json").read_text()
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
-    assert again.config._attn_implementation == "sdpa"
+    assert traits(again).attention == "sdpa"
 
 
 def test_the_learner_attends_by_segments_in_one_row_a_pass(
