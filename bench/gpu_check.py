@@ -250,8 +250,7 @@ def skewed_batch(settings: Any, vocab: int, seed: int = 0) -> Any:
     import torch
 
     from rlx.trainer import algos
-    from rlx.trainer.batch import RolloutBatch, pack_rollout
-    from rlx.trainer.learn.learner import ADVANTAGES
+    from rlx.trainer.batch import ADVANTAGES, RolloutBatch, pack_rollout
 
     g = torch.Generator().manual_seed(seed)
     prompts, n = settings.batch.prompts_per_step, settings.rollout.n
@@ -731,8 +730,8 @@ def part_mismatch(check: Check) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from rlx.trainer.algos.mismatch import mismatch_metrics
-    from rlx.trainer.batch import pack_rollout
-    from rlx.trainer.learn.learner import OLD_LOGP, Learner
+    from rlx.trainer.batch import OLD_LOGP, pack_rollout
+    from rlx.trainer.learn.learner import Learner
     from rlx.trainer.rollout.base import SamplingArgs
     from rlx.trainer.rollout.hf import HFEngine
 

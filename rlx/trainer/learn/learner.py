@@ -34,7 +34,16 @@ from rlx.runs import IS_TRUNCATED, IS_WEIGHT, MISMATCH_LOGGED
 from rlx.trainer import algos
 from rlx.trainer import packing as pack
 from rlx.trainer.algos.mismatch import mismatch_metrics
-from rlx.trainer.batch import SequenceBatch, micro_batch_rows
+from rlx.trainer.batch import (
+    ADVANTAGES,
+    BEHAV_LOGP,
+    OLD_LOGP,
+    REF_LOGP,
+    RETURNS,
+    VALUES,
+    SequenceBatch,
+    micro_batch_rows,
+)
 from rlx.trainer.learn import lora, sharding
 from rlx.trainer.learn.attention import (
     can_attend_by_segments,
@@ -58,17 +67,6 @@ from rlx.trainer.learn.models import (
     uses_varlen_attention,
 )
 from rlx.trainer.seeding import derive_seed
-
-# Per-token inputs an update may read from SequenceBatch.fields. BEHAV_LOGP: the engines'
-# sampling log-probs, sent only where engine and learner can disagree (sends_engine_logprobs).
-OLD_LOGP, REF_LOGP, VALUES, ADVANTAGES, RETURNS, BEHAV_LOGP = (
-    "old_logp",
-    "ref_logp",
-    "values",
-    "advantages",
-    "returns",
-    "behav_logp",
-)
 
 
 def minibatches_per_epoch(settings: TrainerSettings) -> int:

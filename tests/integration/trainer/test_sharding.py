@@ -16,16 +16,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rlx.trainer.batch import SequenceBatch, micro_batch_rows, pack_rollout
-from rlx.trainer.learn.learner import (
+from rlx.trainer.batch import (
     ADVANTAGES,
     REF_LOGP,
     RETURNS,
     VALUES,
-    Learner,
-    UpdateStats,
-    merge_update_stats,
+    SequenceBatch,
+    micro_batch_rows,
+    pack_rollout,
 )
+from rlx.trainer.learn.learner import Learner, UpdateStats, merge_update_stats
 from rlx.trainer.packing import plan_passes
 from rlx.trainer.rollout.base import SamplingArgs
 from rlx.trainer.rollout.hf import HFEngine

@@ -15,7 +15,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlx.trainer.batch import RolloutBatch, SequenceBatch, pack_rollout, pad_responses
+from rlx.trainer.batch import (
+    OLD_LOGP,
+    REF_LOGP,
+    RETURNS,
+    VALUES,
+    RolloutBatch,
+    SequenceBatch,
+    pack_rollout,
+    pad_responses,
+)
 from rlx.trainer.learn.attention import (
     LAYOUT_KEYWORD,
     SEGMENT_ATTENTION,
@@ -23,7 +32,7 @@ from rlx.trainer.learn.attention import (
     register,
     use_segment_attention,
 )
-from rlx.trainer.learn.learner import OLD_LOGP, REF_LOGP, RETURNS, VALUES, Learner
+from rlx.trainer.learn.learner import Learner
 from rlx.trainer.learn.models import ResponseScorer, prompt_groups, score_responses
 from rlx.trainer.learn.tiny import build_tiny_model
 from rlx.trainer.packing import (
