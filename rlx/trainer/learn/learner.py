@@ -50,8 +50,6 @@ from rlx.trainer.learn.attention import (
     use_segment_attention,
 )
 from rlx.trainer.learn.models import (
-    ResponseScorer,
-    TokenScores,
     autocast,
     can_share_prompts,
     compute_dtype,
@@ -60,12 +58,11 @@ from rlx.trainer.learn.models import (
     make_optimizer,
     packing_obstacle,
     prompt_groups,
-    response_values,
-    score_responses,
     sequence_logprob,
     shares_packed_prompts,
     uses_varlen_attention,
 )
+from rlx.trainer.learn.scoring import ResponseScorer, TokenScores, response_values, score_responses
 from rlx.trainer.seeding import derive_seed
 
 

@@ -460,7 +460,7 @@ def test_ranks_train_like_one_unsharded_process(
 def test_chunked_logprobs_equal_the_full_logits(tiny_model_dir, ppo_step_batch) -> None:
     from transformers import AutoModelForCausalLM
 
-    from rlx.trainer.learn.models import ResponseScorer, score_responses
+    from rlx.trainer.learn.scoring import ResponseScorer, score_responses
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     model.train()

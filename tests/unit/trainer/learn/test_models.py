@@ -10,7 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlx.trainer.batch import SequenceBatch, pack_rollout
-from rlx.trainer.learn.models import ResponseScorer, prompt_groups, score_responses
+from rlx.trainer.learn.models import prompt_groups
+from rlx.trainer.learn.scoring import ResponseScorer, score_responses
 from rlx.trainer.rollout.base import SamplingArgs
 from rlx.trainer.rollout.hf import HFEngine
 

@@ -33,7 +33,8 @@ from rlx.trainer.learn.attention import (
     use_segment_attention,
 )
 from rlx.trainer.learn.learner import Learner
-from rlx.trainer.learn.models import ResponseScorer, prompt_groups, score_responses
+from rlx.trainer.learn.models import prompt_groups
+from rlx.trainer.learn.scoring import ResponseScorer, score_responses
 from rlx.trainer.learn.tiny import build_tiny_model
 from rlx.trainer.packing import (
     PackedRows,
