@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,7 +20,6 @@ from rlx.trainer.learn.models import (
     prompt_groups,
     shared_prompt_cache,
 )
-from rlx.trainer.packing import Layout
 
 if TYPE_CHECKING:
     from rlx.trainer.batch import SequenceBatch
@@ -37,8 +36,36 @@ class TokenScores:
     entropy: Tensor
 
 
+@dataclass(frozen=True)
+class ScoreInputs:
+    """What a ResponseScorer scores: a micro-batch's sequences at the sampling temperature,
+    as padded rows (`rows`: ids, 2-D attention mask, prompt width and the response mask
+    that says which tokens are scored) or, with `packed`, as the same sequences packed
+    (rlx.trainer.packing: ids, positions, the indices scored and their targets, its 4-D mask
+    or None, its layout), which then run instead of the padded rows. entropy_grad: whether
+    the entropy keeps a graph. Made by ScoreInputs.of, which leaves the batch's per-token
+    fields behind: with no floating-point tensor in it, DDP and FSDP hand it to the forward
+    as it is."""
+
+    rows: SequenceBatch
+    temperature: float
+    entropy_grad: bool
+    packed: PackedRows | None = None
+
+    @classmethod
+    def of(
+        cls,
+        batch: SequenceBatch,
+        temperature: float,
+        *,
+        entropy_grad: bool,
+        packed: PackedRows | None = None,
+    ) -> ScoreInputs:
+        return cls(replace(batch, fields={}), temperature, entropy_grad, packed)
+
+
 class ResponseScorer(nn.Module):
-    """A causal LM as a function of a SequenceBatch's tensors: the log-prob of each response
+    """A causal LM as a function of ScoreInputs: the log-prob of each response
     token and the entropy of the distribution it was drawn from, at temperature T.
 
     Memory: only the hidden states of real response tokens reach the LM head, in chunks of
@@ -77,70 +104,36 @@ class ResponseScorer(nn.Module):
         # A LoRA policy scoring as its own reference: the base, with its adapters switched off.
         self.adapter_off = adapter_off
 
-    def forward(
-        self,
-        input_ids: Tensor,
-        attention_mask: Tensor | None,
-        position_ids: Tensor,
-        prompt_width: int,
-        response_mask: Tensor,
-        temperature: float,
-        entropy_grad: bool,
-        score_index: Tensor | None = None,
-        target_index: Tensor | None = None,
-        layout: Layout = (),
-    ) -> tuple[Tensor, Tensor]:
-        """Padded rows (B, P + R), or with score_index and target_index packed rows (k, T)
-        whose attention_mask is None or PackedRows.attention and whose layout is
-        PackedRows.layout (rlx.trainer.packing)."""
+    def forward(self, inputs: ScoreInputs) -> tuple[Tensor, Tensor]:
+        """(B, R) log-probs and entropies of inputs' response tokens, zero elsewhere: over its
+        packed rows where it has them, else over its padded rows."""
         from rlx.trainer.learn.sharding import run_as_forward
 
         adapters = self.lm.disable_adapter() if self.adapter_off else contextlib.nullcontext()
+        score = self._score if inputs.packed is None else self._score_packed
         with adapters:  # type: ignore[attr-defined]
-            if score_index is not None:
-                return run_as_forward(
-                    self.lm,
-                    self._score_packed,
-                    input_ids,
-                    position_ids,
-                    score_index,
-                    target_index,
-                    response_mask,
-                    temperature,
-                    entropy_grad,
-                    attention_mask,
-                    layout,
-                )
-            assert attention_mask is not None, "padded rows need their attention mask"
-            return run_as_forward(
-                self.lm,
-                self._score,
-                input_ids,
-                attention_mask,
-                position_ids,
-                prompt_width,
-                response_mask,
-                temperature,
-                entropy_grad,
-            )
+            return run_as_forward(self.lm, score, inputs)
 
-    def _can_share(self, input_ids: Tensor, attention_mask: Tensor, prompt_width: int) -> Any:
-        width = input_ids.shape[1] - prompt_width  # R
+    def _can_share(self, rows: SequenceBatch) -> Any:
+        prompt_width = rows.prompt_width
+        width = rows.input_ids.shape[1] - prompt_width  # R
         groups = None
         if prompt_width > 0 and width > 1 and can_share_prompts(self.lm):
-            groups = prompt_groups(input_ids[:, :prompt_width], attention_mask[:, :prompt_width])
+            groups = prompt_groups(
+                rows.input_ids[:, :prompt_width], rows.attention_mask[:, :prompt_width]
+            )
         if self.agree is not None and not self.agree(groups is not None):
             return None
         return groups
 
-    def response_hidden(
-        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_width: int
-    ) -> Tensor:
+    def _response_hidden(self, rows: SequenceBatch) -> Tensor:
         """(B, R, H) final hidden states at the positions that predict each response token.
         Call inside the LM's forward (see forward)."""
         body = self.lm.get_decoder()  # type: ignore[operator]
+        input_ids, attention_mask = rows.input_ids, rows.attention_mask  # (B, P + R) each
+        position_ids, prompt_width = rows.position_ids, rows.prompt_width
         width = input_ids.shape[1] - prompt_width  # R
-        groups = self._can_share(input_ids, attention_mask, prompt_width)
+        groups = self._can_share(rows)
         if groups is None:
             hidden = body(
                 input_ids=input_ids,
@@ -162,71 +155,44 @@ class ResponseScorer(nn.Module):
         ).last_hidden_state  # (B, R - 1, H) predict response tokens 1..R-1
         return torch.cat([head, tail], dim=1)  # (B, R, H)
 
-    def _score(
-        self,
-        input_ids: Tensor,
-        attention_mask: Tensor,
-        position_ids: Tensor,
-        prompt_width: int,
-        response_mask: Tensor,
-        temperature: float,
-        entropy_grad: bool,
-    ) -> tuple[Tensor, Tensor]:
-        hidden = self.response_hidden(input_ids, attention_mask, position_ids, prompt_width)
-        targets = input_ids[:, prompt_width:]  # (B, R)
-        real_hidden = hidden[response_mask]  # (N, H): padding never reaches the head
-        real_targets = targets[response_mask]  # (N,)
-        return self._head_scores(
-            real_hidden, real_targets, response_mask, temperature, entropy_grad
-        )
+    def _score(self, inputs: ScoreInputs) -> tuple[Tensor, Tensor]:
+        rows = inputs.rows
+        hidden = self._response_hidden(rows)
+        targets = rows.input_ids[:, rows.prompt_width :]  # (B, R)
+        real_hidden = hidden[rows.response_mask]  # (N, H): padding never reaches the head
+        real_targets = targets[rows.response_mask]  # (N,)
+        return self._head_scores(real_hidden, real_targets, inputs)
 
-    def _score_packed(
-        self,
-        input_ids: Tensor,
-        position_ids: Tensor,
-        score_index: Tensor,
-        target_index: Tensor | None,
-        response_mask: Tensor,
-        temperature: float,
-        entropy_grad: bool,
-        attention: Tensor | None,
-        layout: Layout,
-    ) -> tuple[Tensor, Tensor]:
+    def _score_packed(self, inputs: ScoreInputs) -> tuple[Tensor, Tensor]:
+        packed = inputs.packed
+        assert packed is not None
         body = self.lm.get_decoder()  # type: ignore[operator]
         # No 2-D attention mask and no cache: the only calls that keep packed sequences apart
         # (packed_attention says which).
         hidden = body(
-            input_ids=input_ids,
-            position_ids=position_ids,
+            input_ids=packed.input_ids,
+            position_ids=packed.position_ids,
             use_cache=False,
-            **packed_attention(body, attention, layout, input_ids.device),
+            **packed_attention(body, packed.attention, packed.layout, packed.input_ids.device),
         ).last_hidden_state  # (k, T, H)
-        real_hidden = hidden.flatten(0, 1)[score_index]  # (N, H)
-        if target_index is None:
-            target_index = score_index + 1  # every sequence's own tokens follow each other
-        real_targets = input_ids.flatten()[target_index]  # (N,): the token each predicts
-        return self._head_scores(
-            real_hidden, real_targets, response_mask, temperature, entropy_grad
-        )
+        real_hidden = hidden.flatten(0, 1)[packed.score_index]  # (N, H)
+        real_targets = packed.input_ids.flatten()[packed.target_positions()]  # (N,)
+        return self._head_scores(real_hidden, real_targets, inputs)
 
     def _head_scores(
-        self,
-        real_hidden: Tensor,
-        real_targets: Tensor,
-        response_mask: Tensor,
-        temperature: float,
-        entropy_grad: bool,
+        self, real_hidden: Tensor, real_targets: Tensor, inputs: ScoreInputs
     ) -> tuple[Tensor, Tensor]:
         """(N, H) hidden states of the scored tokens and their (N,) targets -> (B, R) log-probs
-        and entropies, zero where response_mask is False."""
+        and entropies, zero where inputs.rows.response_mask is False."""
+        response_mask = inputs.rows.response_mask
         head = self.lm.get_output_embeddings()  # type: ignore[operator]
         logprobs, entropy = chunked_token_scores(
             real_hidden,
             head.weight,
             getattr(head, "bias", None),
             real_targets,
-            temperature=temperature,
-            entropy_grad=entropy_grad,
+            temperature=inputs.temperature,
+            entropy_grad=inputs.entropy_grad,
             chunk_tokens=self.chunk_tokens,
         )  # (N,) each
         zeros = torch.zeros(response_mask.shape, dtype=torch.float32, device=real_hidden.device)
@@ -302,29 +268,8 @@ def score_responses(
 ) -> TokenScores:
     """(B, R) log-probs and entropies of a batch's responses, from a ResponseScorer (or DDP of
     one); with `packed`, the same sequences run packed (no padding)."""
-    if packed is not None:
-        logprobs, entropy = scorer(
-            packed.input_ids,
-            packed.attention,
-            packed.position_ids,
-            0,
-            batch.response_mask,
-            temperature,
-            entropy_grad,
-            packed.score_index,
-            packed.target_positions(),
-            packed.layout,
-        )
-        return TokenScores(logprobs, entropy)
-    logprobs, entropy = scorer(
-        batch.input_ids,
-        batch.attention_mask,
-        batch.position_ids,
-        batch.prompt_width,
-        batch.response_mask,
-        temperature,
-        entropy_grad,
-    )
+    inputs = ScoreInputs.of(batch, temperature, entropy_grad=entropy_grad, packed=packed)
+    logprobs, entropy = scorer(inputs)
     return TokenScores(logprobs, entropy)
 
 

@@ -75,7 +75,7 @@ def test_shared_prompts_give_a_full_forwards_scores_and_gradients(
         return scores.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
     scorer = ResponseScorer(model)
-    assert scorer._can_share(batch.input_ids, batch.attention_mask, batch.prompt_width)
+    assert scorer._can_share(batch)
     shared_scores = score_responses(scorer, batch, 1.0, entropy_grad=True)
     shared, shared_grads = loss_and_grads(shared_scores.logprobs + shared_scores.entropy)
     logits = full_forward(model, batch)  # (B, R, V)
