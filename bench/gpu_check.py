@@ -509,7 +509,7 @@ def part_learner(check: Check, case: Case) -> dict[str, Any]:
     rate = sum(flops) / sum(seconds)
     out.update(
         params_b=round(sum(p.numel() for p in learner.policy.parameters()) / 1e9, 3),
-        packing=learner.packing,
+        packing=learner.planner.packing,
         steps=len(seconds),
         samples_per_step=settings.batch.prompts_per_step * settings.rollout.n,
         s_per_step=round(s, 3),
@@ -611,8 +611,9 @@ def part_fsdp_dcp(check: Check) -> dict[str, Any]:
 
 
 def part_packing(check: Check) -> dict[str, Any]:
-    from rlx.trainer.learn.learner import Learner, _mean_gap, packing_tolerance
+    from rlx.trainer.learn.learner import Learner
     from rlx.trainer.learn.models import uses_varlen_attention
+    from rlx.trainer.learn.passes import mean_gap, packing_tolerance
     from rlx.trainer.rollout.probe import Probe
 
     case = CASES[0]
@@ -631,7 +632,7 @@ def part_packing(check: Check) -> dict[str, Any]:
             return learner._scores(learner.policy_scorer, mb, entropy_grad=False, packed=packed)
 
         with learner.no_grad():
-            learner.packing = True
+            learner.planner.packing = True
             packed = learner._per_token(batch, lambda mb, p: scores(mb, p).logprobs)
             worst, worst_ratio, worst_tolerance, sums = 0.0, -1.0, 0.0, []
             for row in range(len(batch)):
@@ -640,7 +641,7 @@ def part_packing(check: Check) -> dict[str, Any]:
                 mask = single.response_mask[0]
                 got = packed[row, : own.shape[0]]
                 scale = float(own[mask].abs().mean())
-                gap = _mean_gap(got, own, mask)
+                gap = mean_gap(got, own, mask)
                 tolerance = packing_tolerance(learner.dtype, scale)
                 if gap / tolerance > worst_ratio:
                     worst, worst_ratio, worst_tolerance = gap, gap / tolerance, tolerance
@@ -650,7 +651,7 @@ def part_packing(check: Check) -> dict[str, Any]:
             "attention": "flash varlen"
             if uses_varlen_attention(learner.policy)
             else learner.policy.config._attn_implementation,
-            "packed_passes": learner.packing,
+            "packed_passes": learner.planner.packing,
             "worst_mean_gap": worst,
             "its_tolerance": worst_tolerance,
             "within": worst <= worst_tolerance,

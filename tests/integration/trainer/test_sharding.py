@@ -140,8 +140,8 @@ def _peak_anonymous_memory(stop: threading.Event, out: list[int]) -> None:
 def own_passes(learner: Learner, batch: SequenceBatch, budget: int) -> int:
     """Passes a rank needs for `batch` under a token budget, packed (the default) as the
     learner packs: its segments (prompts shared) in rows of its row size."""
-    _, lengths = learner._segments(batch)
-    return len(plan_passes(lengths, budget, min(budget, learner.row_tokens)))
+    _, lengths = learner.planner.segments(batch)
+    return len(plan_passes(lengths, budget, min(budget, learner.planner.row_tokens)))
 
 
 def uneven_budget(learner: Learner, batch: SequenceBatch, world: int) -> int:
@@ -287,7 +287,7 @@ def _run_strategy(rank: int, world: int, strategy: str, model: str, big_model: s
     tokens = uneven_budget(learner, batch, world)
     learner.settings = parallel_settings(folder, strategy, max_tokens_per_micro_batch=tokens)
     counts: list[Any] = [None] * world
-    assert learner.packing
+    assert learner.planner.packing
     dist.all_gather_object(counts, own_passes(learner, mine, tokens))
     policy, critic, _ = one_update(learner, mine)
     if rank == 0:
