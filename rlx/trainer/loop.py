@@ -37,7 +37,17 @@ from rlx.runs import (
 )
 from rlx.trainer import algos
 from rlx.trainer.actors.cluster import Cluster
-from rlx.trainer.batch import SequenceBatch, outcome_token_rewards, pack_rollout
+from rlx.trainer.batch import (
+    ADVANTAGES,
+    BEHAV_LOGP,
+    OLD_LOGP,
+    REF_LOGP,
+    RETURNS,
+    VALUES,
+    SequenceBatch,
+    outcome_token_rewards,
+    pack_rollout,
+)
 from rlx.trainer.checkpoint import (
     capture_rng_state,
     location_name,
@@ -60,16 +70,7 @@ from rlx.trainer.episodes.runner import EpisodeRunner, episode_metrics
 from rlx.trainer.episodes.trajectory import check_trajectories
 from rlx.trainer.inflight import RolloutQueue, check_staleness, staleness_metrics
 from rlx.trainer.job import TrainJob
-from rlx.trainer.learn.learner import (
-    ADVANTAGES,
-    BEHAV_LOGP,
-    OLD_LOGP,
-    REF_LOGP,
-    RETURNS,
-    VALUES,
-    needs_old_logprobs,
-    sends_engine_logprobs,
-)
+from rlx.trainer.learn.learner import needs_old_logprobs, sends_engine_logprobs
 from rlx.trainer.report.console import StopRequest
 from rlx.trainer.report.metrics import MetricsLogger, StepRecords
 from rlx.trainer.report.progress import Progress

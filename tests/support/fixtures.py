@@ -49,8 +49,7 @@ def advantage_batch(tiny_model_dir: Path):
     the Learner tests update on."""
     import torch
 
-    from rlx.trainer.batch import pack_rollout
-    from rlx.trainer.learn.learner import ADVANTAGES
+    from rlx.trainer.batch import ADVANTAGES, pack_rollout
     from rlx.trainer.rollout.base import SamplingArgs
     from rlx.trainer.rollout.hf import HFEngine
 

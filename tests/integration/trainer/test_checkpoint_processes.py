@@ -259,8 +259,7 @@ def _spawn(fn: Any, world: int, *args: Any) -> None:
 @pytest.fixture(scope="module")
 def ppo_batch(tiny_model_dir: Path) -> Any:
     """12 samples (3 prompts x 4) with advantages and returns: splits over 2 and 3 ranks."""
-    from rlx.trainer.batch import pack_rollout
-    from rlx.trainer.learn.learner import ADVANTAGES, RETURNS
+    from rlx.trainer.batch import ADVANTAGES, RETURNS, pack_rollout
     from rlx.trainer.rollout.hf import HFEngine
 
     engine = HFEngine(tiny_model_dir)

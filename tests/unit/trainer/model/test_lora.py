@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from rlx.errors import RlxError
+from rlx.trainer.batch import REF_LOGP, RETURNS
 from rlx.trainer.checkpoint.training import load_learner_state, save_learner_state
-from rlx.trainer.learn.learner import REF_LOGP, RETURNS, Learner
+from rlx.trainer.learn.learner import Learner
 from rlx.trainer.model import lora
 from tests.support.recipes import small_trainer
 
