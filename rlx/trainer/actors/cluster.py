@@ -372,9 +372,6 @@ class Cluster:
         refs = [getattr(w, method).remote(*args) for w in self.train.handles]
         return gather(refs, "training worker")
 
-    def call_rank0(self, method: str, *args: Any) -> Any:
-        return gather([getattr(self.train.handles[0], method).remote(*args)], "training worker")[0]
-
     def worker_memory(self) -> list[tuple[str, int, int]]:
         refs = [h.host_memory.remote() for h in self.train.handles + self.rollout.handles]
         return gather(refs, "worker")
