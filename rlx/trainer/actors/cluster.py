@@ -112,7 +112,6 @@ class Cluster:
         train: WorkerSet,
         rollout: WorkerSet,
         groups: list[Any],
-        engine_dtype: str,
         strategy: StrategyChoice,
     ):
         self.job = job
@@ -122,7 +121,7 @@ class Cluster:
         self.train = train
         self.rollout = rollout
         self._groups = groups
-        self.engine_dtype = engine_dtype
+        self.engine_dtype = job.engine_dtype
         self.bucket_bytes = self.settings.rollout.weight_sync_bucket_mb * 2**20
         self.sampling = SamplingArgs.from_settings(self.settings)
         self._queued: QueuedPush | None = None  # a push the engines take after their rollouts
@@ -145,7 +144,6 @@ class Cluster:
         nodes: Sequence[NodeView],
         policy_path: str,
         critic_path: str | None,
-        engine_dtype: str,
         strategy: StrategyChoice,
     ) -> Cluster:
         import ray
@@ -218,6 +216,7 @@ class Cluster:
                 node_share=1,
                 num_threads=thread_override(),
                 engine_kind=job.engine,
+                engine_dtype=job.engine_dtype,
                 colocated=settings.layout == "colocated",
                 use_gpu=job.on_gpus,
                 strategy=strategy.strategy,
@@ -249,7 +248,7 @@ class Cluster:
                 rollout_handles.append(actor.remote(spec, index, tensor_parallel))
             train = WorkerSet(train_handles, [train_ips[slot] for slot in order])
             rollout = WorkerSet(rollout_handles, rollout_ips)
-            cluster = cls(job, train, rollout, groups, engine_dtype, strategy)
+            cluster = cls(job, train, rollout, groups, strategy)
             cluster._setup_training()
             return cluster
         except BaseException:
@@ -355,7 +354,7 @@ class Cluster:
         prepare_seconds = max(outcome.prepare_seconds for outcome in outcomes)
         if not colocated:
             started = time.perf_counter()
-            if self.settings.rollout.max_staleness > 0:
+            if self.job.ahead:
                 probe_diff = self.queue_weights(step, probe)
             else:
                 probe_diff = self.sync_weights(step, probe)

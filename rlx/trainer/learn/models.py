@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from rlx.plan.memory import chunk_tokens_for_vocab
-from rlx.recipe.model import ModelSettings, OptimSettings, TrainerSettings
+from rlx.recipe.model import ModelSettings, OptimSettings
 from rlx.trainer.cpu_linear import linear, use_onednn
 from rlx.trainer.learn.attention import (
     SEGMENT_ATTENTION,
@@ -39,12 +39,6 @@ def compute_dtype(setting: str, device: torch.device) -> torch.dtype:
     if setting == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, setting)
-
-
-def engine_dtype_setting(settings: TrainerSettings) -> str:
-    """The engines' dtype as the recipe gives it: rollout.dtype, unset the model's (whose
-    'auto' compute_dtype decides per device)."""
-    return settings.rollout.dtype or settings.model.dtype
 
 
 def quiet_transformers() -> None:
