@@ -141,10 +141,7 @@ def plan_recipe(
         critic_shape = find_shape((trainer.critic_model or trainer.model).path, env)
     resources = recipe.resources
     gpu = resources.gpus_per_node > 0
-    capacity = gpu_capacity(resources.train_nodes, env) if gpu else None
-    rollout_nodes = resources.rollout_nodes
-    # resources.groups: the engines run on the rollout group's GPUs, of their own size
-    rollout_capacity = capacity if rollout_nodes is None else gpu_capacity(rollout_nodes, env)
+    capacity, rollout_capacity = _gpu_capacities(resources, env)
     layout = layout_of(recipe)
     choice = choose_strategy(recipe, env)
     strategy = choice.strategy
@@ -175,6 +172,18 @@ def plan_recipe(
     _add_disk_figures(plan, recipe, shape, critic_shape, layout, strategy, gpu)
     _verdict(plan, recipe, env, advise)
     return plan
+
+
+def _gpu_capacities(
+    resources: Resources, env: Mapping[str, str] | None
+) -> tuple[int | None, int | None]:
+    """(a training GPU's memory, a rollout GPU's), None for unknown or none."""
+    gpu = resources.gpus_per_node > 0
+    capacity = gpu_capacity(resources.train_nodes, env) if gpu else None
+    rollout_nodes = resources.rollout_nodes
+    # resources.groups: the engines run on the rollout group's GPUs, of their own size
+    rollout_capacity = capacity if rollout_nodes is None else gpu_capacity(rollout_nodes, env)
+    return capacity, rollout_capacity
 
 
 def _accelerator_line(resources: Resources) -> str | None:
