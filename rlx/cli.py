@@ -14,13 +14,16 @@ import sys
 from collections.abc import Callable, Iterable
 from enum import Enum
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import typer
 
 from rlx import __version__, launchers
-from rlx.launchers.spec import LAUNCH_OPTIONS
+from rlx.launchers.spec import LAUNCH_OPTIONS, BackendSpec
 from rlx.node import env as node_env
+
+if TYPE_CHECKING:
+    from rlx.recipe import Recipe
 
 app = typer.Typer(
     name="rlx",
@@ -295,25 +298,12 @@ def launch(
     from rlx.launchers.base import LaunchRequest, collect_secrets, remember
     from rlx.lint import lint_loaded
     from rlx.recipe import load_recipe
-    from rlx.recipe.model import RECIPE_NAME
 
     loaded = _load_checked(recipe, False, lint_loaded, load_recipe, keep=keep)
-    job_recipe = loaded.recipe
-    if name is not None:
-        if not RECIPE_NAME.fullmatch(name):
-            fail(
-                f"--name {name!r}: use lowercase letters, digits and '-', start with a letter, "
-                "2 to 40 characters"
-            )
-        job_recipe = job_recipe.model_copy(update={"name": name})
+    job_recipe = _renamed(loaded.recipe, name)
     chosen = launchers.spec(backend.value)
     given = {"managed": managed, "address": address is not None, "detach": detach, "keep": keep}
-    for option in [name for name, on in given.items() if on and not chosen.takes(name)]:
-        takers = launchers.taking(option)
-        fail(
-            f"--{option} is for {LAUNCH_OPTIONS[option]} on {_either(b.title for b in takers)}; "
-            f"use it with --backend {_either(b.name for b in takers)}"
-        )
+    _refuse_options_not_taken(chosen, given)
     if keep:
         from rlx.launchers.keep import kept_recipe
 
@@ -352,6 +342,31 @@ def launch(
             err=True,
         )
     raise typer.Exit(code)
+
+
+def _renamed(recipe: Recipe, name: str | None) -> Recipe:
+    """The recipe under --name, when given (refused unless it is a recipe name)."""
+    from rlx.recipe.model import RECIPE_NAME
+
+    if name is None:
+        return recipe
+    if not RECIPE_NAME.fullmatch(name):
+        fail(
+            f"--name {name!r}: use lowercase letters, digits and '-', start with a letter, "
+            "2 to 40 characters"
+        )
+    return recipe.model_copy(update={"name": name})
+
+
+def _refuse_options_not_taken(chosen: BackendSpec, given: dict[str, bool]) -> None:
+    """Fail for the first option given that the chosen backend does not take, naming the
+    backends that do."""
+    for option in [name for name, on in given.items() if on and not chosen.takes(name)]:
+        takers = launchers.taking(option)
+        fail(
+            f"--{option} is for {LAUNCH_OPTIONS[option]} on {_either(b.title for b in takers)}; "
+            f"use it with --backend {_either(b.name for b in takers)}"
+        )
 
 
 @app.command()
