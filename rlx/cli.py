@@ -23,6 +23,7 @@ from rlx.launchers.spec import LAUNCH_OPTIONS, BackendSpec
 from rlx.node import env as node_env
 
 if TYPE_CHECKING:
+    from rlx.launchers.base import Job, LaunchRequest
     from rlx.recipe import Recipe
 
 app = typer.Typer(
@@ -331,17 +332,22 @@ def launch(
     job = launchers.operations(backend.value).launch(request)
     remember(job, Path.cwd())
     code = int(job.extra.get("exit_code", "0"))
-    if keep:
+    _after_launch(job, request)
+    raise typer.Exit(code)
+
+
+def _after_launch(job: Job, request: LaunchRequest) -> None:
+    """A kept cluster announced; a job not run to its end here, how to follow it."""
+    if request.keep:
         from rlx.launchers.keep import announce
 
-        announce(job, job_recipe, request.secrets, Path.cwd())
+        announce(job, request.recipe, request.secrets, Path.cwd())
     elif "exit_code" not in job.extra:  # not run to its end here: say how to follow it
         typer.echo(
             f"launched {job.name} on {job.backend} ({job.handle}); follow it with: "
             f"rlx logs {job.name} --follow",
             err=True,
         )
-    raise typer.Exit(code)
 
 
 def _renamed(recipe: Recipe, name: str | None) -> Recipe:
