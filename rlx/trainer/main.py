@@ -301,18 +301,7 @@ def run_training(
     probe_locations(recipe, env)
     paths.run_dir.mkdir(parents=True, exist_ok=True)
     pull_run(paths)  # logging.dir in a store: continue what an earlier attempt left there
-    result = RunResult(
-        state="RUNNING",
-        run_id=paths.run_id,
-        run_dir=str(paths.run_dir),
-        steps=settings.steps,
-        pid=os.getpid(),
-        started=time.time(),
-        metrics=str(paths.metrics),
-        plot=str(paths.plot),
-        log=str(paths.log),
-        checkpoints=None if paths.checkpoints is None else str(paths.checkpoints),
-    )
+    result = _running(paths, settings.steps)
     write_result(paths, result)
     stop = StopRequest()
     with console_to_log(paths.log) as (out, err), handle_signals(stop):
@@ -347,11 +336,7 @@ def run_training(
             print(f"stopped by {stop}", file=out, flush=True)
             raise
         except BaseException as exc:
-            message = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
-            code = exc.exit_code if isinstance(exc, RlxError) else 1
-            result.state, result.exit_code, result.error = "FAILED", code, message
-            with paths.log.open("a", encoding="utf-8") as log:  # the CLI prints it on screen
-                print(f"error: {message}", file=log)
+            _record_failure(result, exc, paths)
             raise
         finally:
             result.finished = time.time()
@@ -361,6 +346,31 @@ def run_training(
             for line in summary_lines(result):
                 print(line, file=out, flush=True)
     return result
+
+
+def _running(paths: RunPaths, steps: int) -> RunResult:
+    """The record of a run that starts now, in this process."""
+    return RunResult(
+        state="RUNNING",
+        run_id=paths.run_id,
+        run_dir=str(paths.run_dir),
+        steps=steps,
+        pid=os.getpid(),
+        started=time.time(),
+        metrics=str(paths.metrics),
+        plot=str(paths.plot),
+        log=str(paths.log),
+        checkpoints=None if paths.checkpoints is None else str(paths.checkpoints),
+    )
+
+
+def _record_failure(result: RunResult, exc: BaseException, paths: RunPaths) -> None:
+    """The run failed with `exc`: its record says so, and its log has the error's line."""
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+    code = exc.exit_code if isinstance(exc, RlxError) else 1
+    result.state, result.exit_code, result.error = "FAILED", code, message
+    with paths.log.open("a", encoding="utf-8") as log:  # the CLI prints it on screen
+        print(f"error: {message}", file=log)
 
 
 def main(recipe: Recipe, env: Mapping[str, str] | None = None) -> int:
