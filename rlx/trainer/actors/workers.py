@@ -41,7 +41,7 @@ from rlx.trainer.checkpoint.training import (
     save_learner_state,
 )
 from rlx.trainer.learn.learner import Learner, UpdateStats, needs_old_logprobs
-from rlx.trainer.learn.models import autocast, compute_dtype, engine_dtype_setting
+from rlx.trainer.learn.models import autocast
 from rlx.trainer.model import cpu_linear
 from rlx.trainer.rollout import make_engine
 from rlx.trainer.rollout.base import RolloutEngine, SamplingArgs
@@ -68,6 +68,7 @@ class WorkerSpec:
     node_share: int  # actors of this job on the worker's node (they share its cores)
     num_threads: int | None  # RLX_NUM_THREADS, when set
     engine_kind: str  # "hf" | "vllm" (resolved), for the colocated or split engine
+    engine_dtype: str  # the engines' weights dtype (TrainJob.engine_dtype)
     colocated: bool  # training workers hold the engines
     use_gpu: bool
     # How the training ranks share the models (rlx.plan.strategy.choose_strategy, decided
@@ -274,7 +275,7 @@ class TrainWorker:
             spec.engine_kind,
             policy,
             spec.policy_path,
-            dtype=dtype_name(compute_dtype(engine_dtype_setting(spec.settings), self.device)),
+            dtype=spec.engine_dtype,
             vllm_options=options,
             collective=collective,
             say=notes.append,
@@ -567,7 +568,7 @@ class RolloutWorker:
         self.engine = make_engine(
             spec.engine_kind,
             spec.policy_path,
-            dtype=dtype_name(compute_dtype(engine_dtype_setting(spec.settings), self.device)),
+            dtype=spec.engine_dtype,
             device=str(self.device),
             vllm_options=options,
             lora=spec.settings.model.lora,

@@ -54,13 +54,6 @@ def manager_for(checkpoint: str) -> Checkpoints:
     return open_manager(checkpoint.rstrip("/").rsplit("/", 1)[0], "resume-path", 1)
 
 
-def marker_of(location: Location) -> dict | None:
-    """The COMPLETE marker of a checkpoint folder or URL (None when it is not complete)."""
-    if isinstance(location, str) and is_store_url(location):
-        return read_marker_url(location)
-    return read_marker(Path(location))
-
-
 def location_name(location: Location) -> str:
     """step-NNNNNN of a checkpoint's folder or URL."""
     return str(location).rstrip("/").rsplit("/", 1)[-1]

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from rlx.recipe.model import ModelSettings, OptimSettings, TrainerSettings
+from rlx.recipe.model import ModelSettings, OptimSettings
 from rlx.trainer.model.attention import layout_inputs
 from rlx.trainer.model.cpu_linear import use_onednn
 from rlx.trainer.model.traits import traits
@@ -29,12 +29,6 @@ def compute_dtype(setting: str, device: torch.device) -> torch.dtype:
     if setting == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, setting)
-
-
-def engine_dtype_setting(settings: TrainerSettings) -> str:
-    """The engines' dtype as the recipe gives it: rollout.dtype, unset the model's (whose
-    'auto' compute_dtype decides per device)."""
-    return settings.rollout.dtype or settings.model.dtype
 
 
 def quiet_transformers() -> None:

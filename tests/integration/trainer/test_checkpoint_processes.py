@@ -144,10 +144,11 @@ def _worker_settings(tmp: Path, strategy: str) -> Any:
 
 def _start_worker(rank: int, world: int, port: int, tmp: Path, model: str, strategy: str) -> Any:
     from rlx.trainer.actors.workers import TrainWorker, WorkerSpec
+    from rlx.trainer.job import engine_dtype_name
 
-    spec = WorkerSpec(
-        _worker_settings(tmp, strategy), model, model, rank, world, world, 1, "hf", False, False
-    )
+    settings = _worker_settings(tmp, strategy)
+    dtype = engine_dtype_name(settings, on_gpus=False)
+    spec = WorkerSpec(settings, model, model, rank, world, world, 1, "hf", dtype, False, False)
     worker = TrainWorker(spec)
     worker.setup("127.0.0.1", port)
     return worker
