@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from rlx import sigterm
 from rlx.errors import RlxError
+from rlx.owner import owned_run
 from rlx.recipe.model import Recipe
 from rlx.runs import RunPaths, RunResult, mirror_run, pull_run, run_line, write_result
 from rlx.trainer.checkpoint.probe import probe_locations
@@ -219,6 +220,9 @@ def training_session(
     stop = stop or StopRequest()
     with contextlib.ExitStack() as stack:
         stack.callback(stop.stay)  # last: Ray's teardown is over
+        # Everything the run starts from here (a private Ray's daemons, its workers, engines)
+        # ends with it, a kill -9 of this process included; after Ray's own teardown.
+        stack.enter_context(owned_run())
         started_ray, where = connect_ray(job, env)
         if started_ray:
             stack.callback(stop_private_ray)

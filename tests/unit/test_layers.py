@@ -54,6 +54,10 @@ RULES: dict[str, tuple[tuple[str, ...], str]] = {
     "rlx.runs": (("torch", "ray", "rlx.launchers"), "both sides read the run folder"),
     "rlx.procfs": (("rlx",), "a leaf"),
     "rlx.sigterm": (("rlx",), "a leaf"),
+    "rlx.owner": (
+        ("torch", "ray", "rlx.trainer", "rlx.launchers", "rlx.node"),
+        "its watchdog starts at once and knows only /proc",
+    ),
     "rlx.errors": (("rlx.",), "a leaf"),
 }
 # A backend's render.py is pure: its library, processes and the clock stay out of it.
