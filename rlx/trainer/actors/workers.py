@@ -43,12 +43,10 @@ from rlx.trainer.checkpoint.training import (
 )
 from rlx.trainer.learn.learner import Learner, UpdateStats, needs_old_logprobs
 from rlx.trainer.learn.models import autocast, compute_dtype, engine_dtype_setting
-from rlx.trainer.rollout import make_engine
+from rlx.trainer.rollout import engine_class, engine_for_job
 from rlx.trainer.rollout.base import RolloutEngine, SamplingArgs
 from rlx.trainer.rollout.colocated import ColocatedEngine, make_colocated_engine
-from rlx.trainer.rollout.hf import HFEngine
 from rlx.trainer.rollout.probe import EngineReport, Probe
-from rlx.trainer.rollout.vllm_options import vllm_options
 from rlx.trainer.seeding import derive_seed
 from rlx.trainer.weights import BucketLayout, GroupAddress, Traffic, WeightGroup, dtype_named
 
@@ -102,10 +100,11 @@ class UpdateOutcome:
     gpu: dict[str, float] = dataclasses.field(default_factory=dict)  # gpu_memory's figures
 
 
-def _prepare_process(spec: WorkerSpec, stream: str, holds_vllm: bool) -> torch.device:
+def _prepare_process(spec: WorkerSpec, stream: str, holds_engine: bool) -> torch.device:
     from rlx.trainer.learn.models import quiet_transformers
 
-    use_allocator_settings(spec.use_gpu, holds_vllm)
+    keep_default = holds_engine and engine_class(spec.engine_kind).keeps_default_allocator
+    use_allocator_settings(spec.use_gpu, keep_default)
     quiet_transformers()
     if not spec.use_gpu:  # the host computes: its freed tensors stay for the next ones
         keep_freed_memory()
@@ -203,8 +202,7 @@ class TrainWorker:
     """One data-parallel rank: a Learner, and in layout: colocated its rollout engine."""
 
     def __init__(self, spec: WorkerSpec):
-        colocated_vllm = spec.colocated and spec.engine_kind == "vllm"
-        self.device = _prepare_process(spec, "train-worker", holds_vllm=colocated_vllm)
+        self.device = _prepare_process(spec, "train-worker", holds_engine=spec.colocated)
         self.spec = spec = on_this_node(spec)
         self.learner: Learner | None = None
         self.engine: ColocatedEngine | None = None
@@ -240,10 +238,10 @@ class TrainWorker:
                 world_size=spec.world_size,
                 timeout=DIST_TIMEOUT,
             )
-        # A colocated vLLM engine starts before the learner fills the GPU: it sizes its
-        # share (gpu_memory_utilization) from memory that is still free. It loads the
-        # policy's starting weights from the same files.
-        if spec.colocated and spec.engine_kind == "vllm":
+        # An engine that loads the policy's starting weights from its files (vLLM) starts
+        # before the learner fills the GPU: it sizes its share (gpu_memory_utilization) from
+        # memory that is still free.
+        if spec.colocated and engine_class(spec.engine_kind).starts_before_learner:
             self.engine = self._colocated_engine(None, None, notes)
         self.learner = Learner(
             spec.settings,
@@ -265,17 +263,15 @@ class TrainWorker:
 
     def _colocated_engine(self, policy: Any, collective: Any, notes: list[str]) -> ColocatedEngine:
         spec = self.spec
-        options = None
-        if spec.engine_kind == "vllm":
-            options = vllm_options(
-                spec.settings, 1, spec.policy_path, use_gpu=spec.use_gpu, in_process=True
-            )
+        options = engine_class(spec.engine_kind).options_from(
+            spec.settings, spec.policy_path, use_gpu=spec.use_gpu, in_process=True
+        )
         return make_colocated_engine(
             spec.engine_kind,
             policy,
             spec.policy_path,
             dtype=dtype_name(compute_dtype(engine_dtype_setting(spec.settings), self.device)),
-            vllm_options=options,
+            options=options,
             collective=collective,
             say=notes.append,
             bucket_bytes=spec.settings.rollout.weight_sync_bucket_mb * 2**20,
@@ -296,8 +292,7 @@ class TrainWorker:
         with autocast(self.device, learner.dtype), learner.no_grad():
             engine = self.engine.engine
             if not prompt_ids:  # a sharded policy: join the other ranks' forwards
-                if isinstance(engine, HFEngine):
-                    engine.take_part(sampling.max_new_tokens)
+                engine.take_part(sampling.max_new_tokens)
                 return None
             return _generate(engine, prompt_ids, sampling, seed)
 
@@ -553,24 +548,17 @@ class RolloutWorker:
 
     def __init__(self, spec: WorkerSpec, index: int, tensor_parallel: int):
         self.index = index
-        self.device = _prepare_process(
-            spec, f"rollout-worker-{index}", holds_vllm=spec.engine_kind == "vllm"
-        )
+        self.device = _prepare_process(spec, f"rollout-worker-{index}", holds_engine=True)
         self.spec = spec = on_this_node(spec)
-        options = None
-        if spec.engine_kind == "vllm":
-            if tensor_parallel > 1 and spec.use_gpu:
-                prepare_ray_executor()
-            options = vllm_options(
-                spec.settings, tensor_parallel, spec.policy_path, use_gpu=spec.use_gpu
-            )
-        self.engine = make_engine(
+        self.engine: RolloutEngine = engine_for_job(
             spec.engine_kind,
+            spec.settings,
             spec.policy_path,
             dtype=dtype_name(compute_dtype(engine_dtype_setting(spec.settings), self.device)),
             device=str(self.device),
-            vllm_options=options,
-            lora=spec.settings.model.lora,
+            use_gpu=spec.use_gpu,
+            tensor_parallel=tensor_parallel,
+            join_ray=prepare_ray_executor,
         )
         self._skip_pushes = 0
         self._drop_buckets = 0
@@ -580,8 +568,7 @@ class RolloutWorker:
 
     def notes(self) -> list[str]:
         """What the engine said at start-up, for the run's log."""
-        note = getattr(self.engine, "decode_note", None)
-        return [note] if note else []
+        return self.engine.notes()
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingArgs, seed: int) -> Any:
         return _generate(self.engine, prompt_ids, sampling, seed)
