@@ -521,7 +521,7 @@ class TrainWorker:
         before = procfs.rss_bytes()
         peak_reset = procfs.reset_peak_rss()
         state = learner.sharded_state()
-        load_learner_state(state, parts[LEARNER_STATE])
+        load_learner_state(state, parts[LEARNER_STATE], manager.shard_reader(parts[LEARNER_STATE]))
         learner.load_sharded_state(state)
         del state
         peak = procfs.peak_rss_bytes() if peak_reset else procfs.rss_bytes()

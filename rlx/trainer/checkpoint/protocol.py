@@ -113,3 +113,12 @@ class Checkpoints(Protocol):
         checked against its marker, plus "step". A DCP part comes back as where it lies (a
         folder, or its URL in a store, read in place)."""
         ...
+
+    def shard_reader(self, part: Location) -> Any:
+        """DCP's storage reader of a DCP part where load_parts says it lies."""
+        ...
+
+    def pinned(self, setting: str) -> Location:
+        """The one complete checkpoint a checkpoint.resume path names, checked (RlxError,
+        what to give instead, when it is not one)."""
+        ...

@@ -42,7 +42,7 @@ from typing import Any
 from rlx.checkpoints import MARKER, STEP_DIR, parse_marker, step_of
 from rlx.errors import RlxError
 from rlx.node.raynode import backoff
-from rlx.storage import Retries, filesystem, join, unstrip
+from rlx.storage import Retries, filesystem, join, storage_options, unstrip
 from rlx.trainer.checkpoint.parts import read_part
 from rlx.trainer.checkpoint.protocol import PhaseHook, SavedCheckpoint
 from rlx.trainer.checkpoint.store import (
@@ -317,6 +317,21 @@ class StoreCheckpointManager:
 
     def load_parts(self, location: Path | str, names: Iterable[str]) -> dict[str, Any]:
         return load_store_parts(str(location), names)
+
+    def shard_reader(self, part: Path | str) -> Any:
+        """DCP's reader of a DCP part's URL, read in place (byte ranges through fsspec)."""
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        return FsspecReader(str(part), **storage_options(str(part)))
+
+    def pinned(self, setting: str) -> str:
+        """The one complete checkpoint a checkpoint.resume URL names (RlxError if it is not)."""
+        if read_marker_url(setting) is None:
+            raise RlxError(
+                f"checkpoint.resume: {setting} is not a complete checkpoint (no valid {MARKER} "
+                "marker there); give a step-NNNNNN prefix that has one"
+            )
+        return setting.rstrip("/")
 
     def _check_listed(self, step: int, files: list[dict[str, Any]]) -> None:
         base = self._path(self.step_url(step))

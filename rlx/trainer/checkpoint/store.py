@@ -357,6 +357,28 @@ class CheckpointManager:
     def load_parts(self, location: Path | str, names: Iterable[str]) -> dict[str, Any]:
         return load_folder_parts(Path(location), names)
 
+    def shard_reader(self, part: Path | str) -> Any:
+        """DCP's reader of a DCP part's folder, as load_parts gave it."""
+        import torch.distributed.checkpoint as dcp
+
+        return dcp.FileSystemReader(str(part))
+
+    def pinned(self, setting: str) -> Path:
+        """The one complete checkpoint a checkpoint.resume path names (RlxError if it is not)."""
+        path = Path(setting).expanduser()
+        if not path.exists():
+            raise RlxError(f"checkpoint.resume: {path} does not exist; give a step-NNNNNN folder")
+        if not path.is_dir():
+            raise RlxError(f"checkpoint.resume: {path} is not a folder; give a step-NNNNNN folder")
+        if read_marker(path) is None:
+            newest = newest_complete(path)
+            if newest is not None:
+                hint = f"it looks like a run folder; did you mean {newest}?"
+            else:
+                hint = f"it has no valid {MARKER} marker (an interrupted save or not a checkpoint)"
+            raise RlxError(f"checkpoint.resume: {path} is not a complete checkpoint: {hint}")
+        return path
+
     def load(self, path: Path, *, verify: bool = True) -> dict[str, Any]:
         """The parts saved in a complete checkpoint, plus "step". Tensors come back on the CPU.
 

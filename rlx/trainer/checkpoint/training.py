@@ -29,16 +29,13 @@ import re
 import shutil
 import signal
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rlx.errors import RlxError
-from rlx.storage import is_store_url, storage_options
 from rlx.trainer.checkpoint.protocol import Checkpoints
-from rlx.trainer.checkpoint.remote import load_store_parts
-from rlx.trainer.checkpoint.store import load_folder_parts
 
 LEARNER_STATE = "learner"
 # The learner's small parts (Learner.state_parts); LORA_PART records LoRA adapters' base
@@ -86,15 +83,6 @@ class LoadReport:
     host_bytes: int  # the host memory the load took at its peak, above what it held before
 
 
-def load_parts(path: Path | str, names: Iterable[str]) -> dict[str, Any]:
-    """The named parts of a complete checkpoint (those it has), each file checked against
-    the size (and for small files the digest) its COMPLETE marker recorded. A DCP part comes
-    back as its folder's path (in a store: its URL, read in place)."""
-    if isinstance(path, str) and is_store_url(path):
-        return load_store_parts(path, names)
-    return load_folder_parts(Path(path), names)
-
-
 def copy_model_files(source: Path, target: Path) -> None:
     """The small files of a Hugging Face model folder (config, generation config, tokenizer,
     chat template; not the weights) into target."""
@@ -119,18 +107,15 @@ def save_learner_state(state: dict[str, Any], folder: Path) -> None:
         )
 
 
-def load_learner_state(state: dict[str, Any], folder: Path | str) -> None:
-    """Fill state in place from a DCP folder (or its URL in a store): each rank reads only
-    what its tensors (whole, or its FSDP shards) cover; DCP reshards when the rank count
-    changed."""
+def load_learner_state(state: dict[str, Any], folder: Path | str, reader: Any = None) -> None:
+    """Fill state in place from a DCP folder: each rank reads only what its tensors (whole,
+    or its FSDP shards) cover; DCP reshards when the rank count changed. reader: DCP's
+    reader of the part where it lies (the manager's shard_reader: a URL in a store is read
+    in place); by default folder is read from disk."""
     import torch.distributed.checkpoint as dcp
 
     with single_process_quiet():
-        if isinstance(folder, str) and is_store_url(folder):
-            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-            reader = FsspecReader(folder, **storage_options(folder))
-        else:
+        if reader is None:
             reader = dcp.FileSystemReader(str(folder))
         try:
             dcp.load(state, storage_reader=reader, no_dist=not distributed())
