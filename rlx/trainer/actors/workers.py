@@ -23,11 +23,11 @@ from rlx.runs import GPU_FREE, GPU_PEAK, GPU_RESERVED
 from rlx.trainer import cpu_linear
 from rlx.trainer.actors.placement import threads_for
 from rlx.trainer.allocator import keep_freed_memory, use_allocator_settings
+from rlx.trainer.background import Background
 from rlx.trainer.batch import RolloutBatch, SequenceBatch
 from rlx.trainer.checkpoint import capture_rng_state, restore_rng_state
 from rlx.trainer.checkpoint.faults import SAVE_ERRORS, save_failure
 from rlx.trainer.checkpoint.protocol import Checkpoints, Location, SavedCheckpoint
-from rlx.trainer.checkpoint.remote import Background
 from rlx.trainer.checkpoint.training import (
     EXPORT_INFO,
     HF_FILES,

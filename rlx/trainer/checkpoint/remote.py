@@ -33,9 +33,8 @@ import json
 import os
 import shutil
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -371,29 +370,6 @@ class StoreCheckpointManager:
             self._delete(step)
 
 
-class Background:
-    """Work in a thread of its own (a save's upload, a queued weight push); result() waits for
-    it and gives its value, or raises what it raised."""
-
-    def __init__(self, work: Callable[[], Any], name: str = "rlx-checkpoint-upload"):
-        self._value: Any = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(work,), name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self, work: Callable[[], Any]) -> None:
-        try:
-            self._value = work()
-        except BaseException as exc:  # handed to whoever waits
-            self._error = exc
-
-    def result(self) -> Any:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-
 # --------------------------------------------------------------------------- reading
 
 
@@ -488,7 +464,6 @@ def remove(folder: Path) -> None:
 
 
 __all__ = [
-    "Background",
     "StoreCheckpointManager",
     "check_listed",
     "fetch_files",
