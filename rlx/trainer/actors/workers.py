@@ -26,20 +26,15 @@ from rlx.trainer.allocator import keep_freed_memory, use_allocator_settings
 from rlx.trainer.background import Background
 from rlx.trainer.batch import RolloutBatch, SequenceBatch
 from rlx.trainer.checkpoint import capture_rng_state, restore_rng_state
-from rlx.trainer.checkpoint.faults import SAVE_ERRORS, save_failure
+from rlx.trainer.checkpoint.base import Finished
 from rlx.trainer.checkpoint.protocol import Checkpoints, Location, SavedCheckpoint
 from rlx.trainer.checkpoint.training import (
-    EXPORT_INFO,
-    HF_FILES,
     LEARNER_PARTS,
     LEARNER_STATE,
     WORKER_RNG,
     LoadReport,
     SaveRequest,
-    copy_model_files,
-    kill_hook_for_save,
     load_learner_state,
-    save_learner_state,
 )
 from rlx.trainer.learn.learner import Learner, UpdateStats, needs_old_logprobs
 from rlx.trainer.learn.models import autocast, compute_dtype, engine_dtype_setting
@@ -206,7 +201,7 @@ class TrainWorker:
         self.spec = spec = on_this_node(spec)
         self.learner: Learner | None = None
         self.engine: ColocatedEngine | None = None
-        self._pending_save: Background | None = None  # a store upload still under way
+        self._pending_save: Background | Finished | None = None  # a store upload under way
         self._weights: WeightGroup | None = None  # rank 0: the group to the split engines
         self._sender: Background | None = None  # rank 0: a queued push still being sent
 
@@ -446,68 +441,33 @@ class TrainWorker:
         return memory_peak(reset)
 
     def save_checkpoint(self, request: SaveRequest) -> SavedCheckpoint | None:
-        """Write this rank's shard of the save (every rank, together; DCP's save is a
-        collective); rank 0 adds the small parts and commits the checkpoint through the
-        manager it is handed. Rank 0 returns the complete checkpoint, the other ranks None.
-        Where the manager saves in the background (an upload into object storage), every
-        rank returns None once its share is written; finish_checkpoint waits for the rest."""
+        """Write this rank's share of the save through the manager it is handed (every rank,
+        together; base.CheckpointBase.save_rank). Rank 0 returns the complete checkpoint,
+        the other ranks None. Where the manager saves in the background (an upload into
+        object storage), every rank returns None once its share is written;
+        finish_checkpoint waits for the rest."""
         self.finish_checkpoint()  # one save in flight at most (the controller waits first)
         learner = self._learner()
-        manager, step, rank = request.manager, request.step, self.spec.rank
-        folder = manager.rank_folder(Path(request.folder), rank)
-        hook = kill_hook_for_save(request.kill_spec, step) if rank == 0 else None
-        entries: dict[str, dict[str, str]] = {}
-        try:
-            save_learner_state(learner.sharded_state(), folder / LEARNER_STATE)
-            if rank == 0:
-                if hook is not None:
-                    hook(f"part:{LEARNER_STATE}")
-                entries = manager.write_parts(folder, self._small_parts(request), hook)
-                self._add_model_files(folder, entries)
-        except SAVE_ERRORS as exc:  # one line for the controller, never a half-written step
-            manager.discard(folder)
-            raise save_failure(exc, step, manager.run_dir) from None
-        except BaseException:
-            manager.discard(folder)
-            raise
-
-        def finish() -> SavedCheckpoint | None:
-            try:
-                manager.save_shard(folder, step, rank, LEARNER_STATE)
-                if rank != 0:
-                    return None
-                world_size = self.spec.world_size
-                return manager.commit_save(folder, step, entries, world_size, LEARNER_STATE, hook)
-            except SAVE_ERRORS as exc:
-                raise save_failure(exc, step, manager.run_dir) from None
-            finally:
-                manager.discard(folder)
-
+        manager = request.manager
+        save = manager.save_rank(
+            request,
+            self.spec.rank,
+            self.spec.world_size,
+            learner_state=learner.sharded_state,
+            learner_parts=learner.state_parts,
+            dtype=dtype_name(learner.dtype),
+            model_folder=Path(self.spec.policy_path),
+        )
         if manager.background:
-            self._pending_save = Background(finish)
+            self._pending_save = save
             return None
-        return finish()
+        return save.result()
 
     def finish_checkpoint(self) -> SavedCheckpoint | None:
         """Wait for the save whose upload is under way, if any: rank 0 returns the complete
         checkpoint, the other ranks None. Raises what the upload raised."""
         pending, self._pending_save = self._pending_save, None
         return None if pending is None else pending.result()
-
-    def _small_parts(self, request: SaveRequest) -> dict[str, Any]:
-        learner = self._learner()
-        return {
-            **learner.state_parts(),
-            **request.controller_parts,
-            WORKER_RNG: {"workers": request.rng_states},
-            EXPORT_INFO: {"dtype": dtype_name(learner.dtype)},
-        }
-
-    def _add_model_files(self, folder: Path, entries: dict[str, dict[str, str]]) -> None:
-        # The policy's folder on this node (a hub id's snapshot): its config and tokenizer.
-        copy_model_files(Path(self.spec.policy_path), folder / HF_FILES)
-        entries[LEARNER_STATE] = {"file": LEARNER_STATE, "format": "dcp"}
-        entries[HF_FILES] = {"file": HF_FILES, "format": "folder"}
 
     def load_checkpoint(self, manager: Checkpoints, location: Location) -> LoadReport:
         """Load this rank's share of the checkpoint at location, read through manager."""

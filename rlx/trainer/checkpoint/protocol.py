@@ -8,7 +8,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from rlx.trainer.background import Background
+    from rlx.trainer.checkpoint.base import Finished
+    from rlx.trainer.checkpoint.training import SaveRequest
 
 Location = Path | str  # a checkpoint's folder, or its URL in a store
 PhaseHook = Callable[[str], None]  # told each phase of a save as it ends (crash tests)
@@ -31,11 +36,12 @@ class Checkpoints(Protocol):
     and the controller and every training rank call the one they are handed.
 
     A save: the controller picks its temporary folder (begin) and hands it to every training
-    rank with this manager (training.SaveRequest). Each rank writes its shard under the
-    folder the manager gives it (rank_folder), rank 0 the small parts too (write_parts); then
-    each rank calls save_shard, rank 0 commit_save, which makes the checkpoint complete, and
-    every rank discard. Where `background` is set, those three run in a thread of each rank
-    while training goes on (a store's upload)."""
+    rank with this manager (training.SaveRequest). Each rank calls save_rank, which both
+    managers share (base.CheckpointBase): the rank writes its shard under the folder the
+    manager gives it (rank_folder), rank 0 the small parts too (write_parts); then each rank
+    calls save_shard, rank 0 commit_save, which makes the checkpoint complete, and every rank
+    discard. Where `background` is set, those three run in a thread of each rank while
+    training goes on (a store's upload)."""
 
     run_id: str
     keep: int
@@ -67,6 +73,20 @@ class Checkpoints(Protocol):
     def begin(self, step: int) -> Path:
         """The controller's first move of a save: clear what interrupted saves left and
         pick the save's temporary folder."""
+        ...
+
+    def save_rank(
+        self,
+        request: SaveRequest,
+        rank: int,
+        world_size: int,
+        *,
+        learner_state: Callable[[], dict[str, Any]],
+        learner_parts: Callable[[], Mapping[str, Any]],
+        dtype: str,
+        model_folder: Path,
+    ) -> Background | Finished:
+        """A training rank's whole part in a save (base.CheckpointBase.save_rank)."""
         ...
 
     def rank_folder(self, folder: Path, rank: int) -> Path:

@@ -42,6 +42,7 @@ from rlx.checkpoints import MARKER, STEP_DIR, parse_marker, step_of
 from rlx.errors import RlxError
 from rlx.node.raynode import backoff
 from rlx.storage import Retries, filesystem, join, storage_options, unstrip
+from rlx.trainer.checkpoint.base import CheckpointBase
 from rlx.trainer.checkpoint.parts import read_part
 from rlx.trainer.checkpoint.protocol import PhaseHook, SavedCheckpoint
 from rlx.trainer.checkpoint.store import (
@@ -66,7 +67,7 @@ def staging_root() -> Path:
     return Path(os.environ.get(STAGING_ENV) or Path(tempfile.gettempdir()) / "rlx-staging")
 
 
-class StoreCheckpointManager:
+class StoreCheckpointManager(CheckpointBase):
     """Saves, finds and loads the checkpoints of one run under root/run_id/ in a store;
     follows protocol.Checkpoints."""
 

@@ -28,6 +28,7 @@ from typing import Any
 from rlx import __version__
 from rlx.checkpoints import MARKER, MARKER_FORMAT, STEP_DIR, parse_marker, step_name, step_of
 from rlx.errors import RlxError
+from rlx.trainer.checkpoint.base import CheckpointBase
 from rlx.trainer.checkpoint.parts import (
     fsync_path,
     read_part,
@@ -200,7 +201,7 @@ def verify_files(path: Path, files: list[dict[str, Any]], prefixes: tuple[str, .
 # --------------------------------------------------------------------------- the manager
 
 
-class CheckpointManager:
+class CheckpointManager(CheckpointBase):
     """Saves, finds and loads the checkpoints of one run under root/run_id/ (a folder every
     rank shares); follows protocol.Checkpoints."""
 
