@@ -43,7 +43,14 @@ from rlx.trainer.rollout.base import RolloutEngine, SamplingArgs
 from rlx.trainer.rollout.colocated import ColocatedEngine, make_colocated_engine
 from rlx.trainer.rollout.probe import EngineReport, Probe
 from rlx.trainer.seeding import derive_seed
-from rlx.trainer.weights import BucketLayout, GroupAddress, Traffic, WeightGroup, dtype_named
+from rlx.trainer.weights import (
+    BucketLayout,
+    GroupAddress,
+    Traffic,
+    WeightGroup,
+    WeightSender,
+    dtype_named,
+)
 
 DIST_TIMEOUT = timedelta(minutes=30)
 GIB = 2**30
@@ -175,12 +182,6 @@ def prepare_ray_executor() -> None:
         del os.environ["CUDA_VISIBLE_DEVICES"]
 
 
-def _send_staged(group: WeightGroup, staged: list[torch.Tensor], device: torch.device) -> None:
-    """A queued push's buckets, in order, to the engines (a thread of rank 0's own)."""
-    for buffer in staged:
-        group.broadcast(buffer.to(device)).wait()
-
-
 def _probe_ids(probe: Probe) -> tuple[list[int], list[int]]:
     return probe.prompt_ids, probe.response_ids
 
@@ -202,8 +203,7 @@ class TrainWorker:
         self.learner: Learner | None = None
         self.engine: ColocatedEngine | None = None
         self._pending_save: Background | Finished | None = None  # a store upload under way
-        self._weights: WeightGroup | None = None  # rank 0: the group to the split engines
-        self._sender: Background | None = None  # rank 0: a queued push still being sent
+        self._sender: WeightSender | None = None  # rank 0: the push's end, to the split engines
 
     # ------------------------------------------------------------------ set-up
 
@@ -364,7 +364,7 @@ class TrainWorker:
     def open_weight_group(self, address: GroupAddress) -> None:
         """Rank 0: open the weight group to the split engines (returns once every engine
         process has joined)."""
-        self._weights = WeightGroup.join(address, 0, self.device)
+        self._sender = WeightSender(WeightGroup.join(address, 0, self.device), self.device)
 
     def weight_layouts(self, dtype: str | None, bucket_bytes: int) -> list[BucketLayout]:
         """The policy's parameters in buckets of at most bucket_bytes in the engines' dtype
@@ -376,57 +376,32 @@ class TrainWorker:
 
     def push_weights(self, layouts: list[BucketLayout], queued: bool) -> Traffic:
         """Send the policy's weights to every split engine over the weight group, bucket by
-        bucket. Every rank is called: under FSDP each sends its rows of every tensor straight
-        into rank 0's bucket buffer; rank 0 broadcasts each filled buffer to the engines
-        (the next one is filled while one is on the wire, so a push holds two buckets).
-        queued (rollouts under way on the engines): rank 0 fills every bucket now and a
-        thread of its own sends them once the engines take them, so the learners go on;
-        finish_weight_send waits for it. Returns what this rank moved."""
+        bucket (weights.WeightSender). Every rank is called: under FSDP each sends its rows
+        of every tensor straight into rank 0's bucket buffer, and rank 0 broadcasts each
+        filled buffer to the engines. queued (rollouts under way on the engines): rank 0
+        sends from a thread of its own and the learners go on; finish_weight_send waits for
+        it. Returns what this rank moved."""
         from rlx.trainer.learn.sharding import fill_bucket
 
         learner = self._learner()
-        rank0 = self.spec.rank == 0
-        traffic = Traffic()
-        if not rank0:
+        if self.spec.rank != 0:
+            traffic = Traffic()
             if learner.strategy == "fsdp":
                 for layout in layouts:
                     traffic.add(fill_bucket(learner.policy, layout, None, self.device))
             return traffic
-        group = self._weights
-        if group is None:
+        if self._sender is None:
             raise RuntimeError("push_weights before open_weight_group")
-        self.finish_weight_send()  # one push on the wire at a time
-        if queued:
-            staged = []
-            for layout in layouts:
-                buffer = layout.empty(self.device)
-                traffic.add(fill_bucket(learner.policy, layout, buffer, self.device))
-                # Held on the host until the engines take it: GPU memory is the learners'.
-                staged.append(buffer.to("cpu", non_blocking=True) if buffer.is_cuda else buffer)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
-            self._sender = Background(
-                lambda: _send_staged(group, staged, self.device), name="rlx-weight-send"
-            )
-            traffic.sent += sum(b.numel() for b in staged) * (group.world_size - 1)
-            return traffic
-        on_wire: tuple[Any, torch.Tensor] | None = None
-        for layout in layouts:
-            buffer = layout.empty(self.device)
-            traffic.add(fill_bucket(learner.policy, layout, buffer, self.device))
-            if on_wire is not None:
-                on_wire[0].wait()
-            on_wire = (group.broadcast(buffer), buffer)
-            traffic.sent += buffer.numel() * (group.world_size - 1)
-        if on_wire is not None:
-            on_wire[0].wait()
-        return traffic
+
+        def fill(layout: BucketLayout, buffer: torch.Tensor) -> Traffic:
+            return fill_bucket(learner.policy, layout, buffer, self.device)
+
+        return self._sender.send(layouts, fill, queued)
 
     def finish_weight_send(self) -> None:
         """Rank 0: wait for a queued push's sending thread; raises what it raised."""
-        sender, self._sender = self._sender, None
-        if sender is not None:
-            sender.result()
+        if self._sender is not None:
+            self._sender.finish()
 
     # ------------------------------------------------------------------ state
 
