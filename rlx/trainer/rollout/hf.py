@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,7 +19,7 @@ from rlx.trainer.rollout.base import RolloutEngine, SamplingArgs, check_sampling
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from rlx.recipe.model import LoraSettings
+    from rlx.recipe.model import LoraSettings, TrainerSettings
 
 
 def mask_after_eos(response_ids: torch.Tensor, eos_ids: Sequence[int]) -> torch.Tensor:
@@ -176,6 +176,25 @@ class HFEngine(RolloutEngine):
                 return decoder, None
             reason = f"its own decode step's logits differ from the forward's by {gap:.1e}"
         return None, f"rollouts: the HF engine decodes through transformers' forward ({reason})"
+
+    @classmethod
+    def options_from(
+        cls,
+        settings: TrainerSettings,
+        model_path: str,
+        *,
+        use_gpu: bool,
+        device: str | None = None,
+        tensor_parallel: int = 1,
+        in_process: bool = False,
+        join_ray: Callable[[], None] | None = None,
+    ) -> dict[str, Any]:
+        """The engine's device, and a LoRA policy's adapters (the engine's model gets them
+        too)."""
+        return {"device": device, "lora": settings.model.lora}
+
+    def notes(self) -> list[str]:
+        return [] if self.decode_note is None else [self.decode_note]
 
     @property
     def weight_version(self) -> int:

@@ -189,7 +189,8 @@ def _save_at(rank: int, world: int, port: int, tmp: str, model: str, strategy: s
     rest; rank 0 keeps the whole state and the policy's logits as the reference."""
     import torch.distributed as dist
 
-    from rlx.trainer.checkpoint.training import CONTROLLER_RNG, TRAINER_STATE, SaveRequest
+    from rlx.trainer.checkpoint.protocol import SaveRequest
+    from rlx.trainer.checkpoint.training import CONTROLLER_RNG, TRAINER_STATE
 
     torch.set_num_threads(1)
     folder = Path(tmp)

@@ -248,7 +248,7 @@ def _run_strategy(rank: int, world: int, strategy: str, model: str, big_model: s
             learner.policy,
             model,
             dtype="float32",
-            vllm_options={},
+            options={},
             collective=learner.collective,
         ).engine
         prompts = RANK_PROMPTS[rank]
