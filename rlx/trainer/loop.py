@@ -58,13 +58,12 @@ from rlx.trainer.checkpoint import (
     restore_rng_state,
 )
 from rlx.trainer.checkpoint.faults import SaveFailed, failure_line, save_failure
-from rlx.trainer.checkpoint.protocol import Location, SavedCheckpoint
+from rlx.trainer.checkpoint.protocol import Location, SavedCheckpoint, SaveRequest
 from rlx.trainer.checkpoint.training import (
     CONTROLLER_RNG,
     KILL_HOOK_ENV,
     LEARNER_STATE,
     TRAINER_STATE,
-    SaveRequest,
     kill_after_step,
 )
 from rlx.trainer.episodes.runner import EpisodeRunner, episode_metrics

@@ -25,13 +25,18 @@ from rlx.trainer.allocator import keep_freed_memory, use_allocator_settings
 from rlx.trainer.background import Background
 from rlx.trainer.batch import RolloutBatch, SequenceBatch
 from rlx.trainer.checkpoint import capture_rng_state, restore_rng_state
-from rlx.trainer.checkpoint.protocol import Checkpoints, Finished, Location, SavedCheckpoint
+from rlx.trainer.checkpoint.protocol import (
+    Checkpoints,
+    Finished,
+    Location,
+    SavedCheckpoint,
+    SaveRequest,
+)
 from rlx.trainer.checkpoint.training import (
     LEARNER_PARTS,
     LEARNER_STATE,
     WORKER_RNG,
     LoadReport,
-    SaveRequest,
     load_learner_state,
 )
 from rlx.trainer.learn.learner import Learner, UpdateStats, needs_old_logprobs
