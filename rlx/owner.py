@@ -93,12 +93,22 @@ def _owner_alive(token: str) -> bool:
     return pid.isdigit() and procfs.start_ticks(int(pid)) == start
 
 
+def _pid_namespace(pid: int | str) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
+
+
 def orphans() -> dict[str, list[int]]:
-    """token -> the processes still carrying it, for tokens whose owner is gone."""
+    """token -> the processes still carrying it, for tokens whose owner is gone. Only this
+    PID namespace's: a token names its owner by a pid of the owner's own namespace (a
+    container's, an emulated host's), which means another process, or none, here."""
     found: dict[str, list[int]] = {}
     me = os.getpid()
+    mine = _pid_namespace("self")
     for pid in procfs.pids():
-        if pid == me:
+        if pid == me or mine is None or _pid_namespace(pid) != mine:
             continue
         for token in _tokens(_environ(pid)):
             if not _owner_alive(token) and procfs.running(pid):
