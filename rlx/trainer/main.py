@@ -33,12 +33,27 @@ if TYPE_CHECKING:
 # --------------------------------------------------------------------------- Ray
 
 
+def read_ray_auth_mode_afresh() -> None:
+    """Make this process's Ray read RAY_AUTH_MODE from the environment again.
+
+    Ray reads the mode once per process and keeps it; a local `ray.init()` with the mode
+    unset then sets RAY_AUTH_MODE=token in the environment. A process that meets a second
+    cluster (a rehearsal after a local run, a notebook, a test session) would start that
+    cluster's GCS with the environment's mode while its own client kept the old one, and a
+    client without a token is refused by its own GCS. Called before every ray.init here."""
+    with contextlib.suppress(ImportError, AttributeError):
+        from ray._raylet import Config
+
+        Config.initialize("")
+
+
 def connect_ray(job: TrainJob, env: Mapping[str, str]) -> tuple[bool, str]:
     """Join RAY_ADDRESS, or start a private Ray here. (we started it?, where, for messages)."""
     import ray
 
     if ray.is_initialized():  # a caller (a test, a notebook) brought its own
         return False, "this process is connected to"
+    read_ray_auth_mode_afresh()
     address = env.get("RAY_ADDRESS", "").strip()
     if address:
         if address in ("auto", "local"):

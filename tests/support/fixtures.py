@@ -32,6 +32,9 @@ def local_ray():
     ray = pytest.importorskip("ray")
     import logging
 
+    from rlx.trainer.main import read_ray_auth_mode_afresh
+
+    read_ray_auth_mode_afresh()  # an earlier module's cluster may have left another mode
     ray.init(
         address="local",
         num_cpus=4,

@@ -91,8 +91,8 @@ def test_a_shipped_gpu_recipe_gets_through_steps_a_checkpoint_and_a_resume(name,
         hub_cache=stage["hub"],
         run_id=f"{name}-rehearsal",
     )
-    first, resumed = result.runs
     assert result.passed, result.runs
+    first, resumed = result.runs
     assert first.steps_logged == [1, CHECKPOINT_STEP] and resumed.steps_logged == [1, 2, 3]
     # The strategy its GPU run chooses, and the stand-in under the recipe's own hub id.
     assert result.plan.strategy is not None
