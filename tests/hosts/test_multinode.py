@@ -159,7 +159,7 @@ def test_a_lost_worker_fails_the_job_fast(make_job) -> None:
     job = make_job()
     job.control(hold=True)
     run = job.start()
-    poll(lambda: (job.out / "holding-1").exists(), RUN_TIMEOUT, "the trainer to start")
+    job.wait_holding(run)
     victim = job.hosts[2]
     raylets = ray_processes(victim, "raylet")
     assert len(raylets) == 1, victim.processes()

@@ -22,11 +22,9 @@ from rlx.node.env import RAY_TOKEN_SECRET
 from rlx.recipe import parse_recipe
 from tests.support.hosts import Host, SlurmCluster
 from tests.support.hosts.probejob import (
-    RUN_TIMEOUT,
     Job,
     assert_nothing_left,
     kill_leftovers,
-    poll,
     ray_processes,
 )
 from tests.support.hosts.rendered import node_base_env
@@ -98,7 +96,7 @@ def test_a_peer_host_cannot_reach_or_join_the_job(hosts_factory, tmp_path: Path)
     job = Job("sky", job_hosts, tmp_path)
     job.control(hold=True)
     run = job.start()
-    poll(lambda: (job.out / "holding-1").exists(), RUN_TIMEOUT, "the trainer to start")
+    job.wait_holding(run)
     token = job.secrets[RAY_TOKEN_SECRET]
 
     # The dashboard listens on the head's loopback only, and wants the token even there.
@@ -151,7 +149,7 @@ def test_the_slurm_script_makes_a_fresh_token_per_job(
     try:
         job.control(hold=True)
         first = job.start()
-        poll(lambda: (job.out / "holding-1").exists(), RUN_TIMEOUT, "the trainer to start")
+        job.wait_holding(first)
         tokens = {token_of(host) for host in hosts}
         assert len(tokens) == 1, "every node runs with the job's one token"
         token = tokens.pop()

@@ -33,7 +33,7 @@ def quickstart(workdir: Path, name: str, steps: int) -> Path:
     recipe["name"] = name
     recipe["resources"]["nodes"] = 2
     recipe["volumes"] = [{"path": shared}]  # Slurm: already shared, no volume to attach
-    recipe["ray"] = {"join_timeout": 120}
+    recipe["ray"] = {"join_timeout": 300}  # a hang bound: a busy machine starts Ray slowly
     trainer = recipe["trainer"]
     trainer["steps"] = steps
     trainer["batch"]["prompts_per_step"] = 2  # 2 x 16 samples split over 2 nodes

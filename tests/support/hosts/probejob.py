@@ -30,7 +30,8 @@ from tests.support.hosts.rendered import REPO, NodeRun, RenderedJob, slurm_job_d
 from tests.support.hosts.slurm import SlurmCluster
 
 PROBE = REPO / "tests" / "support" / "hosts" / "probe.py"
-JOIN_TIMEOUT = 90  # generous: three Ray starts share two CPU cores here
+JOIN_TIMEOUT = 240  # a hang bound: three Ray starts share two loaded cores (a raylet can miss
+# Ray's 30 s and start again, a minute each on a busy machine)
 RUN_TIMEOUT = 240.0  # a whole attempt, against hangs
 
 T = TypeVar("T")
@@ -225,6 +226,17 @@ class Job:
             parts.append(f"--- driver\n{self.driver_log(run)}")
         return "\n".join(parts)
 
+    def wait_holding(self, run: Run, timeout: float = RUN_TIMEOUT) -> None:
+        """Until the probe holds in this attempt (every node joined, the trainer started):
+        `timeout` seconds without a new line from any node, so a bring-up that a loaded
+        machine slows but still advances is waited for (poll's PROGRESS_FACTOR bounds it)."""
+        poll(
+            lambda: (self.out / f"holding-{run.attempt}").exists(),
+            timeout,
+            "the trainer to start",
+            progress=lambda: self.all_logs(run),
+        )
+
     def head_started(self, run: Run, timeout: float = 60) -> float:
         """When the head's run block started (Slurm: when its step's log appeared)."""
         if run.job_id is None:
@@ -250,6 +262,7 @@ class Job:
             timeout,
             "the head step to finish",
             interval=0.02,
+            progress=lambda: self.all_logs(run),
         )
         ended = time.monotonic()
         code = self._driver_code(run, HEAD_DONE)
