@@ -56,6 +56,7 @@ STARTUP_CHECKS: tuple[Check, ...] = (
     trainer.check_group_size,
     trainer.check_policy_loss,
     trainer.check_rollout_correction,
+    trainer.check_overlong,
     trainer.check_rollout_dtype,
     trainer.check_layout,
     trainer.check_colocated_tensor_parallel,

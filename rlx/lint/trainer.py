@@ -156,6 +156,31 @@ def check_policy_loss(recipe: Recipe) -> Iterator[Problem]:
         )
 
 
+def check_overlong(recipe: Recipe) -> Iterator[Problem]:
+    """algo.overlong reads single-turn responses against rollout.max_new_tokens."""
+    trainer = recipe.trainer
+    if trainer is None:
+        return
+    overlong, limit = trainer.algo.overlong, trainer.rollout.max_new_tokens
+    used = overlong.mask_truncated or overlong.buffer > 0
+    if used and trainer.environment is not None:
+        yield Problem(
+            ("trainer", "algo", "overlong"),
+            ERROR,
+            "overlong shaping reads one response against rollout.max_new_tokens, and an "
+            "environment's episode has several turns and its own budget; remove algo.overlong "
+            "(an environment can end an overlong episode with its own reward)",
+        )
+    elif overlong.buffer >= limit:
+        yield Problem(
+            ("trainer", "algo", "overlong", "buffer"),
+            ERROR,
+            f"an overlong buffer of {overlong.buffer} tokens covers the whole response budget "
+            f"(rollout.max_new_tokens {limit}), so every response would be punished; write a "
+            f"buffer below {limit} (DAPO: a fifth of the budget, here {limit // 5})",
+        )
+
+
 def check_rollout_correction(recipe: Recipe) -> Iterator[Problem]:
     trainer = recipe.trainer
     if trainer is None:
@@ -339,6 +364,7 @@ CHECKS: list[Check] = [
     check_group_size,
     check_policy_loss,
     check_rollout_correction,
+    check_overlong,
     check_rollout_dtype,
     check_layout,
     check_staleness_layout,

@@ -704,6 +704,36 @@ class RolloutCorrectionSettings(StrictModel):
         None,
         description="Upper bound, >= 1; unset: algo.behavior_weight_cap (truncate only).",
     )
+    max_mismatch_kl: float | None = Field(
+        1.0,
+        gt=0,
+        description="Stop the run, in one line, at a step whose mismatch/kl (the engines' "
+        "log-probs against the learner's on every sampled token) is above this: engines that "
+        "differ by dtype or kernels stay far below 1 (about 1e-3 in bf16), engines serving "
+        "other weights do not. null: never stop on it. Measured wherever the correction is on.",
+    )
+
+
+class OverlongSettings(StrictModel):
+    """Responses near or at rollout.max_new_tokens (DAPO, Yu et al. 2025, section 3.4):
+    see docs/losses.md."""
+
+    mask_truncated: bool = Field(
+        False,
+        description="Train nothing on a response the limit cut (no EOS): its tokens leave "
+        "the loss and its score leaves its group's baseline (DAPO's overlong filtering).",
+    )
+    buffer: int = Field(
+        0,
+        ge=0,
+        description="DAPO's soft overlong punishment: a response longer than max_new_tokens "
+        "- buffer loses penalty x (its tokens past that point) / buffer, -penalty at the "
+        "limit. 0: off. What the advantages read; the outcome (reward/mean) stays the "
+        "reward function's.",
+    )
+    penalty: float = Field(
+        1.0, ge=0, description="The punishment at the limit (buffer > 0), in reward units."
+    )
 
 
 class AlgorithmSettings(StrictModel):
@@ -752,6 +782,11 @@ class AlgorithmSettings(StrictModel):
         description="With rollout.max_staleness > 0 the loss is decoupled PPO: each token is "
         "weighted by pi_proximal / pi_behaviour (the learner's log-prob before the update "
         "over the engine's), truncated at this value (rollout_correction's default high).",
+    )
+    overlong: OverlongSettings = Field(
+        default_factory=OverlongSettings,
+        description="Responses cut or nearly cut at rollout.max_new_tokens: masked from the "
+        "loss, a soft length penalty, or both (DAPO). Single-turn rollouts.",
     )
     rollout_correction: RolloutCorrectionSettings = Field(
         default_factory=RolloutCorrectionSettings,

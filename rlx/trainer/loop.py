@@ -13,7 +13,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -323,16 +323,19 @@ class Trainer:
         batch = pack_rollout(rollout)
         mask = batch.response_mask  # (B, R) the tokens that train: the model's own
         rewards = self.rewards(step, rows, rollout, batch)
+        batch, shaped, shaping = self.overlong(batch, rollout, rewards)
         timer.lap("reward")
 
         extra = {}
         if self.needs_prepare and self.prepare_first:
             extra = self.cluster.prepare(batch, self.old_logprobs)
         timer.lap("prepare")
-        batch, returns, kl_reward = self.with_advantages(batch, rollout, rewards, extra)
+        batch, returns, kl_reward = self.with_advantages(batch, rollout, shaped, extra)
         update = self.update(batch, step, timer)
+        self.check_mismatch(update.metrics, step)
 
         metrics, response_tokens = self.sample_metrics(rollout, rewards, mask, update.metrics)
+        metrics.update(shaping)
         if kl_reward is not None:
             metrics["kl"] = float(algos.masked_mean(kl_reward, mask))
         if self.settings.algorithm == "ppo":
@@ -376,6 +379,51 @@ class Trainer:
         scores = token_rewards.sum(dim=1)  # (B,) each episode's reward
         trains = torch.tensor([e.failure is None for e in episodes])  # (B,)
         return StepRewards(token_rewards, scores, trains, checked)
+
+    def overlong(
+        self, batch: SequenceBatch, rollout: Any, rewards: StepRewards
+    ) -> tuple[SequenceBatch, StepRewards, dict[str, float]]:
+        """algo.overlong on a single-turn step (DAPO): responses the limit cut leave the loss
+        and their group's baseline (mask_truncated), and the soft length penalty joins what
+        the advantages read (buffer). The outcome, rewards.scores, is left as scored: the
+        metrics report it. (batch, rewards for the advantages, the shaping's metrics)."""
+        overlong = self.settings.algo.overlong
+        if rollout.episodes is not None or not (overlong.mask_truncated or overlong.buffer):
+            return batch, rewards, {}
+        mask = batch.response_mask  # (B, R)
+        cut = ~rollout.finished.bool()  # (B,) no EOS: the limit ended them
+        metrics = {"overlong/truncated_fraction": float(cut.float().mean())}
+        token_rewards, trains = rewards.token_rewards, rewards.trains
+        if overlong.buffer:
+            penalty = algos.overlong_penalty(
+                mask.sum(dim=1),
+                self.settings.rollout.max_new_tokens,
+                overlong.buffer,
+                overlong.penalty,
+            )  # (B,)
+            token_rewards = token_rewards + outcome_token_rewards(penalty, mask)  # (B, R)
+            metrics["overlong/penalty_mean"] = float(penalty.mean())
+        if overlong.mask_truncated:
+            keep = ~cut  # (B,)
+            batch = replace(batch, response_mask=mask & keep.unsqueeze(1))
+            token_rewards = torch.where(keep.unsqueeze(1), token_rewards, 0.0)
+            trains = keep if trains is None else trains & keep
+        return batch, replace(rewards, token_rewards=token_rewards, trains=trains), metrics
+
+    def check_mismatch(self, metrics: dict[str, float], step: int) -> None:
+        """Stop, in one line, at a mismatch no dtype or kernel difference explains: the
+        engines then serve other weights than the learner trains."""
+        bound = self.settings.algo.rollout_correction.max_mismatch_kl
+        kl = metrics.get("mismatch/kl")
+        if bound is None or kl is None or kl <= bound:
+            return
+        raise RlxError(
+            f"step {step}: mismatch/kl {kl:.4g} between the engines' log-probs and the "
+            f"learner's is above algo.rollout_correction.max_mismatch_kl {bound:g}; the engines "
+            "likely serve other weights (check sync/probe_diff, rollout.dtype and the LoRA "
+            "adapter the engines load), or raise the bound if this mismatch is expected; "
+            "the last checkpoint is kept"
+        )
 
     def with_advantages(
         self,

@@ -56,6 +56,7 @@ from rlx.trainer.algos.masked import (
     masked_var,
     masked_whiten,
 )
+from rlx.trainer.algos.overlong import overlong_penalty
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -93,6 +94,7 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "overlong_penalty",
     "ppo_policy_loss",
     "reinforce_pp_advantages",
     "rloo_advantages",

@@ -103,6 +103,16 @@ BROKEN: dict[str, list[tuple[Callable[[dict[str, Any]], None], str]]] = {
             "trainer.algo.rollout_correction",
         ),
     ],
+    "check_overlong": [
+        (_set("trainer.algo.overlong", {"buffer": 16}), "trainer.algo.overlong.buffer"),
+        (
+            _all(
+                _set("trainer.algo.overlong", {"mask_truncated": True}),
+                _set("trainer.environment", {"function": "calculator"}),
+            ),
+            "trainer.algo.overlong",
+        ),
+    ],
     "check_rollout_dtype": [
         (
             _all(
