@@ -57,6 +57,7 @@ STARTUP_CHECKS: tuple[Check, ...] = (
     trainer.check_policy_loss,
     trainer.check_rollout_correction,
     trainer.check_overlong,
+    trainer.check_filter_groups,
     trainer.check_rollout_dtype,
     trainer.check_layout,
     trainer.check_colocated_tensor_parallel,

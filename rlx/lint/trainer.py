@@ -181,6 +181,21 @@ def check_overlong(recipe: Recipe) -> Iterator[Problem]:
         )
 
 
+def check_filter_groups(recipe: Recipe) -> Iterator[Problem]:
+    """Dynamic sampling keeps groups whose scores differ: a group of one never does."""
+    trainer = recipe.trainer
+    if trainer is None or trainer.batch.filter_groups is None:
+        return
+    if trainer.rollout.n < 2:
+        yield Problem(
+            ("trainer", "batch", "filter_groups"),
+            ERROR,
+            f"filter_groups keeps prompts whose responses' scores differ, and with rollout.n "
+            f"{trainer.rollout.n} a prompt has one response, so none would ever train; write "
+            "rollout.n: 2 or more (8 or 16 is typical), or remove filter_groups",
+        )
+
+
 def check_rollout_correction(recipe: Recipe) -> Iterator[Problem]:
     trainer = recipe.trainer
     if trainer is None:
@@ -365,6 +380,7 @@ CHECKS: list[Check] = [
     check_policy_loss,
     check_rollout_correction,
     check_overlong,
+    check_filter_groups,
     check_rollout_dtype,
     check_layout,
     check_staleness_layout,

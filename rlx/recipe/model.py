@@ -808,8 +808,38 @@ class OptimSettings(StrictModel):
     )
 
 
+class FilterGroupsSettings(StrictModel):
+    """Dynamic sampling (DAPO, Yu et al. 2025, section 3.2): see docs/losses.md."""
+
+    on: Literal["outcome", "reward"] = Field(
+        "outcome",
+        description="What must vary within a prompt's group for it to train: outcome (the "
+        "reward function's or environment's score, before any shaping or KL) or reward "
+        "(after algo.overlong's penalty).",
+    )
+    max_rounds: int = Field(
+        4,
+        ge=1,
+        le=64,
+        description="Generate calls per step at most, the first included: each later one "
+        "samples prompts_per_step more prompts. A step that still has too few varied groups "
+        "trains on the groups it has, filled with unvaried ones, and says so in one line.",
+    )
+    tolerance: float = Field(
+        1e-6,
+        ge=0,
+        description="Scores closer than this (max - min within a group) count as no spread.",
+    )
+
+
 class BatchSettings(StrictModel):
     prompts_per_step: int = Field(8, ge=1, description="Prompts sampled per training step.")
+    filter_groups: FilterGroupsSettings | None = Field(
+        None,
+        description="Dynamic sampling: train only on prompts whose responses' scores differ "
+        "(under GRPO a group of equal scores has zero advantage and trains nothing), "
+        "sampling more prompts until the step has prompts_per_step such groups. Unset: off.",
+    )
     minibatch_size: int | None = Field(
         None,
         ge=1,

@@ -68,6 +68,7 @@ from rlx.trainer.checkpoint.training import (
 )
 from rlx.trainer.episodes.runner import EpisodeRunner, episode_metrics
 from rlx.trainer.episodes.trajectory import check_trajectories
+from rlx.trainer.filtering import BACKFILL_SEED_OFFSET, Round, group_spread, pick_groups
 from rlx.trainer.inflight import RolloutQueue, check_staleness, staleness_metrics
 from rlx.trainer.job import TrainJob
 from rlx.trainer.learn.learner import needs_old_logprobs, sends_engine_logprobs
@@ -146,6 +147,15 @@ class Trainer:
             len(inputs.data), settings.batch.prompts_per_step, settings.seed, settings.data.shuffle
         )
         self.max_staleness = settings.rollout.max_staleness
+        # Dynamic sampling's later rounds draw here, in step order (filtering.py).
+        self.backfill: PromptSampler | None = None
+        if settings.batch.filter_groups is not None:
+            self.backfill = PromptSampler(
+                len(inputs.data),
+                settings.batch.prompts_per_step,
+                settings.seed + BACKFILL_SEED_OFFSET,
+                settings.data.shuffle,
+            )
         self.episodes: EpisodeRunner | None = None
         if inputs.environment is not None:  # multi-turn episodes (episodes/runner.py)
             self.episodes = EpisodeRunner(
@@ -319,12 +329,18 @@ class Trainer:
         rows, rollout = self.queue.take(step, show_progress=True)  # B = P * n
         timer.lap("generate")
         self.stop.check()  # a step stopped here is redone on resume, like any unsaved step
-        self.check_versions(step, rows, rollout.row_versions)
         batch = pack_rollout(rollout)
-        mask = batch.response_mask  # (B, R) the tokens that train: the model's own
         rewards = self.rewards(step, rows, rollout, batch)
-        batch, shaped, shaping = self.overlong(batch, rollout, rewards)
         timer.lap("reward")
+        filtering: dict[str, float] = {}
+        if self.backfill is not None:
+            rows, rollout, batch, rewards, filtering = self.filter_groups(
+                step, rows, rollout, batch, rewards
+            )
+            timer.lap("generate")
+        self.check_versions(step, rows, rollout.row_versions)
+        mask = batch.response_mask  # (B, R) the tokens that train: the model's own
+        batch, shaped, shaping = self.overlong(batch, rollout, rewards)
 
         extra = {}
         if self.needs_prepare and self.prepare_first:
@@ -336,6 +352,7 @@ class Trainer:
 
         metrics, response_tokens = self.sample_metrics(rollout, rewards, mask, update.metrics)
         metrics.update(shaping)
+        metrics.update(filtering)
         if kl_reward is not None:
             metrics["kl"] = float(algos.masked_mean(kl_reward, mask))
         if self.settings.algorithm == "ppo":
@@ -379,6 +396,61 @@ class Trainer:
         scores = token_rewards.sum(dim=1)  # (B,) each episode's reward
         trains = torch.tensor([e.failure is None for e in episodes])  # (B,)
         return StepRewards(token_rewards, scores, trains, checked)
+
+    def filter_groups(
+        self, step: int, rows: list[int], rollout: Any, batch: SequenceBatch, rewards: StepRewards
+    ) -> tuple[list[int], Any, SequenceBatch, StepRewards, dict[str, float]]:
+        """Dynamic sampling (filtering.py): more rounds of prompts from the backfill sampler
+        until prompts_per_step groups vary or max_rounds calls are made; the step's rows,
+        rollout, batch and rewards of the groups picked, and the filtering's metrics."""
+        spec = self.settings.batch.filter_groups
+        assert spec is not None and self.backfill is not None
+        wanted = self.settings.batch.prompts_per_step
+        rounds = [self.round_of(rows, rollout, batch, rewards)]
+        while (
+            sum(int(one.varied.sum()) for one in rounds) < wanted and len(rounds) < spec.max_rounds
+        ):
+            more = next(self.backfill)
+            extra = self.submit_rollout(more, step).collect(show_progress=True)
+            extra_batch = pack_rollout(extra)
+            extra_rewards = self.rewards(step, more, extra, extra_batch)
+            rounds.append(self.round_of(more, extra, extra_batch, extra_rewards))
+        picked = pick_groups(rounds, wanted)
+        metrics = {
+            "batch/kept_groups": float(picked.kept),
+            "batch/dropped_groups": float(picked.dropped),
+            "batch/sampling_rounds": float(picked.rounds),
+        }
+        if picked.short:
+            self.say(
+                f"step {step}: {picked.kept} of {wanted} prompts' responses differed in score "
+                f"after {picked.rounds} generate calls (batch.filter_groups.max_rounds "
+                f"{spec.max_rounds}); the step also trains {wanted - picked.kept} groups of "
+                "equal scores, which move nothing under a group baseline; raise max_rounds, "
+                "or give prompts the policy sometimes solves"
+            )
+        if len(rounds) == 1 and not picked.dropped:
+            return rows, rollout, batch, rewards, metrics  # every group varied at once
+        batch = pack_rollout(picked.rollout)
+        if picked.rollout.episodes is not None:
+            rewards = self.rewards(step, picked.rows, picked.rollout, batch)
+        else:
+            token_rewards = outcome_token_rewards(picked.scores, batch.response_mask)
+            rewards = StepRewards(token_rewards, picked.scores)
+        return picked.rows, picked.rollout, batch, rewards, metrics
+
+    def round_of(
+        self, rows: list[int], rollout: Any, batch: SequenceBatch, rewards: StepRewards
+    ) -> Round:
+        """A generate call's groups, each marked by whether its scores vary: the outcome, or
+        the reward after algo.overlong's penalty (batch.filter_groups.on)."""
+        spec = self.settings.batch.filter_groups
+        assert spec is not None
+        values = rewards.scores  # (B,)
+        if spec.on == "reward":
+            values = self.overlong(batch, rollout, rewards)[1].token_rewards.sum(dim=1)
+        varied = group_spread(values, self.settings.rollout.n, spec.tolerance, rewards.trains)
+        return Round(rows, rollout, rewards.scores, varied)
 
     def overlong(
         self, batch: SequenceBatch, rollout: Any, rewards: StepRewards
@@ -572,6 +644,8 @@ class Trainer:
             "step": step,
             # Before the prompts of the steps in flight were drawn: a resume draws them again.
             "sampler": self.queue.sampler_state_after(step),
+            # Drawn only when a step trains: as it is after this one.
+            "backfill": None if self.backfill is None else self.backfill.state_dict(),
             "world_size": self.cluster.plan.train_workers,
             "algorithm": self.settings.algorithm,
         }
@@ -700,6 +774,8 @@ class Trainer:
             )
         try:
             self.sampler.load_state_dict(state["sampler"])
+            if self.backfill is not None and state.get("backfill") is not None:
+                self.backfill.load_state_dict(state["backfill"])
         except ValueError as exc:
             raise RlxError(f"cannot resume from {path}: {exc}") from None
         restore_rng_state(parts[CONTROLLER_RNG])

@@ -113,6 +113,12 @@ BROKEN: dict[str, list[tuple[Callable[[dict[str, Any]], None], str]]] = {
             "trainer.algo.overlong",
         ),
     ],
+    "check_filter_groups": [
+        (
+            _all(_set("trainer.batch.filter_groups", {}), _set("trainer.rollout.n", 1)),
+            "trainer.batch.filter_groups",
+        ),
+    ],
     "check_rollout_dtype": [
         (
             _all(
