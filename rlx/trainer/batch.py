@@ -156,7 +156,11 @@ class SequenceBatch:
         prompt_real = self.attention_mask[:, : self.prompt_width].any(dim=0)  # (P,)
         response_real = self.response_mask.any(dim=0)  # (R,)
         first = int(prompt_real.long().argmax()) if bool(prompt_real.any()) else self.prompt_width
-        width = int(response_real.nonzero().max()) + 1 if bool(response_real.any()) else 0
+        # A micro-batch that trains no token (every response cut and masked, every episode
+        # failed) keeps one column: its pass still runs the model, so the loss stays in the
+        # graph (zero gradients) and the ranks' collectives stay in step.
+        width = int(response_real.nonzero().max()) + 1 if bool(response_real.any()) else 1
+        width = min(width, self.response_mask.shape[1])
         if first == 0 and width == self.response_mask.shape[1]:
             return self
         end = self.prompt_width + width

@@ -636,6 +636,8 @@ class Learner:
             low=low,
             high=high,
         )
+        if not metrics:  # no token measured: no weight to report either (not a mean of 0)
+            return weight, metrics
         metrics.update(weight_metrics)
         if settings.rollout.max_staleness > 0:
             # The share the action changed (truncated_fraction or masked_fraction).

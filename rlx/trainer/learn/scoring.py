@@ -183,6 +183,13 @@ class ResponseScorer(nn.Module):
         and entropies, zero where inputs.rows.response_mask is False."""
         response_mask = inputs.rows.response_mask
         head = self.lm.get_output_embeddings()  # type: ignore[operator]
+        if real_targets.numel() == 0:
+            # No token to score (every response masked): zeros still tied to the model, so
+            # the pass's backward runs through every parameter with zero gradients, as the
+            # other ranks' passes do (their collectives wait for this one's).
+            tied = (real_hidden.sum() + head.weight.sum()).float() * 0.0
+            none = response_mask.new_zeros(response_mask.shape, dtype=torch.float32) + tied
+            return none, none
         logprobs, entropy = chunked_token_scores(
             real_hidden,
             head.weight,

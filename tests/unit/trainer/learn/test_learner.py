@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -210,3 +211,19 @@ def test_correction_off_still_measures_and_weighs_nothing(
         [Learner(conf, str(tiny_model_dir), None, torch.device("cpu")).update(batch, step=1)]
     )
     assert stats["mismatch/kl"] > 0 and "mismatch/weight_mean" not in stats
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_a_step_with_every_token_masked_updates_nothing(
+    tmp_path, tiny_model_dir, advantage_batch, packing
+) -> None:
+    # Every response cut at the limit and masked (algo.overlong.mask_truncated): the passes
+    # still run the model, so the loss stays in the graph and the gradient is exactly zero.
+    batch = replace(advantage_batch, response_mask=torch.zeros_like(advantage_batch.response_mask))
+    conf = small_trainer(tmp_path, batch={"micro_batch_size": 5, "packing": packing})
+    learner = Learner(conf, str(tiny_model_dir), None, torch.device("cpu"))
+    before = params(learner)
+    stats = merge_update_stats([learner.update(batch, step=1)])
+    assert stats["grad_norm"] == 0.0
+    after = params(learner)
+    assert all(torch.equal(before[name], after[name]) for name in before)
