@@ -20,6 +20,7 @@ import math
 import re
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from rlx.errors import RlxError
 from rlx.trainer.tasks.synthetic import letters_or_digits_reward
@@ -121,6 +122,19 @@ def math_exact(prompt: str, response: str, answer: str | None) -> float:
     return float(_normalize_text(response) == _normalize_text(answer))
 
 
+_MATH_VERIFY_WARM = threading.Event()
+
+
+def _warm_math_verify(parse: Any, verify: Any) -> None:
+    """One parse and comparison without a time limit, once per process: math-verify builds
+    its LaTeX grammar and imports sympy's parts on first use, seconds on a busy machine,
+    which the per-answer limit must not count (it would score a right answer 0)."""
+    if not _MATH_VERIFY_WARM.is_set():
+        half = parse("$\\frac{1}{2}$", parsing_timeout=None)
+        verify(half, parse("\\boxed{0.5}", parsing_timeout=None), timeout_seconds=None)
+        _MATH_VERIFY_WARM.set()
+
+
 def math_verify(prompt: str, response: str, answer: str | None) -> float:
     """1.0 if the response's final answer is mathematically equal to the reference, else 0,
     judged by Hugging Face's math-verify: it extracts the answer (\\boxed{} first, then
@@ -134,6 +148,7 @@ def math_verify(prompt: str, response: str, answer: str | None) -> float:
         raise RewardSpecError(
             'reward math_verify needs the math-verify package; pip install "rlx[train]"'
         ) from exc
+    _warm_math_verify(parse, verify)
     # math-verify's timeouts are signal alarms, which work only in the main thread.
     limit = MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
     gold = parse(answer, parsing_timeout=limit) or parse(f"${answer}$", parsing_timeout=limit)
