@@ -250,8 +250,7 @@ def skewed_batch(settings: Any, vocab: int, seed: int = 0) -> Any:
     import torch
 
     from rlx.trainer import algos
-    from rlx.trainer.batch import RolloutBatch, pack_rollout
-    from rlx.trainer.learn.learner import ADVANTAGES
+    from rlx.trainer.batch import ADVANTAGES, RolloutBatch, pack_rollout
 
     g = torch.Generator().manual_seed(seed)
     prompts, n = settings.batch.prompts_per_step, settings.rollout.n
@@ -510,7 +509,7 @@ def part_learner(check: Check, case: Case) -> dict[str, Any]:
     rate = sum(flops) / sum(seconds)
     out.update(
         params_b=round(sum(p.numel() for p in learner.policy.parameters()) / 1e9, 3),
-        packing=learner.packing,
+        packing=learner.planner.packing,
         steps=len(seconds),
         samples_per_step=settings.batch.prompts_per_step * settings.rollout.n,
         s_per_step=round(s, 3),
@@ -612,8 +611,9 @@ def part_fsdp_dcp(check: Check) -> dict[str, Any]:
 
 
 def part_packing(check: Check) -> dict[str, Any]:
-    from rlx.trainer.learn.learner import Learner, _mean_gap, packing_tolerance
-    from rlx.trainer.learn.models import uses_varlen_attention
+    from rlx.trainer.learn.learner import Learner
+    from rlx.trainer.learn.passes import mean_gap, packing_tolerance
+    from rlx.trainer.model.traits import traits
     from rlx.trainer.rollout.probe import Probe
 
     case = CASES[0]
@@ -632,7 +632,7 @@ def part_packing(check: Check) -> dict[str, Any]:
             return learner._scores(learner.policy_scorer, mb, entropy_grad=False, packed=packed)
 
         with learner.no_grad():
-            learner.packing = True
+            learner.planner.packing = True
             packed = learner._per_token(batch, lambda mb, p: scores(mb, p).logprobs)
             worst, worst_ratio, worst_tolerance, sums = 0.0, -1.0, 0.0, []
             for row in range(len(batch)):
@@ -641,7 +641,7 @@ def part_packing(check: Check) -> dict[str, Any]:
                 mask = single.response_mask[0]
                 got = packed[row, : own.shape[0]]
                 scale = float(own[mask].abs().mean())
-                gap = _mean_gap(got, own, mask)
+                gap = mean_gap(got, own, mask)
                 tolerance = packing_tolerance(learner.dtype, scale)
                 if gap / tolerance > worst_ratio:
                     worst, worst_ratio, worst_tolerance = gap, gap / tolerance, tolerance
@@ -649,9 +649,9 @@ def part_packing(check: Check) -> dict[str, Any]:
         probe = Probe(prompt_ids=[0] * 8, response_ids=[0] * 14)
         out[dtype] = {
             "attention": "flash varlen"
-            if uses_varlen_attention(learner.policy)
-            else learner.policy.config._attn_implementation,
-            "packed_passes": learner.packing,
+            if traits(learner.policy).varlen
+            else traits(learner.policy).attention,
+            "packed_passes": learner.planner.packing,
             "worst_mean_gap": worst,
             "its_tolerance": worst_tolerance,
             "within": worst <= worst_tolerance,
@@ -731,8 +731,8 @@ def part_mismatch(check: Check) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from rlx.trainer.algos.mismatch import mismatch_metrics
-    from rlx.trainer.batch import pack_rollout
-    from rlx.trainer.learn.learner import OLD_LOGP, Learner
+    from rlx.trainer.batch import OLD_LOGP, pack_rollout
+    from rlx.trainer.learn.learner import Learner
     from rlx.trainer.rollout.base import SamplingArgs
     from rlx.trainer.rollout.hf import HFEngine
 

@@ -50,8 +50,8 @@ def main() -> None:
 
     from rlx.plan.lora import vllm_lora_rank
     from rlx.recipe.model import LoraSettings
-    from rlx.trainer.learn.lora import add_adapters, init_adapters, served_config
-    from rlx.trainer.learn.sharding import engine_tensors
+    from rlx.trainer.model.lora import add_adapters, init_adapters, served_config
+    from rlx.trainer.model.push import engine_tensors
     from rlx.trainer.rollout.hf import HFEngine
     from rlx.trainer.rollout.vllm import VLLMEngine
 

@@ -66,8 +66,7 @@ def length_mix(count: int, seed: int, group: int = 1) -> list[tuple[int, int]]:
 
 
 def make_batch(lengths: list[tuple[int, int]], vocab: int, seed: int, group: int = 1) -> Any:
-    from rlx.trainer.batch import RolloutBatch, pack_rollout, pad_responses
-    from rlx.trainer.learn.learner import ADVANTAGES
+    from rlx.trainer.batch import ADVANTAGES, RolloutBatch, pack_rollout, pad_responses
 
     generator = torch.Generator().manual_seed(seed)
     prompts: list[list[int]] = []
@@ -122,7 +121,8 @@ def settings_for(variant: str, model: Path, sequences: int, budget: int) -> Any:
 
 def measure(learner: Any, batch: Any, step: int) -> tuple[float, float]:
     """(real tokens per second, padding fraction) of one update with its reference pass."""
-    from rlx.trainer.learn.learner import PADDING_FRACTION, REF_LOGP, merge_update_stats
+    from rlx.trainer.batch import REF_LOGP
+    from rlx.trainer.learn.learner import PADDING_FRACTION, merge_update_stats
 
     started = time.perf_counter()
     with learner.no_grad():
@@ -145,7 +145,7 @@ def main() -> None:
     torch.set_num_threads(THREADS)
     torch.manual_seed(SEED)
     from rlx.trainer.learn.learner import Learner
-    from rlx.trainer.learn.tiny import build_tiny_model
+    from rlx.trainer.model.tiny import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_model(

@@ -170,8 +170,7 @@ def write_batch(path: Path, args: argparse.Namespace) -> None:
     do), every token real, advantages random."""
     import torch
 
-    from rlx.trainer.batch import SequenceBatch
-    from rlx.trainer.learn.learner import ADVANTAGES
+    from rlx.trainer.batch import ADVANTAGES, SequenceBatch
 
     generator = torch.Generator().manual_seed(0)
     rows = args.prompts * args.n

@@ -2,7 +2,7 @@
 
 Qwen2.5-0.5B's config (hidden 896, 14 query heads, 2 key/value heads, MLP 4864, vocabulary
 151936, tied embeddings) with a chosen number of layers (24 is the real model), random
-weights in float32, and the byte-level tokenizer of rlx.trainer.learn.tiny: token ids above its
+weights in float32, and the byte-level tokenizer of rlx.trainer.model.tiny: token ids above its
 260 are never produced by the tokenizer, but the model can sample them and decoding skips
 them, so generation and rewards still run.
 """
@@ -30,7 +30,7 @@ def qwen25_05b_config(layers: int) -> Any:
     """A transformers Qwen2Config: Qwen2.5-0.5B's shape with `layers` decoder layers."""
     from transformers import Qwen2Config
 
-    from rlx.trainer.learn.tiny import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, token_id
+    from rlx.trainer.model.tiny import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, token_id
 
     return Qwen2Config(
         num_hidden_layers=layers,
@@ -46,7 +46,7 @@ def write_qwen25_05b(folder: Path, layers: int, seed: int = 0) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from rlx.trainer.learn.tiny import build_tokenizer
+    from rlx.trainer.model.tiny import build_tokenizer
 
     config = qwen25_05b_config(layers)
     with torch.random.fork_rng(devices=[]):

@@ -5,7 +5,7 @@
 
 Both sides train the same saved model, on the synthetic letters_or_digits prompts in file
 order. --model tiny (the default): a tiny Qwen2 (hidden 256, 4 layers, built once with
-rlx.trainer.learn.tiny.build_tiny_model; 3 rounds x 14 steps, 4 dropped). --model qwen2.5-0.5b:
+rlx.trainer.model.tiny.build_tiny_model; 3 rounds x 14 steps, 4 dropped). --model qwen2.5-0.5b:
 random weights with Qwen2.5-0.5B's full config (hidden 896, 24 layers, 14 heads, 2 key/value
 heads, vocabulary 151936, tied embeddings; bench/shapes.py), 494M parameters in float32,
 and the tiny byte-level tokenizer (sampled ids above its 260 decode to nothing; both sides
@@ -165,7 +165,7 @@ def end_at_rate(model_dir: Path, data: Path, rate: float, seed: int = SEED) -> N
 
 def build_inputs(folder: Path, choice: str, lengths: str = "fixed") -> tuple[Path, Path]:
     """The saved model and the prompt file both sides read."""
-    from rlx.trainer.learn.tiny import build_tiny_model
+    from rlx.trainer.model.tiny import build_tiny_model
     from rlx.trainer.tasks.synthetic import write_synthetic_dataset
 
     if choice == "tiny":

@@ -2,7 +2,7 @@
 
     python bench/vllm_sampling.py [--repeats 5]
 
-The same saved tiny model (rlx.trainer.learn.tiny, Qwen2, float32) and the same prompts for
+The same saved tiny model (rlx.trainer.model.tiny, Qwen2, float32) and the same prompts for
 every engine; each call samples n responses per prompt at temperature 1 with a seed and
 exactly max_new_tokens tokens (min_new_tokens = max_new_tokens, so every engine emits the
 same number of tokens). Engines:
@@ -52,7 +52,7 @@ def _timed(engine, prompts, n: int, tokens: int, seed: int, repeats: int) -> tup
 
 
 def main() -> None:
-    from rlx.trainer.learn.tiny import build_tiny_model
+    from rlx.trainer.model.tiny import build_tiny_model
     from rlx.trainer.rollout.hf import HFEngine
     from rlx.trainer.rollout.vllm import VLLMEngine
 

@@ -14,13 +14,17 @@ import sys
 from collections.abc import Callable, Iterable
 from enum import Enum
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import typer
 
 from rlx import __version__, launchers
-from rlx.launchers.spec import LAUNCH_OPTIONS
+from rlx.launchers.spec import LAUNCH_OPTIONS, BackendSpec
 from rlx.node import env as node_env
+
+if TYPE_CHECKING:
+    from rlx.launchers.base import Job, LaunchRequest
+    from rlx.recipe import Recipe
 
 app = typer.Typer(
     name="rlx",
@@ -295,25 +299,12 @@ def launch(
     from rlx.launchers.base import LaunchRequest, collect_secrets, remember
     from rlx.lint import lint_loaded
     from rlx.recipe import load_recipe
-    from rlx.recipe.model import RECIPE_NAME
 
     loaded = _load_checked(recipe, False, lint_loaded, load_recipe, keep=keep)
-    job_recipe = loaded.recipe
-    if name is not None:
-        if not RECIPE_NAME.fullmatch(name):
-            fail(
-                f"--name {name!r}: use lowercase letters, digits and '-', start with a letter, "
-                "2 to 40 characters"
-            )
-        job_recipe = job_recipe.model_copy(update={"name": name})
+    job_recipe = _renamed(loaded.recipe, name)
     chosen = launchers.spec(backend.value)
     given = {"managed": managed, "address": address is not None, "detach": detach, "keep": keep}
-    for option in [name for name, on in given.items() if on and not chosen.takes(name)]:
-        takers = launchers.taking(option)
-        fail(
-            f"--{option} is for {LAUNCH_OPTIONS[option]} on {_either(b.title for b in takers)}; "
-            f"use it with --backend {_either(b.name for b in takers)}"
-        )
+    _refuse_options_not_taken(chosen, given)
     if keep:
         from rlx.launchers.keep import kept_recipe
 
@@ -341,17 +332,47 @@ def launch(
     job = launchers.operations(backend.value).launch(request)
     remember(job, Path.cwd())
     code = int(job.extra.get("exit_code", "0"))
-    if keep:
+    _after_launch(job, request)
+    raise typer.Exit(code)
+
+
+def _after_launch(job: Job, request: LaunchRequest) -> None:
+    """A kept cluster announced; a job not run to its end here, how to follow it."""
+    if request.keep:
         from rlx.launchers.keep import announce
 
-        announce(job, job_recipe, request.secrets, Path.cwd())
+        announce(job, request.recipe, request.secrets, Path.cwd())
     elif "exit_code" not in job.extra:  # not run to its end here: say how to follow it
         typer.echo(
             f"launched {job.name} on {job.backend} ({job.handle}); follow it with: "
             f"rlx logs {job.name} --follow",
             err=True,
         )
-    raise typer.Exit(code)
+
+
+def _renamed(recipe: Recipe, name: str | None) -> Recipe:
+    """The recipe under --name, when given (refused unless it is a recipe name)."""
+    from rlx.recipe.model import RECIPE_NAME
+
+    if name is None:
+        return recipe
+    if not RECIPE_NAME.fullmatch(name):
+        fail(
+            f"--name {name!r}: use lowercase letters, digits and '-', start with a letter, "
+            "2 to 40 characters"
+        )
+    return recipe.model_copy(update={"name": name})
+
+
+def _refuse_options_not_taken(chosen: BackendSpec, given: dict[str, bool]) -> None:
+    """Fail for the first option given that the chosen backend does not take, naming the
+    backends that do."""
+    for option in [name for name, on in given.items() if on and not chosen.takes(name)]:
+        takers = launchers.taking(option)
+        fail(
+            f"--{option} is for {LAUNCH_OPTIONS[option]} on {_either(b.title for b in takers)}; "
+            f"use it with --backend {_either(b.name for b in takers)}"
+        )
 
 
 @app.command()

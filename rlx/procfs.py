@@ -42,6 +42,13 @@ def running(pid: int) -> bool:
     return fields is not None and fields[0] != "Z"
 
 
+def start_ticks(pid: int) -> str | None:
+    """When the process started, in clock ticks since boot (None when it is gone): with the
+    pid, it names one process for good, where a pid alone may be reused."""
+    fields = _stat_fields(pid)
+    return None if fields is None else fields[19]
+
+
 def parents() -> dict[int, int]:
     """pid -> parent pid, for every process there is."""
     out = {}

@@ -17,7 +17,9 @@ from rlx.plan.shapes import ModelShape, PlanError
 from rlx.recipe.model import (
     LoraSettings,
     NodeGroup,
+    ParallelSettings,
     Recipe,
+    Resources,
     TrainerSettings,
     episode_token_budget,
     fixed_int,
@@ -338,25 +340,85 @@ def _state_items(
     parallel = trainer.parallel
     compute, master, _ = dtypes(trainer, gpu, strategy)
     offload = parallel.offload_optimizer and strategy == "fsdp"
-    items = budget.items
     # moved off the GPU for generation; FSDP's offload keeps them on the host already
     away = colocated and not offload
-    sharded = ", sharded" if strategy == "fsdp" else ""
-    on_host = ", in host memory" if offload else ""
+    held = _RankState(budget, ranks, strategy, offload, away, compute, master)
+    policy, *critic = trained_models(trainer, shape, critic_shape)
+    held.add_model(policy)
+    if trainer.algo.kl.coef > 0 and policy.lora is None:
+        ref = mem.reference_bytes(shape, ranks=ranks, strategy=strategy, dtype=compute)
+        ref_on_host = parallel.offload_reference and strategy == "fsdp"
+        budget.items.append(
+            Item(
+                "reference",
+                ref,
+                compute + held.sharded + (", in host memory" if ref_on_host else ""),
+                "" if ref_on_host else "all",
+            )
+        )
+    for model in critic:
+        held.add_model(model)
+    if gpu:
+        budget.items.append(Item("runtime (CUDA, NCCL, allocator)", int(RUNTIME_GIB * GIB)))
 
-    def state(label: str, s: ModelShape, params: int, dtype: str) -> None:
+
+@dataclass(frozen=True)
+class _RankState:
+    """How a rank holds a trained model's state, into `budget`: sharded under FSDP, on the
+    host with its optimizer offload, gradients and moments held in the update only when
+    `away` (a colocated vLLM engine generates between the updates)."""
+
+    budget: Budget
+    ranks: int
+    strategy: str
+    offload: bool
+    away: bool
+    compute: str
+    master: str
+
+    @property
+    def sharded(self) -> str:
+        return ", sharded" if self.strategy == "fsdp" else ""
+
+    @property
+    def on_host(self) -> str:
+        return ", in host memory" if self.offload else ""
+
+    def add_model(self, model: TrainedModel) -> None:
+        """A model's weights, gradients and moments: with LoRA its frozen base, then its
+        adapters' (and value head's) state."""
+        if model.lora is None:
+            self.add_state(model.label, model.shape, model.params, self.master)
+            return
+        base = mem.frozen_bytes(
+            model.frozen, ranks=self.ranks, strategy=self.strategy, dtype=self.compute
+        )
+        self.budget.items.append(
+            Item(
+                f"{model.label} base (frozen)",
+                base,
+                f"{self.compute}{self.sharded}{self.on_host}",
+                "" if self.offload else "all",
+            )
+        )
+        head = " and value head" if model.head else ""
+        label = f"{model.label} LoRA{head}"
+        self.add_state(label, model.shape, model.trained, model.trained_dtype(self.master))
+
+    def add_state(self, label: str, s: ModelShape, params: int, dtype: str) -> None:
+        items = self.budget.items
         st = mem.training_state_bytes(
             s,
-            ranks=ranks,
-            strategy=strategy,
-            offload_optimizer=offload,
+            ranks=self.ranks,
+            strategy=self.strategy,
+            offload_optimizer=self.offload,
             param_dtype=dtype,
             params=params,
         )
-        note = f"{dtype}{sharded}{on_host}"
-        phase = "" if offload else "all"
+        note = f"{dtype}{self.sharded}{self.on_host}"
+        phase = "" if self.offload else "all"
         items.append(Item(f"{label} weights", st["weights"], note, phase))
-        if away:
+        if self.away:
             items.append(
                 Item(f"{label} grads", st["grads"], f"{note}, freed after each step", "update")
             )
@@ -368,47 +430,12 @@ def _state_items(
                     "update",
                 )
             )
-            budget.pinned_host += st["optimizer"]
+            self.budget.pinned_host += st["optimizer"]
         else:
             items.append(Item(f"{label} grads", st["grads"], note, phase))
             items.append(Item(f"{label} optimizer (AdamW)", st["optimizer"], note, phase))
         if st["ddp_buckets"]:
             items.append(Item(f"{label} DDP gradient buckets", st["ddp_buckets"], "ddp"))
-
-    def trained(model: TrainedModel) -> None:
-        if model.lora is None:
-            state(model.label, model.shape, model.params, master)
-            return
-        base = mem.frozen_bytes(model.frozen, ranks=ranks, strategy=strategy, dtype=compute)
-        items.append(
-            Item(
-                f"{model.label} base (frozen)",
-                base,
-                f"{compute}{sharded}{on_host}",
-                "" if offload else "all",
-            )
-        )
-        head = " and value head" if model.head else ""
-        label = f"{model.label} LoRA{head}"
-        state(label, model.shape, model.trained, model.trained_dtype(master))
-
-    policy, *critic = trained_models(trainer, shape, critic_shape)
-    trained(policy)
-    if trainer.algo.kl.coef > 0 and policy.lora is None:
-        ref = mem.reference_bytes(shape, ranks=ranks, strategy=strategy, dtype=compute)
-        ref_on_host = parallel.offload_reference and strategy == "fsdp"
-        items.append(
-            Item(
-                "reference",
-                ref,
-                compute + sharded + (", in host memory" if ref_on_host else ""),
-                "" if ref_on_host else "all",
-            )
-        )
-    for model in critic:
-        trained(model)
-    if gpu:
-        items.append(Item("runtime (CUDA, NCCL, allocator)", int(RUNTIME_GIB * GIB)))
 
 
 def adapter_compute(compute: str, gpu: bool, strategy: str) -> tuple[str, bool]:
@@ -437,11 +464,31 @@ def _update_items(
     checkpointing; LoRA's adapters add their own, and a base stored in the compute dtype
     keeps the residual stream in it), the LM head's chunked logits, FSDP's gathered layers
     and the root's unsharded gradients (none of a frozen root)."""
-    parallel = trainer.parallel
-    compute, _, residual = dtypes(trainer, gpu, strategy)
+    compute, _, _ = dtypes(trainer, gpu, strategy)
     items = budget.items
     tokens, response_tokens = micro_batch_tokens(trainer, ranks)
     models = trained_models(trainer, shape, critic_shape)
+    activations, used = _activation_items(trainer, models, critic_shape, tokens, gpu, strategy)
+    items += activations
+    items += _autocast_items(models, compute, used, ranks, strategy, gpu)
+    chunk = mem.logits_chunk_tokens(shape)
+    logits = mem.logits_peak_bytes(shape, response_tokens, dtype=compute, chunk_tokens=chunk)
+    note = f"chunks of {min(chunk, response_tokens)} of {response_tokens} response tokens"
+    items.append(Item("logits peak", logits, note, "update"))
+    items += _fsdp_update_items(models, trainer.parallel, compute, ranks, strategy)
+
+
+def _activation_items(
+    trainer: TrainerSettings,
+    models: list[TrainedModel],
+    critic_shape: ModelShape | None,
+    tokens: int,
+    gpu: bool,
+    strategy: str,
+) -> tuple[list[Item], bool]:
+    """A micro-batch's activations without and with gradient checkpointing, the one the
+    recipe uses in the update's peak; (items, whether it checkpoints)."""
+    compute, _, residual = dtypes(trainer, gpu, strategy)
     lora_dtype, copies_input = adapter_compute(compute, gpu, strategy)
 
     def activations(m: TrainedModel, checkpointing: bool) -> int:
@@ -466,22 +513,30 @@ def _update_items(
         checkpointing.append((trainer.critic_model or trainer.model).gradient_checkpointing)
     act = {flag: max(activations(m, flag) for m in models) for flag in (False, True)}
     used = any(checkpointing)
-    items.append(
+    items = [
         Item(
             "activations, no checkpointing",
             act[False],
             f"{tokens} tokens per micro-batch",
             "" if used else "update",
-        )
-    )
-    items.append(
+        ),
         Item(
             "activations, gradient checkpointing",
             act[True],
             f"{tokens} tokens per micro-batch",
             "update" if used else "",
-        )
-    )
+        ),
+    ]
+    return items, used
+
+
+def _autocast_items(
+    models: list[TrainedModel], compute: str, used: bool, ranks: int, strategy: str, gpu: bool
+) -> list[Item]:
+    """The copies autocast keeps from a forward to its backward: of the float32 master
+    weights (not under FSDP) and of the float32 LoRA adapters."""
+    items = []
+    lora_dtype, copies_input = adapter_compute(compute, gpu, strategy)
     if gpu and mem.runs_as(strategy, ranks) != "fsdp" and compute != "float32":
         # autocast casts each float32 master weight once per forward and the products keep
         # the copy for their backward: every layer's, where no checkpointing drops them
@@ -502,10 +557,18 @@ def _update_items(
         if cast:
             note = f"{lora_dtype}, from forward to backward"
             items.append(Item("LoRA adapters, autocast's copies", cast, note, "update"))
-    chunk = mem.logits_chunk_tokens(shape)
-    logits = mem.logits_peak_bytes(shape, response_tokens, dtype=compute, chunk_tokens=chunk)
-    note = f"chunks of {min(chunk, response_tokens)} of {response_tokens} response tokens"
-    items.append(Item("logits peak", logits, note, "update"))
+    return items
+
+
+def _fsdp_update_items(
+    models: list[TrainedModel],
+    parallel: ParallelSettings,
+    compute: str,
+    ranks: int,
+    strategy: str,
+) -> list[Item]:
+    """FSDP's gathered layers and the root's unsharded gradients (none of a frozen root)."""
+    items = []
     gathered = max(
         mem.gathered_params_bytes(
             m.shape,
@@ -541,6 +604,7 @@ def _update_items(
                 "update",
             )
         )
+    return items
 
 
 def _colocated_engine_items(
@@ -655,14 +719,59 @@ def host_budgets(
 ) -> list[Budget]:
     trainer = recipe.trainer
     assert trainer is not None
-    resources = recipe.resources
+    sizes = _host_sizes(trainer, shape, critic_shape, layout, strategy, training, gpu)
+    out = []
+    for index, (ranks, engines, count) in enumerate(layout.node_kinds):
+        title = f"host RAM per node (x{count}: {ranks} rank(s)" + (
+            f", {engines} engine(s))" if engines else ")"
+        )
+        budget = Budget(title, count, _host_capacity(recipe.resources, ranks))
+        items = budget.items
+        if index == 0:
+            items.append(Item("controller", int(HOST_PROCESS_GIB * GIB), "head node"))
+        if ranks:
+            items += _rank_host_items(trainer, shape, ranks, sizes, training, gpu)
+        if trainer.layout == "split" and (engines or index == 0):
+            items.append(_push_host_item(trainer, sizes))
+        if engines:
+            items += _engine_host_items(trainer, shape, engines, sizes)
+        budget.peak = sum(i.bytes for i in items)
+        budget.peak_phase = "steady"
+        out.append(budget)
+    return out
 
-    def host_capacity(ranks: int) -> int | None:
-        # resources.groups: training nodes hold ranks, rollout nodes only engines
-        group = resources.train_nodes if ranks or resources.groups is None else None
-        memory = (group or resources.rollout_nodes or resources).memory
-        return None if memory is None else int(float(memory.rstrip("+")) * 1e9)
 
+def _host_capacity(resources: Resources, ranks: int) -> int | None:
+    """The host memory of a node that holds `ranks` training ranks, in bytes (None: not
+    given)."""
+    # resources.groups: training nodes hold ranks, rollout nodes only engines
+    group = resources.train_nodes if ranks or resources.groups is None else None
+    memory = (group or resources.rollout_nodes or resources).memory
+    return None if memory is None else int(float(memory.rstrip("+")) * 1e9)
+
+
+@dataclass(frozen=True)
+class _HostSizes:
+    """The figures every node's host budget is made of."""
+
+    per_rank_host: int  # what a training rank holds in host memory
+    ckpt_share: int  # a rank's share of a checkpoint
+    adapter: int  # the LoRA adapter, float32 (0 without LoRA)
+    engine_dtype: str
+    engine_copy: int  # a copy of the weights in the engines' dtype
+    bucket: int  # one push bucket
+    cpu_engine_lora: int  # vLLM's LoRA slots and scratch per split engine on CPU
+
+
+def _host_sizes(
+    trainer: TrainerSettings,
+    shape: ModelShape,
+    critic_shape: ModelShape | None,
+    layout: Layout,
+    strategy: str,
+    training: Budget,
+    gpu: bool,
+) -> _HostSizes:
     compute, master, _ = dtypes(trainer, gpu, strategy)
     engine_dtype = compute if gpu else "bfloat16"
     engine_copy = mem.engine_weight_bytes(shape, dtype=engine_dtype)
@@ -683,82 +792,88 @@ def host_budgets(
         tp = trainer.rollout.tensor_parallel_size
         per_worker = engine_lora_items(trainer, shape, dtype=compute, tensor_parallel=tp, gpu=False)
         cpu_engine_lora = tp * sum(i.bytes for i in per_worker)
-    out = []
-    for index, (ranks, engines, count) in enumerate(layout.node_kinds):
-        title = f"host RAM per node (x{count}: {ranks} rank(s)" + (
-            f", {engines} engine(s))" if engines else ")"
+    return _HostSizes(
+        per_rank_host, ckpt_share, adapter, engine_dtype, engine_copy, bucket, cpu_engine_lora
+    )
+
+
+def _rank_host_items(
+    trainer: TrainerSettings,
+    shape: ModelShape,
+    ranks: int,
+    sizes: _HostSizes,
+    training: Budget,
+    gpu: bool,
+) -> list[Item]:
+    """The host memory of a node's training ranks."""
+    items = [Item("training processes", ranks * int(HOST_PROCESS_GIB * GIB))]
+    label = "training state and activations" if not gpu else "offloaded state"
+    per_rank_host = sizes.per_rank_host
+    if per_rank_host:
+        items.append(Item(label, ranks * per_rank_host, f"{ranks} x {gib(per_rank_host)}"))
+    items.append(Item("model loading", shape.params * 2, "safetensors pages, bf16"))
+    if trainer.checkpoint.dir is not None:
+        items.append(Item("checkpoint save/resume", ranks * sizes.ckpt_share, "each rank's shard"))
+        if is_store_url(trainer.checkpoint.dir):
+            items.append(
+                Item(
+                    "checkpoint upload buffers",
+                    ranks * UPLOAD_BUFFER_BYTES,
+                    "multipart parts in flight, per rank",
+                )
+            )
+    if training.pinned_host:
+        items.append(
+            Item(
+                "optimizer moments (host, pinned)",
+                ranks * training.pinned_host,
+                f"{ranks} x {gib(training.pinned_host)}, while vLLM generates",
+            )
         )
-        budget = Budget(title, count, host_capacity(ranks))
-        items = budget.items
-        if index == 0:
-            items.append(Item("controller", int(HOST_PROCESS_GIB * GIB), "head node"))
-        if ranks:
-            items.append(Item("training processes", ranks * int(HOST_PROCESS_GIB * GIB)))
-            label = "training state and activations" if not gpu else "offloaded state"
-            if per_rank_host:
-                items.append(Item(label, ranks * per_rank_host, f"{ranks} x {gib(per_rank_host)}"))
-            items.append(Item("model loading", shape.params * 2, "safetensors pages, bf16"))
-            if trainer.checkpoint.dir is not None:
-                items.append(
-                    Item("checkpoint save/resume", ranks * ckpt_share, "each rank's shard")
-                )
-                if is_store_url(trainer.checkpoint.dir):
-                    items.append(
-                        Item(
-                            "checkpoint upload buffers",
-                            ranks * UPLOAD_BUFFER_BYTES,
-                            "multipart parts in flight, per rank",
-                        )
-                    )
-            if training.pinned_host:
-                items.append(
-                    Item(
-                        "optimizer moments (host, pinned)",
-                        ranks * training.pinned_host,
-                        f"{ranks} x {gib(training.pinned_host)}, while vLLM generates",
-                    )
-                )
-        # A split push streams buckets: at most two are under way (in the object store of
-        # the sender's node and of each engine's), and an engine loads one at a time. With
-        # rollouts ahead (max_staleness > 0) a push is queued whole behind the engines'
-        # rollouts: up to one copy of the weights waits in the object store.
-        if trainer.layout == "split" and (engines or index == 0):
-            if lora is not None:  # the adapter alone, from memory
-                items.append(Item("weight push", adapter, "the LoRA adapter, float32: all of it"))
-            elif trainer.rollout.max_staleness > 0:
-                items.append(
-                    Item("weight push", engine_copy, "one queued copy (max_staleness > 0)")
-                )
-            else:
-                items.append(
-                    Item("weight push", 2 * bucket, f"2 buckets of {gib(bucket)} GiB in flight")
-                )
-        if engines:
-            items.append(Item("rollout engine processes", engines * int(HOST_ENGINE_GIB * GIB)))
-            if lora is None:
-                items.append(Item("engines' received bucket", engines * bucket, "deserialised"))
-            else:
-                loras = lora_sizes.vllm_max_loras(trainer.rollout)
-                kept = (
-                    loras * lora_sizes.adapter_params(shape, lora) * mem.DTYPE_BYTES[engine_dtype]
-                )
-                items.append(Item("engines' received adapter", engines * adapter, "deserialised"))
-                items.append(
-                    Item(
-                        "engines' adapters (host)",
-                        engines * kept,
-                        f"vLLM's host copies of {loras} version(s), {engine_dtype}",
-                    )
-                )
-            if cpu_engine_lora:
-                items.append(
-                    Item(
-                        "engines' LoRA slots and scratch",
-                        engines * cpu_engine_lora,
-                        "vLLM on CPU: host memory",
-                    )
-                )
-        budget.peak = sum(i.bytes for i in items)
-        budget.peak_phase = "steady"
-        out.append(budget)
-    return out
+    return items
+
+
+def _push_host_item(trainer: TrainerSettings, sizes: _HostSizes) -> Item:
+    """A split push on the sender's node and on each engine's.
+
+    A split push streams buckets: at most two are under way (in the object store of the
+    sender's node and of each engine's), and an engine loads one at a time. With rollouts
+    ahead (max_staleness > 0) a push is queued whole behind the engines' rollouts: up to one
+    copy of the weights waits in the object store."""
+    if trainer.model.lora is not None:  # the adapter alone, from memory
+        return Item("weight push", sizes.adapter, "the LoRA adapter, float32: all of it")
+    if trainer.rollout.max_staleness > 0:
+        return Item("weight push", sizes.engine_copy, "one queued copy (max_staleness > 0)")
+    bucket = sizes.bucket
+    return Item("weight push", 2 * bucket, f"2 buckets of {gib(bucket)} GiB in flight")
+
+
+def _engine_host_items(
+    trainer: TrainerSettings, shape: ModelShape, engines: int, sizes: _HostSizes
+) -> list[Item]:
+    """The host memory of a node's rollout engines."""
+    items = [Item("rollout engine processes", engines * int(HOST_ENGINE_GIB * GIB))]
+    lora = trainer.model.lora
+    if lora is None:
+        items.append(Item("engines' received bucket", engines * sizes.bucket, "deserialised"))
+    else:
+        loras = lora_sizes.vllm_max_loras(trainer.rollout)
+        engine_dtype = sizes.engine_dtype
+        kept = loras * lora_sizes.adapter_params(shape, lora) * mem.DTYPE_BYTES[engine_dtype]
+        items.append(Item("engines' received adapter", engines * sizes.adapter, "deserialised"))
+        items.append(
+            Item(
+                "engines' adapters (host)",
+                engines * kept,
+                f"vLLM's host copies of {loras} version(s), {engine_dtype}",
+            )
+        )
+    if sizes.cpu_engine_lora:
+        items.append(
+            Item(
+                "engines' LoRA slots and scratch",
+                engines * sizes.cpu_engine_lora,
+                "vLLM on CPU: host memory",
+            )
+        )
+    return items

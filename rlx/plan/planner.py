@@ -26,6 +26,7 @@ from rlx.plan.budget import (
     GIB,
     HEADROOM,
     Budget,
+    Layout,
     TrainedModel,
     UnknownAccelerator,
     checkpoint_size,
@@ -40,10 +41,10 @@ from rlx.plan.budget import (
     trained_models,
     training_budget,
 )
-from rlx.plan.shapes import PlanError, find_shape
+from rlx.plan.shapes import ModelShape, PlanError, find_shape
 from rlx.plan.sizing import Sizes, auto_fields, choose_sizes
 from rlx.plan.strategy import choose_strategy
-from rlx.recipe.model import Recipe, TrainerSettings, episode_token_budget
+from rlx.recipe.model import Recipe, Resources, TrainerSettings, episode_token_budget
 from rlx.storage import is_store_url
 
 
@@ -140,23 +141,14 @@ def plan_recipe(
         critic_shape = find_shape((trainer.critic_model or trainer.model).path, env)
     resources = recipe.resources
     gpu = resources.gpus_per_node > 0
-    capacity = gpu_capacity(resources.train_nodes, env) if gpu else None
-    rollout_nodes = resources.rollout_nodes
-    # resources.groups: the engines run on the rollout group's GPUs, of their own size
-    rollout_capacity = capacity if rollout_nodes is None else gpu_capacity(rollout_nodes, env)
-    accelerator = resources.accelerators
-    if rollout_nodes is not None:
-        accelerator = (
-            f"train {resources.train_nodes.nodes} x {resources.train_nodes.accelerators or 'CPU'}"
-            f", rollout {rollout_nodes.nodes} x {rollout_nodes.accelerators or 'CPU'}"
-        )
+    capacity, rollout_capacity = _gpu_capacities(resources, env)
     layout = layout_of(recipe)
     choice = choose_strategy(recipe, env)
     strategy = choice.strategy
     plan = MemoryPlan(
         recipe=recipe.name,
         model=f"{trainer.model.path}: {shape.describe()}",
-        accelerator=accelerator,
+        accelerator=_accelerator_line(resources),
         strategy=strategy,
         strategy_reason=choice.reason,
         train_ranks=layout.train_ranks,
@@ -171,13 +163,55 @@ def plan_recipe(
     if sizes is not None:
         plan.sizes = sizes
         plan.problems += sizes.problems
-    compute, master, _ = dtypes(trainer, gpu, strategy)
     training = training_budget(trainer, shape, critic_shape, layout, strategy, gpu, capacity)
     if gpu:
         plan.gpus.append(training)
         if trainer.layout == "split" and layout.engines:
             plan.gpus.append(rollout_budget(trainer, shape, layout, rollout_capacity or 0))
     plan.hosts = host_budgets(recipe, shape, critic_shape, layout, strategy, training, gpu)
+    _add_disk_figures(plan, recipe, shape, critic_shape, layout, strategy, gpu)
+    _verdict(plan, recipe, env, advise)
+    return plan
+
+
+def _gpu_capacities(
+    resources: Resources, env: Mapping[str, str] | None
+) -> tuple[int | None, int | None]:
+    """(a training GPU's memory, a rollout GPU's), None for unknown or none."""
+    gpu = resources.gpus_per_node > 0
+    capacity = gpu_capacity(resources.train_nodes, env) if gpu else None
+    rollout_nodes = resources.rollout_nodes
+    # resources.groups: the engines run on the rollout group's GPUs, of their own size
+    rollout_capacity = capacity if rollout_nodes is None else gpu_capacity(rollout_nodes, env)
+    return capacity, rollout_capacity
+
+
+def _accelerator_line(resources: Resources) -> str | None:
+    """The accelerators the plan is for: both groups' with resources.groups."""
+    rollout_nodes = resources.rollout_nodes
+    if rollout_nodes is None:
+        return resources.accelerators
+    return (
+        f"train {resources.train_nodes.nodes} x {resources.train_nodes.accelerators or 'CPU'}"
+        f", rollout {rollout_nodes.nodes} x {rollout_nodes.accelerators or 'CPU'}"
+    )
+
+
+def _add_disk_figures(
+    plan: MemoryPlan,
+    recipe: Recipe,
+    shape: ModelShape,
+    critic_shape: ModelShape | None,
+    layout: Layout,
+    strategy: str,
+    gpu: bool,
+) -> None:
+    """The checkpoints' and the export's sizes, the LoRA summaries, and where checkpoints go
+    to a store the shards each node stages before the upload (a problem where they do not
+    fit its disk)."""
+    trainer = recipe.trainer
+    assert trainer is not None
+    compute, master, _ = dtypes(trainer, gpu, strategy)
     models = trained_models(trainer, shape, critic_shape)
     plan.checkpoint_bytes = checkpoint_size(models, master)
     # keep complete checkpoints plus the one being written before the oldest is pruned
@@ -202,8 +236,6 @@ def plan_recipe(
                 f"checkpoint staging: {gib(plan.staging_bytes)} GiB of shards per node before "
                 f"the upload, more than resources.disk_size {disk} GB; raise disk_size"
             )
-    _verdict(plan, recipe, env, advise)
-    return plan
 
 
 @dataclass
@@ -361,6 +393,9 @@ def _largest(budget: Budget, top: int = 4) -> str:
     return ", ".join(f"{i.name} {gib(i.bytes)}" for i in counted[:top])
 
 
+Change = tuple[str, dict[str, Any]]  # (what the advice says, the recipe's change)
+
+
 def _advice(recipe: Recipe, budget: Budget, env: Mapping[str, str] | None) -> str:
     """The single changes that make this budget fit, tried one by one on the recipe."""
     trainer = recipe.trainer
@@ -368,68 +403,10 @@ def _advice(recipe: Recipe, budget: Budget, env: Mapping[str, str] | None) -> st
     if budget.title.startswith("host"):
         need = -(-budget.peak // 10**9)
         return f"ask for resources.memory: '{need}+' (GB per node), or fewer ranks per node"
-    tries: list[tuple[str, dict[str, Any]]] = []
     if budget.title.startswith("training"):
-        parallel = trainer.parallel
-        if parallel.strategy == "ddp":
-            tries.append(("parallel.strategy: fsdp", {"parallel": {"strategy": "fsdp"}}))
-        for nodes in (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64):
-            if nodes > recipe.resources.nodes and _splits_evenly(recipe, nodes):
-                tries.append((f"resources.nodes: {nodes}", {"resources": {"nodes": nodes}}))
-        if not parallel.offload_optimizer:
-            tries.append(
-                (
-                    "parallel.offload_optimizer: true",
-                    {"parallel": {"offload_optimizer": True}},
-                )
-            )
-        has_reference = trainer.algo.kl.coef > 0 and trainer.model.lora is None
-        if not parallel.offload_reference and has_reference:
-            tries.append(
-                (
-                    "parallel.offload_reference: true",
-                    {"parallel": {"offload_reference": True}},
-                )
-            )
-        if not trainer.model.gradient_checkpointing:
-            tries.append(
-                ("model.gradient_checkpointing: true", {"model": {"gradient_checkpointing": True}})
-            )
-        mbs = trainer.batch.micro_batch_size
-        while mbs > 1:
-            mbs //= 2
-            tries.append((f"batch.micro_batch_size: {mbs}", {"batch": {"micro_batch_size": mbs}}))
-        if trainer.layout == "colocated" and recipe.resources.gpus_per_node > 0:
-            util = trainer.rollout.gpu_memory_utilization
-            for lower in (0.4, 0.3, 0.2):
-                if lower < util:
-                    tries.append(
-                        (
-                            f"rollout.gpu_memory_utilization: {lower}",
-                            {"rollout": {"gpu_memory_utilization": lower}},
-                        )
-                    )
-            half = recipe.resources.total_gpus // 2
-            if half:
-                tries.append(
-                    (
-                        f"layout: split with rollout_gpus: {half}",
-                        {"layout": "split", "rollout_gpus": half},
-                    )
-                )
+        tries = _training_changes(recipe, trainer)
     else:
-        tp = trainer.rollout.tensor_parallel_size
-        for bigger in (2, 4, 8):
-            if bigger > tp and recipe.resources.engine_gpus_per_node % bigger == 0:
-                tries.append(
-                    (
-                        f"rollout.tensor_parallel_size: {bigger}",
-                        {"rollout": {"tensor_parallel_size": bigger}},
-                    )
-                )
-        tries.append(
-            ("rollout.gpu_memory_utilization: 0.9", {"rollout": {"gpu_memory_utilization": 0.9}})
-        )
+        tries = _engine_changes(recipe, trainer)
     working: list[str] = []
     kind = budget.title.split(" (")[0]
     for label, change in tries:
@@ -448,6 +425,80 @@ def _advice(recipe: Recipe, budget: Budget, env: Mapping[str, str] | None) -> st
     if not working:
         return "no single change fits it: use more GPUs with more memory or a smaller model"
     return "to fit, change one of: " + "; ".join(working)
+
+
+def _training_changes(recipe: Recipe, trainer: TrainerSettings) -> list[Change]:
+    """The changes that may fit a training budget, in the order they are tried: a sharding
+    strategy, more nodes, offloads, checkpointing, smaller micro-batches, and colocated a
+    smaller share for the engines or a split."""
+    tries: list[Change] = []
+    parallel = trainer.parallel
+    if parallel.strategy == "ddp":
+        tries.append(("parallel.strategy: fsdp", {"parallel": {"strategy": "fsdp"}}))
+    for nodes in (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64):
+        if nodes > recipe.resources.nodes and _splits_evenly(recipe, nodes):
+            tries.append((f"resources.nodes: {nodes}", {"resources": {"nodes": nodes}}))
+    if not parallel.offload_optimizer:
+        tries.append(
+            (
+                "parallel.offload_optimizer: true",
+                {"parallel": {"offload_optimizer": True}},
+            )
+        )
+    has_reference = trainer.algo.kl.coef > 0 and trainer.model.lora is None
+    if not parallel.offload_reference and has_reference:
+        tries.append(
+            (
+                "parallel.offload_reference: true",
+                {"parallel": {"offload_reference": True}},
+            )
+        )
+    if not trainer.model.gradient_checkpointing:
+        tries.append(
+            ("model.gradient_checkpointing: true", {"model": {"gradient_checkpointing": True}})
+        )
+    mbs = trainer.batch.micro_batch_size
+    while mbs > 1:
+        mbs //= 2
+        tries.append((f"batch.micro_batch_size: {mbs}", {"batch": {"micro_batch_size": mbs}}))
+    if trainer.layout == "colocated" and recipe.resources.gpus_per_node > 0:
+        util = trainer.rollout.gpu_memory_utilization
+        for lower in (0.4, 0.3, 0.2):
+            if lower < util:
+                tries.append(
+                    (
+                        f"rollout.gpu_memory_utilization: {lower}",
+                        {"rollout": {"gpu_memory_utilization": lower}},
+                    )
+                )
+        half = recipe.resources.total_gpus // 2
+        if half:
+            tries.append(
+                (
+                    f"layout: split with rollout_gpus: {half}",
+                    {"layout": "split", "rollout_gpus": half},
+                )
+            )
+    return tries
+
+
+def _engine_changes(recipe: Recipe, trainer: TrainerSettings) -> list[Change]:
+    """The changes that may fit a split engine's budget: a wider tensor-parallel engine,
+    a larger share of its GPU."""
+    tries: list[Change] = []
+    tp = trainer.rollout.tensor_parallel_size
+    for bigger in (2, 4, 8):
+        if bigger > tp and recipe.resources.engine_gpus_per_node % bigger == 0:
+            tries.append(
+                (
+                    f"rollout.tensor_parallel_size: {bigger}",
+                    {"rollout": {"tensor_parallel_size": bigger}},
+                )
+            )
+    tries.append(
+        ("rollout.gpu_memory_utilization: 0.9", {"rollout": {"gpu_memory_utilization": 0.9}})
+    )
+    return tries
 
 
 def _splits_evenly(recipe: Recipe, nodes: int) -> bool:

@@ -17,7 +17,7 @@ from rlx.errors import RlxError
 from rlx.hub import cache_root, cached_file, is_hub_id
 from rlx.recipe.specs import TINY_HEAD_DIM, TINY_VOCAB, tiny_model
 
-# tiny:<arch>-h<hidden>-l<layers>, as rlx.trainer.resolve builds them (rlx.trainer.learn.tiny).
+# tiny:<arch>-h<hidden>-l<layers>, as rlx.trainer.resolve builds them (rlx.trainer.model.tiny).
 # Architectures whose q/k/v projections carry a bias.
 QKV_BIAS_TYPES = ("qwen2",)
 # build_tiny_model's max_position_embeddings (a test holds the two equal).
@@ -209,7 +209,7 @@ def _read_config(path: Path) -> dict[str, Any]:
 
 
 def tiny_shape(spec: str) -> ModelShape | None:
-    """The shape of a `tiny:` model as rlx.trainer.learn.tiny builds it, or None if not one."""
+    """The shape of a `tiny:` model as rlx.trainer.model.tiny builds it, or None if not one."""
     model = tiny_model(spec)
     if model is None:
         return None

@@ -17,6 +17,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
+# The names of SequenceBatch.fields: per-token tensors computed along the step, each (B, R).
+# OLD_LOGP: pi_old's log-probs (when the update cannot take its own, detached); REF_LOGP: the
+# reference's (KL on); VALUES: the critic's; ADVANTAGES and RETURNS: what the update trains
+# towards; BEHAV_LOGP: the engines' sampling log-probs, sent only where engine and learner
+# can disagree (learn.learner.sends_engine_logprobs).
+OLD_LOGP = "old_logp"
+REF_LOGP = "ref_logp"
+VALUES = "values"
+ADVANTAGES = "advantages"
+RETURNS = "returns"
+BEHAV_LOGP = "behav_logp"
+
 
 @dataclass
 class RolloutBatch:

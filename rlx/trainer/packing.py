@@ -12,7 +12,7 @@ Sequences that share a prompt can share it in a row too (`shared_segments`): the
 then each response; the position ids cannot say that a response sees the prompt but not its
 siblings, so such rows carry their own 4-D mask (PackedRows.attention), which SDPA and eager
 attention take as it is. Every row also says where its segments lie (PackedRows.layout): a
-model that attends by segments (rlx.trainer.learn.attention) reads that instead of any mask,
+model that attends by segments (rlx.trainer.model.attention) reads that instead of any mask,
 and then needs no mask at all.
 
 How sequences are cut up: `pack_bins` puts sequences into rows of at most `row_tokens`
@@ -216,7 +216,7 @@ class PackedRows:
     # (a segment's first tokens of its responses all follow its prompt's last position)
     target_index: Tensor | None = None
     # Per row, its segments in order: what a model that attends by segments reads instead
-    # of a mask (rlx.trainer.learn.attention).
+    # of a mask (rlx.trainer.model.attention).
     layout: Layout = ()
 
     def target_positions(self) -> Tensor:
@@ -240,6 +240,57 @@ class PackedRows:
         )
 
 
+def _segments_placing_every_row(
+    rows: Sequence[Sequence[int | Sequence[int]]], count: int
+) -> list[list[list[int]]]:
+    """Each row as its segments (a sequence alone: a segment of one); ValueError unless
+    they place each of the batch's `count` sequences exactly once."""
+    row_segments = [[[i] if isinstance(i, int) else list(i) for i in row] for row in rows]
+    placed = sorted(i for row in row_segments for segment in row for i in segment)
+    if placed != list(range(count)):
+        raise ValueError(f"the rows place sequences {placed}, the batch holds {count}")
+    return row_segments
+
+
+def _check_shared_prompt(
+    segment: list[int], prompt: int, tokens: list[torch.Tensor], prompt_lengths: list[int]
+) -> None:
+    """ValueError unless the segment's sequences have its first one's prompt."""
+    for i in segment:
+        if prompt_lengths[i] != prompt or not torch.equal(
+            tokens[i][:prompt], tokens[segment[0]][:prompt]
+        ):
+            raise ValueError(f"sequences {segment} share a segment but not a prompt")
+
+
+def _score_indices(
+    batch: SequenceBatch, prompt_last: list[int], response_first: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the flat packed position whose logits score each response token, the flat position
+    of the token itself), (N,) each, in the batch's row-major order of response tokens."""
+    scored = batch.response_mask.nonzero()  # (N, 2) row-major: (sequence, response column)
+    sequence, column = scored[:, 0], scored[:, 1]
+    # Response token 0 is predicted by the prompt's last position, token t by token t - 1.
+    target_index = torch.tensor(response_first, dtype=torch.long)[sequence] + column  # (N,)
+    score_index = torch.where(
+        column == 0, torch.tensor(prompt_last, dtype=torch.long)[sequence], target_index - 1
+    )  # (N,)
+    return score_index, target_index
+
+
+def _shared_prompt_mask(
+    segment_of: torch.Tensor, position_ids: torch.Tensor, branch_of: torch.Tensor
+) -> torch.Tensor:
+    """(k, 1, T, T) bool: a position attends to the earlier positions of its segment that
+    are its shared prompt (branch 0) or its own response."""
+    query, key = (slice(None), slice(None), None), (slice(None), None, slice(None))
+    return (
+        (segment_of[query] == segment_of[key])
+        & (position_ids[key] <= position_ids[query])
+        & ((branch_of[key] == 0) | (branch_of[key] == branch_of[query]))
+    ).unsqueeze(1)  # (k, 1, T, T)
+
+
 def pack_rows(
     batch: SequenceBatch,
     rows: Sequence[Sequence[int | Sequence[int]]],
@@ -253,10 +304,7 @@ def pack_rows(
     sequence's real tokens are its attention mask's ones: a left-padded prompt then a
     right-padded response, contiguous. masks=False: no 4-D mask for rows that share
     prompts (every model reading them attends by the layout)."""
-    row_segments = [[[i] if isinstance(i, int) else list(i) for i in row] for row in rows]
-    placed = sorted(i for row in row_segments for segment in row for i in segment)
-    if placed != list(range(len(batch))):
-        raise ValueError(f"the rows place sequences {placed}, the batch holds {len(batch)}")
+    row_segments = _segments_placing_every_row(rows, len(batch))
     real = batch.attention_mask.bool()  # (B, P + R)
     lengths = real.sum(dim=1).tolist()  # (B,)
     prompt_lengths = real[:, : batch.prompt_width].sum(dim=1).tolist()  # (B,)
@@ -280,11 +328,7 @@ def pack_rows(
             label += 1
             prompt = prompt_lengths[segment[0]]
             placed_here.append((offset, prompt, tuple(lengths[i] - prompt for i in segment)))
-            for i in segment:
-                if prompt_lengths[i] != prompt or not torch.equal(
-                    tokens[i][:prompt], tokens[segment[0]][:prompt]
-                ):
-                    raise ValueError(f"sequences {segment} share a segment but not a prompt")
+            _check_shared_prompt(segment, prompt, tokens, prompt_lengths)
             input_ids[r, offset : offset + prompt] = tokens[segment[0]][:prompt]
             position_ids[r, offset : offset + prompt] = torch.arange(prompt)
             segment_of[r, offset : offset + prompt] = label
@@ -305,21 +349,10 @@ def pack_rows(
         tail = width - offset
         position_ids[r, offset:] = torch.arange(tail)
         segment_of[r, offset:] = -torch.arange(1, tail + 1)  # padding: a segment each
-    scored = batch.response_mask.nonzero()  # (N, 2) row-major: (sequence, response column)
-    sequence, column = scored[:, 0], scored[:, 1]
-    # Response token 0 is predicted by the prompt's last position, token t by token t - 1.
-    target_index = torch.tensor(response_first, dtype=torch.long)[sequence] + column  # (N,)
-    score_index = torch.where(
-        column == 0, torch.tensor(prompt_last, dtype=torch.long)[sequence], target_index - 1
-    )  # (N,)
+    score_index, target_index = _score_indices(batch, prompt_last, response_first)
     attention = None
     if shares and masks:
-        query, key = (slice(None), slice(None), None), (slice(None), None, slice(None))
-        attention = (
-            (segment_of[query] == segment_of[key])
-            & (position_ids[key] <= position_ids[query])
-            & ((branch_of[key] == 0) | (branch_of[key] == branch_of[query]))
-        ).unsqueeze(1)  # (k, 1, T, T)
+        attention = _shared_prompt_mask(segment_of, position_ids, branch_of)
     return PackedRows(
         input_ids,
         position_ids,

@@ -295,7 +295,7 @@ class RehearsalResult:
 def build_stand_in(shape: ModelShape, folder: Path, seed: int = 0) -> Path:
     """A small random model of the shape's architecture (tied or untied head, grouped-query
     attention when the real one has it, its position range) with the byte-level tokenizer."""
-    from rlx.trainer.learn.tiny import build_tiny_model
+    from rlx.trainer.model.tiny import build_tiny_model
 
     kv_heads = STAND_IN_HEADS if shape.kv_heads >= shape.heads else 1
     return build_tiny_model(
@@ -335,19 +335,55 @@ def ray_nodes(nodes: list[RayNode]) -> Iterator[str]:
             options["labels"] = {NODE_GROUP_LABEL: node.group}
         return options
 
-    head, *others = nodes
-    cluster = Cluster(
-        initialize_head=True, head_node_args={**args(head), "include_dashboard": False}
-    )
+    def start() -> Any:
+        head, *others = nodes
+        cluster = Cluster(
+            initialize_head=True, head_node_args={**args(head), "include_dashboard": False}
+        )
+        try:
+            for node in others:
+                cluster.add_node(**args(node))
+        except BaseException:
+            cluster.shutdown()
+            raise
+        return cluster
+
+    cluster = _started_on_a_busy_machine(start)
     try:
-        for node in others:
-            cluster.add_node(**args(node))
         yield cluster.address
     finally:
         import ray
 
         ray.shutdown()
         cluster.shutdown()
+
+
+# Ray gives a node's raylet a fixed 30 s to register with the GCS; on a loaded machine (a
+# rehearsal beside other work) a node can miss it, and starts in time on another try.
+NODE_START_TRIES = 3
+RAYLET_LATE = "timed out during startup"
+
+
+def _started_on_a_busy_machine(start: Any) -> Any:
+    """start(), again after a raylet that missed Ray's 30 s (what the try started killed
+    first); RlxError after NODE_START_TRIES such misses."""
+    import psutil
+
+    for _ in range(NODE_START_TRIES):
+        before = {proc.pid for proc in psutil.Process().children(recursive=True)}
+        try:
+            return start()
+        except Exception as exc:
+            if RAYLET_LATE not in str(exc):
+                raise
+            for proc in psutil.Process().children(recursive=True):
+                if proc.pid not in before:
+                    with contextlib.suppress(psutil.Error):
+                        proc.kill()
+    raise RlxError(
+        f"the rehearsal's Ray nodes did not start here: a raylet missed Ray's 30 s to register "
+        f"{NODE_START_TRIES} times; this machine is too busy, try again when it is quieter"
+    )
 
 
 def rehearse(

@@ -175,7 +175,7 @@ def node_model_path(resolved: str, source: str, seed: int, field: str = "model")
 
 def build_tiny_cached(model: TinyModel, cache_dir: Path, seed: int) -> Path:
     """The folder of a tiny model (built once per spec and seed, then reused)."""
-    from rlx.trainer.learn.tiny import build_tiny_model
+    from rlx.trainer.model.tiny import build_tiny_model
 
     target = cache_dir / f"tiny-{model.name}-seed{seed}"
     if (target / "config.json").is_file():

@@ -1,4 +1,5 @@
-"""What a weight push is made of, and the group it travels over. A leaf: torch only.
+"""What a weight push is made of, the group it travels over, and its two ends. Torch and
+background.py only.
 
 A push is a list of buckets. A bucket's layout (BucketLayout) places named tensors, in the
 engines' dtype, at aligned offsets of one flat byte buffer; every side computes the same
@@ -9,7 +10,8 @@ holding training rank 0 and every process that holds an engine's weights (each
 tensor-parallel worker of each vLLM engine). NCCL on GPUs: the bytes go GPU to GPU and
 never through host memory. gloo on CPU: one copy on rank 0 (its own rows into the buffer);
 every receiver gets the bucket straight into a buffer of its own and loads the tensors as
-views of it. receive_push is that receiving side, for any engine.
+views of it. WeightSender is the sending side (training rank 0), receive_push the
+receiving side, for any engine.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from rlx.trainer.background import Background
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
@@ -243,3 +247,65 @@ def receive_push(
             continue
         loaded += load(layout.views(buffer))
     return loaded
+
+
+# What fills a bucket's buffer (training rank 0) with the policy's tensors in the layout;
+# returns what the rank moved (learn.sharding.fill_bucket over the policy).
+FillBucket = Callable[[BucketLayout, torch.Tensor], Traffic]
+
+
+class WeightSender:
+    """The sending side of a push, on training rank 0: every bucket filled (fill) and
+    broadcast over the weight group to the engines, the next one filled while one is on the
+    wire, so a push holds two buckets. queued (rollouts under way on the engines): every
+    bucket is filled now and held on the host, and a thread of its own sends them once the
+    engines take them, so the learners go on; finish waits for it. One push on the wire at
+    a time."""
+
+    def __init__(self, group: WeightGroup, device: torch.device):
+        self.group = group
+        self.device = device
+        self._queued: Background | None = None
+
+    def send(self, layouts: Sequence[BucketLayout], fill: FillBucket, queued: bool) -> Traffic:
+        """Send a whole push; returns what this rank moved."""
+        self.finish()
+        if queued:
+            return self._stage(layouts, fill)
+        traffic = Traffic()
+        on_wire: tuple[Any, torch.Tensor] | None = None
+        for layout in layouts:
+            buffer = layout.empty(self.device)
+            traffic.add(fill(layout, buffer))
+            if on_wire is not None:
+                on_wire[0].wait()
+            on_wire = (self.group.broadcast(buffer), buffer)
+            traffic.sent += buffer.numel() * (self.group.world_size - 1)
+        if on_wire is not None:
+            on_wire[0].wait()
+        return traffic
+
+    def _stage(self, layouts: Sequence[BucketLayout], fill: FillBucket) -> Traffic:
+        traffic = Traffic()
+        staged = []
+        for layout in layouts:
+            buffer = layout.empty(self.device)
+            traffic.add(fill(layout, buffer))
+            # Held on the host until the engines take it: GPU memory is the learners'.
+            staged.append(buffer.to("cpu", non_blocking=True) if buffer.is_cuda else buffer)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self._queued = Background(lambda: self._send_staged(staged), name="rlx-weight-send")
+        traffic.sent += sum(b.numel() for b in staged) * (self.group.world_size - 1)
+        return traffic
+
+    def _send_staged(self, staged: list[torch.Tensor]) -> None:
+        """A queued push's buckets, in order, to the engines (a thread of its own)."""
+        for buffer in staged:
+            self.group.broadcast(buffer.to(self.device)).wait()
+
+    def finish(self) -> None:
+        """Wait for a queued push's sending thread; raises what it raised."""
+        queued, self._queued = self._queued, None
+        if queued is not None:
+            queued.result()

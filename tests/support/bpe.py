@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from rlx.trainer.learn.tiny import CHAT_TEMPLATE
+from rlx.trainer.model.tiny import CHAT_TEMPLATE
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 WORDS = ["code", "box", "call", "tool", "the", "answer", "is", "of", "sum", "calc", "?", "=", "+"]

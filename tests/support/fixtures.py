@@ -14,7 +14,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from rlx.trainer.learn.tiny import build_tiny_model
+    from rlx.trainer.model.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 
@@ -32,6 +32,9 @@ def local_ray():
     ray = pytest.importorskip("ray")
     import logging
 
+    from rlx.trainer.main import read_ray_auth_mode_afresh
+
+    read_ray_auth_mode_afresh()  # an earlier module's cluster may have left another mode
     ray.init(
         address="local",
         num_cpus=4,
@@ -49,8 +52,7 @@ def advantage_batch(tiny_model_dir: Path):
     the Learner tests update on."""
     import torch
 
-    from rlx.trainer.batch import pack_rollout
-    from rlx.trainer.learn.learner import ADVANTAGES
+    from rlx.trainer.batch import ADVANTAGES, pack_rollout
     from rlx.trainer.rollout.base import SamplingArgs
     from rlx.trainer.rollout.hf import HFEngine
 

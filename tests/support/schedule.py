@@ -2,7 +2,10 @@
 
 A unit of work is a module (its tests run in order on one worker and may share module
 fixtures), except under tests/hosts/, where every test is a unit of its own: host tests
-share no state wider than a test, or the session (conftest refuses a module fixture there).
+share no state wider than a test, or the session (conftest refuses a module fixture there);
+and in the modules of SPLIT, whose tests are long enough that one worker running them all
+would be the whole run's last half hour: each is a unit, and a worker that takes one sets
+the module's fixtures up for itself (a few seconds against minutes a test).
 Units go out longest first, by the seconds tests/timings.json records for their tests, so
 the longest tests start at once and the last minutes are short tests on every worker, not
 one long test on one; a test the file does not know counts by its tier (a host test as a
@@ -31,9 +34,13 @@ UNKNOWN_SECONDS = {"hosts": 60.0, "integration": 5.0, "unit": 0.1}
 DURATION = re.compile(r"^\s*([0-9.]+)s (?:setup|call|teardown)\s+(\S.*?)\s*$")
 
 
+# The dress rehearsals: one per shipped GPU recipe, 2-15 minutes each on 2 loaded cores.
+SPLIT = frozenset({"tests/integration/trainer/test_rehearsal.py"})
+
+
 def unit_of(nodeid: str) -> str:
     module = nodeid.partition("::")[0]
-    return nodeid if module.startswith("tests/hosts/") else module
+    return nodeid if module.startswith("tests/hosts/") or module in SPLIT else module
 
 
 def expected_seconds(timings: dict[str, float], nodeid: str) -> float:

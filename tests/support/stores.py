@@ -70,12 +70,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def wait_for_port(host: str, port: int, timeout: float = 30) -> None:
+def wait_for_port(
+    host: str, port: int, proc: subprocess.Popen | None = None, timeout: float = 300
+) -> None:
+    """Until something listens on host:port: as long as `proc` (the server) runs, so a
+    loaded machine's slow start is waited for and a server that died is said at once;
+    `timeout` only bounds a hang."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with contextlib.suppress(OSError):
             socket.create_connection((host, port), 0.5).close()
             return
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode} before listening")
         time.sleep(0.1)
     raise TimeoutError(f"nothing listens on {host}:{port} after {timeout} s")
 
@@ -103,7 +110,7 @@ def s3_server(host: str = "127.0.0.1") -> Iterator[StoreServer]:
         stderr=subprocess.DEVNULL,
     )
     try:
-        wait_for_port(host, port)
+        wait_for_port(host, port, proc)
         endpoint = f"http://{host}:{port}"
         env = {
             "AWS_ENDPOINT_URL": endpoint,
@@ -153,7 +160,7 @@ def azure_server(host: str = "127.0.0.1") -> Iterator[StoreServer]:
         stderr=subprocess.DEVNULL,
     )
     try:
-        wait_for_port(host, port)
+        wait_for_port(host, port, proc)
         endpoint = f"http://{host}:{port}/{AZURITE_ACCOUNT}"
         env = {
             "AZURE_STORAGE_CONNECTION_STRING": (

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-RLX = Path(__file__).resolve().parents[2] / "rlx"
+ROOT = Path(__file__).resolve().parents[2]
+RLX = ROOT / "rlx"
 
 # Folder (a module prefix) -> module prefixes its modules may never import, and why.
 RULES: dict[str, tuple[tuple[str, ...], str]] = {
@@ -24,7 +25,24 @@ RULES: dict[str, tuple[tuple[str, ...], str]] = {
     ),
     "rlx.trainer.learn": (("ray", "rlx.trainer.actors"), "the learner is plain torch"),
     "rlx.trainer.algos": (("ray", "torch.distributed", "rlx.trainer.actors"), "pure math"),
-    "rlx.trainer.rollout": (("ray", "rlx.trainer.actors"), "engines know no Ray"),
+    "rlx.trainer.rollout": (
+        ("ray", "rlx.trainer.actors", "rlx.trainer.learn"),
+        "engines know no Ray, and take nothing from the learner: what they share is model/",
+    ),
+    "rlx.trainer.model": (
+        (
+            "ray",
+            "rlx.trainer.learn",
+            "rlx.trainer.rollout",
+            "rlx.trainer.actors",
+            "rlx.trainer.checkpoint",
+            "rlx.trainer.algos",
+            "rlx.trainer.episodes",
+            "rlx.trainer.tasks",
+            "rlx.trainer.report",
+        ),
+        "a transformers model from the inside: the floor learn/ and rollout/ stand on",
+    ),
     "rlx.trainer.tasks": (("ray", "rlx.trainer.actors"), "prompts and rewards know no Ray"),
     "rlx.trainer.checkpoint": (("ray", "rlx.trainer.actors"), "checkpoints know no Ray"),
     "rlx.trainer.episodes": (
@@ -36,6 +54,10 @@ RULES: dict[str, tuple[tuple[str, ...], str]] = {
     "rlx.runs": (("torch", "ray", "rlx.launchers"), "both sides read the run folder"),
     "rlx.procfs": (("rlx",), "a leaf"),
     "rlx.sigterm": (("rlx",), "a leaf"),
+    "rlx.owner": (
+        ("torch", "ray", "rlx.trainer", "rlx.launchers", "rlx.node"),
+        "its watchdog starts at once and knows only /proc",
+    ),
     "rlx.errors": (("rlx.",), "a leaf"),
 }
 # A backend's render.py is pure: its library, processes and the clock stay out of it.
@@ -158,3 +180,66 @@ def test_a_forbidden_import_is_seen(tmp_path):
     (node / "x.py").write_text("def f():\n    from rlx.launchers import spec\n")
     found = _violations("rlx.node", RULES["rlx.node"][0], tmp_path / "rlx")
     assert found == ["rlx.node.x imports rlx.launchers"]
+
+
+# The attribute through which transformers names a model's attention implementation: read
+# only in model/ (traits.py; and set where a model switches to segment attention), and by
+# model/'s own tests; everything else asks traits().
+ATTENTION_ATTRIBUTE = "_attn_implementation"
+READS_ATTENTION_IN = (RLX / "trainer" / "model", ROOT / "tests" / "unit" / "trainer" / "model")
+
+
+def attention_reads(path: Path) -> int:
+    """Places in `path` that name ATTENTION_ATTRIBUTE: `x._attn_implementation`, or
+    getattr/hasattr/setattr(x, "_attn_implementation", ...)."""
+    count = 0
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if (isinstance(node, ast.Attribute) and node.attr == ATTENTION_ATTRIBUTE) or (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value == ATTENTION_ATTRIBUTE
+        ):
+            count += 1
+    return count
+
+
+def test_the_attention_implementation_is_read_in_model_alone():
+    found = {
+        str(path.relative_to(ROOT)): n
+        for folder in ("rlx", "bench", "tests")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if not any(path.is_relative_to(d) for d in READS_ATTENTION_IN)
+        and (n := attention_reads(path))
+    }
+    assert found == {}, "ask rlx.trainer.model.traits instead of reading the config"
+
+
+def test_an_attention_read_is_counted(tmp_path):
+    source = tmp_path / "x.py"
+    source.write_text(
+        "a = m.config._attn_implementation\n"
+        "b = getattr(config, '_attn_implementation', None)\n"
+        "c = '_attn_implementation'\n"
+    )
+    assert attention_reads(source) == 2
+
+
+def test_every_module_imports():
+    """A name moved between modules breaks its importers only when they load; the Ray
+    actors' modules load in a worker, far from the unit tier, so load them all here."""
+    import importlib
+    import pkgutil
+
+    import rlx
+
+    failed = {}
+    for module in pkgutil.walk_packages(rlx.__path__, "rlx."):
+        if module.name != "rlx.__main__":
+            try:
+                importlib.import_module(module.name)
+            except Exception as exc:  # every failure, named, not just the first
+                failed[module.name] = f"{type(exc).__name__}: {exc}"
+    assert not failed, failed

@@ -3,6 +3,7 @@ by, and the file those timings live in."""
 
 from __future__ import annotations
 
+from tests.conftest import REPO
 from tests.support.schedule import TIMINGS, load_timings, timings_from_log, unit_of
 
 
@@ -11,6 +12,15 @@ def test_a_host_test_is_a_unit_and_any_other_test_goes_with_its_module():
     assert unit_of(host) == host
     other = "tests/integration/node/test_bootstrap.py::test_token_auth_and_success"
     assert unit_of(other) == "tests/integration/node/test_bootstrap.py"
+
+
+def test_each_rehearsal_is_a_unit_so_workers_share_them():
+    from tests.support.schedule import SPLIT
+
+    rehearsal = "tests/integration/trainer/test_rehearsal.py::test_a_shipped_gpu_recipe[ppo-7b]"
+    assert rehearsal.partition("::")[0] in SPLIT
+    assert unit_of(rehearsal) == rehearsal
+    assert all((REPO / module).is_file() for module in SPLIT)
 
 
 def test_a_tests_seconds_are_its_setup_call_and_teardown():

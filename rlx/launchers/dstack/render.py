@@ -109,24 +109,7 @@ def run_config(recipe: Recipe) -> dict[str, Any]:
 
     refuse(recipe, RENDER_CHECKS)
     settings = recipe.dstack
-    plain = {**recipe.env, RECIPE_ENV: recipe_json(recipe)}
-    for key, value in plain.items():
-        if "\n" in value or "\r" in value:
-            raise RlxError(
-                f"env.{key}: dstack cannot pass a value with a line break (its env "
-                "list takes one line per variable); put it in a file instead"
-            )
-    # Secrets by name only: dstack takes the value from the environment of `dstack apply`
-    # (or from a dstack secret of that name).
-    env = [*(f"{k}={escape(v)}" for k, v in plain.items()), *secret_names(recipe)]
-    files = []
-    if recipe.workdir:
-        files.append({"local_path": recipe.workdir, "path": "."})
-    files += [
-        {"local_path": src, "path": dst}
-        for dst, src in recipe.file_mounts.items()
-        if not is_bucket(src)
-    ]
+    env, files = _env(recipe), _files(recipe)
     commands = [setup_script(recipe) + node_command(BACKEND.name)]
     groups = [
         # Each group its own resources (dstack's groups inherit none from the top level).
@@ -166,6 +149,34 @@ def run_config(recipe: Recipe) -> dict[str, Any]:
             "stop_criteria": "master-done",
         }
     )
+
+
+def _env(recipe: Recipe) -> list[str]:
+    """The task's env list: the recipe's env and the recipe itself, one line each, then the
+    secrets' names."""
+    plain = {**recipe.env, RECIPE_ENV: recipe_json(recipe)}
+    for key, value in plain.items():
+        if "\n" in value or "\r" in value:
+            raise RlxError(
+                f"env.{key}: dstack cannot pass a value with a line break (its env "
+                "list takes one line per variable); put it in a file instead"
+            )
+    # Secrets by name only: dstack takes the value from the environment of `dstack apply`
+    # (or from a dstack secret of that name).
+    return [*(f"{k}={escape(v)}" for k, v in plain.items()), *secret_names(recipe)]
+
+
+def _files(recipe: Recipe) -> list[dict[str, str]]:
+    """The working directory and the file mounts that are not buckets."""
+    files = []
+    if recipe.workdir:
+        files.append({"local_path": recipe.workdir, "path": "."})
+    files += [
+        {"local_path": src, "path": dst}
+        for dst, src in recipe.file_mounts.items()
+        if not is_bucket(src)
+    ]
+    return files
 
 
 def render(recipe: Recipe, source: str) -> str:

@@ -36,7 +36,7 @@ from rlx.node.env import (
     recipe_json,
 )
 from rlx.recipe import Recipe
-from rlx.recipe.model import NodeGroup, Resources
+from rlx.recipe.model import NodeGroup, Resources, SlurmContainer
 
 # Once the head (or every worker) is done, the other step follows within seconds; past this
 # grace period the driver stops it, so a stalled node cannot hold the allocation.
@@ -190,9 +190,24 @@ exec rlx node --backend slurm
 
 def script(recipe: Recipe) -> list[str]:
     """The body of the batch script (after the #SBATCH lines)."""
-    q = shlex.quote
     nodes = recipe.resources.total_nodes
-    out = [
+    grouped = recipe.resources.groups is not None
+    out = _job_logs(recipe) + _environment(recipe) + _node_names(grouped)
+    container = container_of(recipe)
+    flags = pyxis_flags(recipe, container) if container and container.runtime == "pyxis" else []
+    step = " ".join(["srun", "--ntasks-per-node=1", *flags])
+    if container and container.runtime in ("docker", "podman"):
+        out += _containers(recipe, container, nodes)
+        step = "srun --overlap --ntasks-per-node=1"
+    out += _setup_steps(recipe, step)
+    out += _node_steps(recipe, step, grouped, nodes)
+    return out
+
+
+def _job_logs(recipe: Recipe) -> list[str]:
+    """The job's log folder (one per attempt when requeued), and the driver's log in it."""
+    q = shlex.quote
+    return [
         "set -euo pipefail",
         "",
         "# One folder per job: driver.log (this script), head.log, one log per worker.",
@@ -214,6 +229,13 @@ def script(recipe: Recipe) -> list[str]:
         'exec >>"$job_logs/driver.log" 2>&1',
         "",
     ]
+
+
+def _environment(recipe: Recipe) -> list[str]:
+    """Modules, the recipe's env and the recipe itself, its secrets checked present, and a
+    fresh Ray token when the recipe asks for one."""
+    q = shlex.quote
+    out = []
     if recipe.slurm and recipe.slurm.modules:
         out += [f"module load {q(m)}" for m in recipe.slurm.modules] + [""]
     out += [f"export {k}={q(v)}" for k, v in recipe.env.items()]
@@ -239,9 +261,14 @@ def script(recipe: Recipe) -> list[str]:
             f"export {RAY_TOKEN_SECRET}",
             "",
         ]
-    grouped = recipe.resources.groups is not None
+    return out
+
+
+def _node_names(grouped: bool) -> list[str]:
+    """The job's nodes in bash's `nodes` (training nodes first in a grouped job), the head
+    the first of them."""
     if grouped:
-        out += [
+        out = [
             "# A heterogeneous job: component 0 the training nodes, 1 the rollout nodes.",
             'mapfile -t train_nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST_HET_GROUP_0")',
             "mapfile -t rollout_nodes < <(scontrol show hostnames "
@@ -249,58 +276,71 @@ def script(recipe: Recipe) -> list[str]:
             'nodes=("${train_nodes[@]}" "${rollout_nodes[@]}")',
         ]
     else:
-        out.append('mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")')
-    out += [
+        out = ['mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")']
+    return [
+        *out,
         f"{NODE_HOSTS_ENV}=$(printf '%s\\n' \"${{nodes[@]}}\")",
         f"export {NODE_HOSTS_ENV}",
         "head_node=${nodes[0]}",
         f'echo "{NODES_LINE.format(head="${head_node}", nodes="${nodes[*]}")}"',
         "",
     ]
-    container = container_of(recipe)
-    flags = pyxis_flags(recipe, container) if container and container.runtime == "pyxis" else []
-    step = " ".join(["srun", "--ntasks-per-node=1", *flags])
-    if container and container.runtime in ("docker", "podman"):
-        out += [
-            "# One container per node for the whole job; the steps below run inside it.",
-            "# shellcheck disable=SC2016  # expanded on each node, not here",
-            f"export RLX_CONTAINER={q(engine_run_script(recipe, container))}",
-            f"srun --ntasks-per-node=1 --nodes={nodes} --ntasks={nodes} "
-            '--output="$job_logs/container-%N.log" bash -c "$RLX_CONTAINER" &',
-            "containers_pid=$!",
-            "# However this script ends, every node's container is removed: by a step of its",
-            "# own first (the container step's trap may not outlive Slurm's KillWait, and the",
-            "# container, a child of the engine's monitor, would outlive the step), then by",
-            "# ending the container step.",
-            "# shellcheck disable=SC2016  # expanded on each node, not here",
-            f"export RLX_CONTAINER_RM={q(engine_rm_script(container.runtime))}",
-            "# shellcheck disable=SC2317,SC2329  # called by the trap",
-            "remove_containers() {",
-            f"  srun --overlap --ntasks-per-node=1 --nodes={nodes} --ntasks={nodes} "
-            '--output=/dev/null bash -c "$RLX_CONTAINER_RM" || true',
-            '  kill "$containers_pid" 2>/dev/null || true',
-            "}",
-            "trap remove_containers EXIT",
-            "# shellcheck disable=SC2016  # expanded on each node, not here",
-            f"export RLX_CONTAINER_READY={q(engine_ready_script(container.runtime))}",
-            f"srun --overlap --ntasks-per-node=1 --nodes={nodes} --ntasks={nodes} "
-            'bash -c "$RLX_CONTAINER_READY" || exit 75',
-            "",
-        ]
-        step = "srun --overlap --ntasks-per-node=1"
+
+
+def _containers(recipe: Recipe, container: SlurmContainer, nodes: int) -> list[str]:
+    """A docker or podman container per node for the whole job, removed however the script
+    ends; the script goes on once every node's container is ready."""
+    q = shlex.quote
+    return [
+        "# One container per node for the whole job; the steps below run inside it.",
+        "# shellcheck disable=SC2016  # expanded on each node, not here",
+        f"export RLX_CONTAINER={q(engine_run_script(recipe, container))}",
+        f"srun --ntasks-per-node=1 --nodes={nodes} --ntasks={nodes} "
+        '--output="$job_logs/container-%N.log" bash -c "$RLX_CONTAINER" &',
+        "containers_pid=$!",
+        "# However this script ends, every node's container is removed: by a step of its",
+        "# own first (the container step's trap may not outlive Slurm's KillWait, and the",
+        "# container, a child of the engine's monitor, would outlive the step), then by",
+        "# ending the container step.",
+        "# shellcheck disable=SC2016  # expanded on each node, not here",
+        f"export RLX_CONTAINER_RM={q(engine_rm_script(container.runtime))}",
+        "# shellcheck disable=SC2317,SC2329  # called by the trap",
+        "remove_containers() {",
+        f"  srun --overlap --ntasks-per-node=1 --nodes={nodes} --ntasks={nodes} "
+        '--output=/dev/null bash -c "$RLX_CONTAINER_RM" || true',
+        '  kill "$containers_pid" 2>/dev/null || true',
+        "}",
+        "trap remove_containers EXIT",
+        "# shellcheck disable=SC2016  # expanded on each node, not here",
+        f"export RLX_CONTAINER_READY={q(engine_ready_script(container.runtime))}",
+        f"srun --overlap --ntasks-per-node=1 --nodes={nodes} --ntasks={nodes} "
+        'bash -c "$RLX_CONTAINER_READY" || exit 75',
+        "",
+    ]
+
+
+def _setup_steps(recipe: Recipe, step: str) -> list[str]:
+    """The recipe's setup on every node of each component, when it has one."""
     setup = setup_script(recipe)
-    if setup:
-        out.append(f"export RLX_SETUP={q(setup)}")
-        for component, count in _components(recipe):
-            out.append(
-                f"{step}{component} --nodes={count} --ntasks={count} "
-                '--output="$job_logs/setup-%N.log" ' + in_container(recipe, 'bash -c "$RLX_SETUP"')
-            )
-        out.append("")
-    out += [
+    if not setup:
+        return []
+    out = [f"export RLX_SETUP={shlex.quote(setup)}"]
+    for component, count in _components(recipe):
+        out.append(
+            f"{step}{component} --nodes={count} --ntasks={count} "
+            '--output="$job_logs/setup-%N.log" ' + in_container(recipe, 'bash -c "$RLX_SETUP"')
+        )
+    out.append("")
+    return out
+
+
+def _node_steps(recipe: Recipe, step: str, grouped: bool, nodes: int) -> list[str]:
+    """`rlx node` on the head and on the workers, then the wait for the head's exit code
+    (and a requeue where the recipe asks for one)."""
+    out = [
         "# Every node: the shipped rlx when RLX_WHEEL names one, then rlx node.",
         "# shellcheck disable=SC2016  # expanded on each node, not here",
-        f"export RLX_NODE={q(NODE_SCRIPT)}",
+        f"export RLX_NODE={shlex.quote(NODE_SCRIPT)}",
     ]
     node_cmd = in_container(recipe, 'bash -c "$RLX_NODE"')
     requeue = recipe.slurm.requeue if recipe.slurm else None

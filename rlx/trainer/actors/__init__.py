@@ -1,1 +1,19 @@
-"""The Ray side: the actors, the controller's view of them, where they are placed."""
+"""The Ray side: the actors, the controller's view of them, where they are placed.
+
+A Ray worker process imports this package before anything of its actor loads torch, so it
+is where a trainer's processes bound oneDNN's caches of product shapes (torch reads one of
+them as it loads; rlx/trainer/model/cpu_linear.py says why). A value already set is left as it is.
+Nothing else of rlx touches them: `rlx lint` or a program of its own that imports rlx keeps
+torch's defaults."""
+
+import os
+
+ONEDNN_CACHES = {"LRU_CACHE_CAPACITY": "64", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64"}
+
+
+def bound_onednn_caches() -> None:
+    for name, entries in ONEDNN_CACHES.items():
+        os.environ.setdefault(name, entries)
+
+
+bound_onednn_caches()

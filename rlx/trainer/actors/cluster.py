@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlx.errors import RlxError
-from rlx.plan.actors import tensor_parallel_bundles, training_groups
+from rlx.plan.actors import ActorPlan, tensor_parallel_bundles, training_groups
 from rlx.plan.strategy import StrategyChoice
+from rlx.recipe.model import RolloutSettings
 from rlx.trainer import packing
 from rlx.trainer.actors.placement import NodeView, reserve, rollout_actor_options, thread_override
 from rlx.trainer.actors.workers import (
@@ -112,7 +113,6 @@ class Cluster:
         train: WorkerSet,
         rollout: WorkerSet,
         groups: list[Any],
-        engine_dtype: str,
         strategy: StrategyChoice,
     ):
         self.job = job
@@ -122,7 +122,7 @@ class Cluster:
         self.train = train
         self.rollout = rollout
         self._groups = groups
-        self.engine_dtype = engine_dtype
+        self.engine_dtype = job.engine_dtype
         self.bucket_bytes = self.settings.rollout.weight_sync_bucket_mb * 2**20
         self.sampling = SamplingArgs.from_settings(self.settings)
         self._queued: QueuedPush | None = None  # a push the engines take after their rollouts
@@ -145,11 +145,9 @@ class Cluster:
         nodes: Sequence[NodeView],
         policy_path: str,
         critic_path: str | None,
-        engine_dtype: str,
         strategy: StrategyChoice,
     ) -> Cluster:
         import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         settings = job.settings
         plan = job.actors
@@ -160,55 +158,9 @@ class Cluster:
             # NVLink and no FSDP collective crosses nodes that need not; on CPU one rank per
             # node. Then each tensor-parallel engine, a group of one-GPU bundles on one node,
             # on the nodes left; then the one-GPU (or CPU) engines.
-            train_slots: list[tuple[Any, int]] = []  # (group, bundle) of each training rank
-            train_ips: list[str] = []
-            for index, count in enumerate(training_groups(plan)):
-                group, ips = reserve(
-                    count,
-                    plan.train_gpus,
-                    "STRICT_SPREAD" if plan.spread_training else "STRICT_PACK",
-                    "training workers" if plan.spread_training else f"training node {index}",
-                    nodes,
-                    node_group=plan.train_group,
-                )
-                groups.append(group)
-                train_slots += [(group, bundle) for bundle in range(count)]
-                train_ips += ips
-            rollout_slots: list[tuple[Any, int]] = []
-            rollout_ips: list[str] = []
-            if plan.rollout_workers and plan.rollout_gpus > 1:
-                for index in range(plan.rollout_workers):
-                    group, ips = reserve(
-                        1,
-                        1,
-                        "STRICT_PACK",
-                        f"tensor-parallel rollout engine {index}",
-                        nodes,
-                        bundles=tensor_parallel_bundles(plan.rollout_gpus),
-                        node_group=plan.rollout_group,
-                    )
-                    groups.append(group)
-                    rollout_slots.append((group, 0))
-                    rollout_ips.append(ips[0])
-            if plan.rollout_workers and plan.rollout_gpus <= 1:
-                rollout_group, rollout_ips = reserve(
-                    plan.rollout_workers,
-                    plan.rollout_gpus,
-                    "STRICT_SPREAD" if plan.spread_rollout else "PACK",
-                    "rollout workers",
-                    nodes,
-                    node_group=plan.rollout_group,
-                )
-                groups.append(rollout_group)
-                rollout_slots = [(rollout_group, i) for i in range(plan.rollout_workers)]
+            train_slots, train_ips = _reserve_training(plan, nodes, groups)
+            rollout_slots, rollout_ips = _reserve_rollout(plan, nodes, groups)
             everyone = train_ips + rollout_ips
-            # Rank 0 on this (the head) node when it trains, where the checkpoint is written
-            # from; then node by node, so the ranks of one node are neighbours.
-            here = ray.util.get_node_ip_address()
-            order = sorted(
-                range(len(train_ips)),
-                key=lambda i: (train_ips[i] != here, everyone.index(train_ips[i]), i),
-            )
             base = WorkerSpec(
                 settings=settings,
                 policy_path=policy_path,
@@ -218,38 +170,16 @@ class Cluster:
                 node_share=1,
                 num_threads=thread_override(),
                 engine_kind=job.engine,
+                engine_dtype=job.engine_dtype,
                 colocated=settings.layout == "colocated",
                 use_gpu=job.on_gpus,
                 strategy=strategy.strategy,
             )
-            train_handles = []
-            for rank, slot in enumerate(order):
-                spec = dataclasses.replace(
-                    base, rank=rank, node_share=everyone.count(train_ips[slot])
-                )
-                group, bundle = train_slots[slot]
-                actor = ray.remote(TrainWorker).options(
-                    num_cpus=1,
-                    num_gpus=plan.train_gpus,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=group, placement_group_bundle_index=bundle
-                    ),
-                    name=None,
-                )
-                train_handles.append(actor.remote(spec))
-            rollout_handles = []
-            tensor_parallel = settings.rollout.tensor_parallel_size
-            for index, ((group, bundle), ip) in enumerate(
-                zip(rollout_slots, rollout_ips, strict=True)
-            ):
-                spec = dataclasses.replace(base, rank=index, node_share=everyone.count(ip))
-                actor = ray.remote(RolloutWorker).options(
-                    **rollout_actor_options(plan.rollout_gpus, group, bundle)
-                )
-                rollout_handles.append(actor.remote(spec, index, tensor_parallel))
-            train = WorkerSet(train_handles, [train_ips[slot] for slot in order])
-            rollout = WorkerSet(rollout_handles, rollout_ips)
-            cluster = cls(job, train, rollout, groups, engine_dtype, strategy)
+            train = _start_training_workers(base, plan, train_slots, train_ips, everyone)
+            rollout = _start_rollout_workers(
+                base, plan, rollout_slots, rollout_ips, everyone, settings.rollout
+            )
+            cluster = cls(job, train, rollout, groups, strategy)
             cluster._setup_training()
             return cluster
         except BaseException:
@@ -355,7 +285,7 @@ class Cluster:
         prepare_seconds = max(outcome.prepare_seconds for outcome in outcomes)
         if not colocated:
             started = time.perf_counter()
-            if self.settings.rollout.max_staleness > 0:
+            if self.job.ahead:
                 probe_diff = self.queue_weights(step, probe)
             else:
                 probe_diff = self.sync_weights(step, probe)
@@ -371,9 +301,6 @@ class Cluster:
     def call_all(self, method: str, *args: Any) -> list[Any]:
         refs = [getattr(w, method).remote(*args) for w in self.train.handles]
         return gather(refs, "training worker")
-
-    def call_rank0(self, method: str, *args: Any) -> Any:
-        return gather([getattr(self.train.handles[0], method).remote(*args)], "training worker")[0]
 
     def worker_memory(self) -> list[tuple[str, int, int]]:
         refs = [h.host_memory.remote() for h in self.train.handles + self.rollout.handles]
@@ -585,3 +512,111 @@ def _maybe_progress(show: bool, total: int, desc: str) -> Progress | _NoProgress
     if show and sys.stderr.isatty():
         return Progress(total, desc, stream=sys.stderr)
     return _NoProgress()
+
+
+Slot = tuple[Any, int]  # (placement group, bundle index) of one actor
+
+
+def _reserve_training(
+    plan: ActorPlan, nodes: Sequence[NodeView], groups: list[Any]
+) -> tuple[list[Slot], list[str]]:
+    """The training ranks' slots and node IPs, a group per training node (or one group
+    spread over the nodes); each group made is added to `groups`."""
+    slots: list[Slot] = []
+    ips: list[str] = []
+    for index, count in enumerate(training_groups(plan)):
+        group, group_ips = reserve(
+            count,
+            plan.train_gpus,
+            "STRICT_SPREAD" if plan.spread_training else "STRICT_PACK",
+            "training workers" if plan.spread_training else f"training node {index}",
+            nodes,
+            node_group=plan.train_group,
+        )
+        groups.append(group)
+        slots += [(group, bundle) for bundle in range(count)]
+        ips += group_ips
+    return slots, ips
+
+
+def _reserve_rollout(
+    plan: ActorPlan, nodes: Sequence[NodeView], groups: list[Any]
+) -> tuple[list[Slot], list[str]]:
+    """The rollout workers' slots and node IPs: a group of one-GPU bundles on one node for
+    each tensor-parallel engine, else one group for them all; each added to `groups`."""
+    slots: list[Slot] = []
+    ips: list[str] = []
+    if plan.rollout_workers and plan.rollout_gpus > 1:
+        for index in range(plan.rollout_workers):
+            group, group_ips = reserve(
+                1,
+                1,
+                "STRICT_PACK",
+                f"tensor-parallel rollout engine {index}",
+                nodes,
+                bundles=tensor_parallel_bundles(plan.rollout_gpus),
+                node_group=plan.rollout_group,
+            )
+            groups.append(group)
+            slots.append((group, 0))
+            ips.append(group_ips[0])
+    if plan.rollout_workers and plan.rollout_gpus <= 1:
+        group, ips = reserve(
+            plan.rollout_workers,
+            plan.rollout_gpus,
+            "STRICT_SPREAD" if plan.spread_rollout else "PACK",
+            "rollout workers",
+            nodes,
+            node_group=plan.rollout_group,
+        )
+        groups.append(group)
+        slots = [(group, i) for i in range(plan.rollout_workers)]
+    return slots, ips
+
+
+def _start_training_workers(
+    base: WorkerSpec, plan: ActorPlan, slots: list[Slot], ips: list[str], everyone: list[str]
+) -> WorkerSet:
+    """A TrainWorker in each training slot, ranked: rank 0 on this (the head) node when it
+    trains, where the checkpoint is written from; then node by node, so the ranks of one
+    node are neighbours."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    here = ray.util.get_node_ip_address()
+    order = sorted(range(len(ips)), key=lambda i: (ips[i] != here, everyone.index(ips[i]), i))
+    handles = []
+    for rank, slot in enumerate(order):
+        spec = dataclasses.replace(base, rank=rank, node_share=everyone.count(ips[slot]))
+        group, bundle = slots[slot]
+        actor = ray.remote(TrainWorker).options(
+            num_cpus=1,
+            num_gpus=plan.train_gpus,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=group, placement_group_bundle_index=bundle
+            ),
+            name=None,
+        )
+        handles.append(actor.remote(spec))
+    return WorkerSet(handles, [ips[slot] for slot in order])
+
+
+def _start_rollout_workers(
+    base: WorkerSpec,
+    plan: ActorPlan,
+    slots: list[Slot],
+    ips: list[str],
+    everyone: list[str],
+    rollout: RolloutSettings,
+) -> WorkerSet:
+    """A RolloutWorker in each rollout slot (layout: split; none colocated)."""
+    import ray
+
+    handles = []
+    for index, ((group, bundle), ip) in enumerate(zip(slots, ips, strict=True)):
+        spec = dataclasses.replace(base, rank=index, node_share=everyone.count(ip))
+        actor = ray.remote(RolloutWorker).options(
+            **rollout_actor_options(plan.rollout_gpus, group, bundle)
+        )
+        handles.append(actor.remote(spec, index, rollout.tensor_parallel_size))
+    return WorkerSet(handles, ips)

@@ -20,37 +20,41 @@ from rlx import procfs
 from rlx.errors import RlxError
 from rlx.recipe.model import TrainerSettings
 from rlx.runs import GPU_FREE, GPU_PEAK, GPU_RESERVED
-from rlx.trainer import cpu_linear
 from rlx.trainer.actors.placement import threads_for
 from rlx.trainer.allocator import keep_freed_memory, use_allocator_settings
+from rlx.trainer.background import Background
 from rlx.trainer.batch import RolloutBatch, SequenceBatch
 from rlx.trainer.checkpoint import capture_rng_state, restore_rng_state
-from rlx.trainer.checkpoint.faults import SAVE_ERRORS, save_failure
-from rlx.trainer.checkpoint.protocol import Checkpoints, Location, SavedCheckpoint
-from rlx.trainer.checkpoint.remote import Background
+from rlx.trainer.checkpoint.protocol import (
+    Checkpoints,
+    Finished,
+    Location,
+    SavedCheckpoint,
+    SaveRequest,
+)
 from rlx.trainer.checkpoint.training import (
-    EXPORT_INFO,
-    HF_FILES,
     LEARNER_PARTS,
     LEARNER_STATE,
     WORKER_RNG,
     LoadReport,
-    SaveRequest,
-    copy_model_files,
-    kill_hook_for_save,
     load_learner_state,
-    save_learner_state,
 )
 from rlx.trainer.learn.learner import Learner, UpdateStats, needs_old_logprobs
-from rlx.trainer.learn.models import autocast, compute_dtype, engine_dtype_setting
-from rlx.trainer.rollout import make_engine
+from rlx.trainer.learn.models import autocast
+from rlx.trainer.model import cpu_linear
+from rlx.trainer.rollout import engine_class, engine_for_job
 from rlx.trainer.rollout.base import RolloutEngine, SamplingArgs
 from rlx.trainer.rollout.colocated import ColocatedEngine, make_colocated_engine
-from rlx.trainer.rollout.hf import HFEngine
 from rlx.trainer.rollout.probe import EngineReport, Probe
-from rlx.trainer.rollout.vllm_options import vllm_options
 from rlx.trainer.seeding import derive_seed
-from rlx.trainer.weights import BucketLayout, GroupAddress, Traffic, WeightGroup, dtype_named
+from rlx.trainer.weights import (
+    BucketLayout,
+    GroupAddress,
+    Traffic,
+    WeightGroup,
+    WeightSender,
+    dtype_named,
+)
 
 DIST_TIMEOUT = timedelta(minutes=30)
 GIB = 2**30
@@ -68,6 +72,7 @@ class WorkerSpec:
     node_share: int  # actors of this job on the worker's node (they share its cores)
     num_threads: int | None  # RLX_NUM_THREADS, when set
     engine_kind: str  # "hf" | "vllm" (resolved), for the colocated or split engine
+    engine_dtype: str  # the engines' weights dtype (TrainJob.engine_dtype)
     colocated: bool  # training workers hold the engines
     use_gpu: bool
     # How the training ranks share the models (rlx.plan.strategy.choose_strategy, decided
@@ -102,10 +107,11 @@ class UpdateOutcome:
     gpu: dict[str, float] = dataclasses.field(default_factory=dict)  # gpu_memory's figures
 
 
-def _prepare_process(spec: WorkerSpec, stream: str, holds_vllm: bool) -> torch.device:
+def _prepare_process(spec: WorkerSpec, stream: str, holds_engine: bool) -> torch.device:
     from rlx.trainer.learn.models import quiet_transformers
 
-    use_allocator_settings(spec.use_gpu, holds_vllm)
+    keep_default = holds_engine and engine_class(spec.engine_kind).keeps_default_allocator
+    use_allocator_settings(spec.use_gpu, keep_default)
     quiet_transformers()
     if not spec.use_gpu:  # the host computes: its freed tensors stay for the next ones
         keep_freed_memory()
@@ -181,12 +187,6 @@ def prepare_ray_executor() -> None:
         del os.environ["CUDA_VISIBLE_DEVICES"]
 
 
-def _send_staged(group: WeightGroup, staged: list[torch.Tensor], device: torch.device) -> None:
-    """A queued push's buckets, in order, to the engines (a thread of rank 0's own)."""
-    for buffer in staged:
-        group.broadcast(buffer.to(device)).wait()
-
-
 def _probe_ids(probe: Probe) -> tuple[list[int], list[int]]:
     return probe.prompt_ids, probe.response_ids
 
@@ -203,14 +203,12 @@ class TrainWorker:
     """One data-parallel rank: a Learner, and in layout: colocated its rollout engine."""
 
     def __init__(self, spec: WorkerSpec):
-        colocated_vllm = spec.colocated and spec.engine_kind == "vllm"
-        self.device = _prepare_process(spec, "train-worker", holds_vllm=colocated_vllm)
+        self.device = _prepare_process(spec, "train-worker", holds_engine=spec.colocated)
         self.spec = spec = on_this_node(spec)
         self.learner: Learner | None = None
         self.engine: ColocatedEngine | None = None
-        self._pending_save: Background | None = None  # a store upload still under way
-        self._weights: WeightGroup | None = None  # rank 0: the group to the split engines
-        self._sender: Background | None = None  # rank 0: a queued push still being sent
+        self._pending_save: Background | Finished | None = None  # a store upload under way
+        self._sender: WeightSender | None = None  # rank 0: the push's end, to the split engines
 
     # ------------------------------------------------------------------ set-up
 
@@ -240,10 +238,10 @@ class TrainWorker:
                 world_size=spec.world_size,
                 timeout=DIST_TIMEOUT,
             )
-        # A colocated vLLM engine starts before the learner fills the GPU: it sizes its
-        # share (gpu_memory_utilization) from memory that is still free. It loads the
-        # policy's starting weights from the same files.
-        if spec.colocated and spec.engine_kind == "vllm":
+        # An engine that loads the policy's starting weights from its files (vLLM) starts
+        # before the learner fills the GPU: it sizes its share (gpu_memory_utilization) from
+        # memory that is still free.
+        if spec.colocated and engine_class(spec.engine_kind).starts_before_learner:
             self.engine = self._colocated_engine(None, None, notes)
         self.learner = Learner(
             spec.settings,
@@ -265,17 +263,15 @@ class TrainWorker:
 
     def _colocated_engine(self, policy: Any, collective: Any, notes: list[str]) -> ColocatedEngine:
         spec = self.spec
-        options = None
-        if spec.engine_kind == "vllm":
-            options = vllm_options(
-                spec.settings, 1, spec.policy_path, use_gpu=spec.use_gpu, in_process=True
-            )
+        options = engine_class(spec.engine_kind).options_from(
+            spec.settings, spec.policy_path, use_gpu=spec.use_gpu, in_process=True
+        )
         return make_colocated_engine(
             spec.engine_kind,
             policy,
             spec.policy_path,
-            dtype=dtype_name(compute_dtype(engine_dtype_setting(spec.settings), self.device)),
-            vllm_options=options,
+            dtype=spec.engine_dtype,
+            options=options,
             collective=collective,
             say=notes.append,
             bucket_bytes=spec.settings.rollout.weight_sync_bucket_mb * 2**20,
@@ -296,8 +292,7 @@ class TrainWorker:
         with autocast(self.device, learner.dtype), learner.no_grad():
             engine = self.engine.engine
             if not prompt_ids:  # a sharded policy: join the other ranks' forwards
-                if isinstance(engine, HFEngine):
-                    engine.take_part(sampling.max_new_tokens)
+                engine.take_part(sampling.max_new_tokens)
                 return None
             return _generate(engine, prompt_ids, sampling, seed)
 
@@ -349,7 +344,7 @@ class TrainWorker:
     def push_bytes(self, dtype: str | None) -> int:
         """Colocated: bytes a refresh hands this worker's engine (the pushed parameters in
         the engine's dtype); 0 when the engine runs the policy's own module."""
-        from rlx.trainer.learn.sharding import pushed_parameters
+        from rlx.trainer.model.push import pushed_parameters
 
         if self.engine is None or self.engine.shares_policy:
             return 0
@@ -374,7 +369,7 @@ class TrainWorker:
     def open_weight_group(self, address: GroupAddress) -> None:
         """Rank 0: open the weight group to the split engines (returns once every engine
         process has joined)."""
-        self._weights = WeightGroup.join(address, 0, self.device)
+        self._sender = WeightSender(WeightGroup.join(address, 0, self.device), self.device)
 
     def weight_layouts(self, dtype: str | None, bucket_bytes: int) -> list[BucketLayout]:
         """The policy's parameters in buckets of at most bucket_bytes in the engines' dtype
@@ -386,57 +381,32 @@ class TrainWorker:
 
     def push_weights(self, layouts: list[BucketLayout], queued: bool) -> Traffic:
         """Send the policy's weights to every split engine over the weight group, bucket by
-        bucket. Every rank is called: under FSDP each sends its rows of every tensor straight
-        into rank 0's bucket buffer; rank 0 broadcasts each filled buffer to the engines
-        (the next one is filled while one is on the wire, so a push holds two buckets).
-        queued (rollouts under way on the engines): rank 0 fills every bucket now and a
-        thread of its own sends them once the engines take them, so the learners go on;
-        finish_weight_send waits for it. Returns what this rank moved."""
+        bucket (weights.WeightSender). Every rank is called: under FSDP each sends its rows
+        of every tensor straight into rank 0's bucket buffer, and rank 0 broadcasts each
+        filled buffer to the engines. queued (rollouts under way on the engines): rank 0
+        sends from a thread of its own and the learners go on; finish_weight_send waits for
+        it. Returns what this rank moved."""
         from rlx.trainer.learn.sharding import fill_bucket
 
         learner = self._learner()
-        rank0 = self.spec.rank == 0
-        traffic = Traffic()
-        if not rank0:
+        if self.spec.rank != 0:
+            traffic = Traffic()
             if learner.strategy == "fsdp":
                 for layout in layouts:
                     traffic.add(fill_bucket(learner.policy, layout, None, self.device))
             return traffic
-        group = self._weights
-        if group is None:
+        if self._sender is None:
             raise RuntimeError("push_weights before open_weight_group")
-        self.finish_weight_send()  # one push on the wire at a time
-        if queued:
-            staged = []
-            for layout in layouts:
-                buffer = layout.empty(self.device)
-                traffic.add(fill_bucket(learner.policy, layout, buffer, self.device))
-                # Held on the host until the engines take it: GPU memory is the learners'.
-                staged.append(buffer.to("cpu", non_blocking=True) if buffer.is_cuda else buffer)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
-            self._sender = Background(
-                lambda: _send_staged(group, staged, self.device), name="rlx-weight-send"
-            )
-            traffic.sent += sum(b.numel() for b in staged) * (group.world_size - 1)
-            return traffic
-        on_wire: tuple[Any, torch.Tensor] | None = None
-        for layout in layouts:
-            buffer = layout.empty(self.device)
-            traffic.add(fill_bucket(learner.policy, layout, buffer, self.device))
-            if on_wire is not None:
-                on_wire[0].wait()
-            on_wire = (group.broadcast(buffer), buffer)
-            traffic.sent += buffer.numel() * (group.world_size - 1)
-        if on_wire is not None:
-            on_wire[0].wait()
-        return traffic
+
+        def fill(layout: BucketLayout, buffer: torch.Tensor) -> Traffic:
+            return fill_bucket(learner.policy, layout, buffer, self.device)
+
+        return self._sender.send(layouts, fill, queued)
 
     def finish_weight_send(self) -> None:
         """Rank 0: wait for a queued push's sending thread; raises what it raised."""
-        sender, self._sender = self._sender, None
-        if sender is not None:
-            sender.result()
+        if self._sender is not None:
+            self._sender.finish()
 
     # ------------------------------------------------------------------ state
 
@@ -451,68 +421,33 @@ class TrainWorker:
         return memory_peak(reset)
 
     def save_checkpoint(self, request: SaveRequest) -> SavedCheckpoint | None:
-        """Write this rank's shard of the save (every rank, together; DCP's save is a
-        collective); rank 0 adds the small parts and commits the checkpoint through the
-        manager it is handed. Rank 0 returns the complete checkpoint, the other ranks None.
-        Where the manager saves in the background (an upload into object storage), every
-        rank returns None once its share is written; finish_checkpoint waits for the rest."""
+        """Write this rank's share of the save through the manager it is handed (every rank,
+        together; base.CheckpointBase.save_rank). Rank 0 returns the complete checkpoint,
+        the other ranks None. Where the manager saves in the background (an upload into
+        object storage), every rank returns None once its share is written;
+        finish_checkpoint waits for the rest."""
         self.finish_checkpoint()  # one save in flight at most (the controller waits first)
         learner = self._learner()
-        manager, step, rank = request.manager, request.step, self.spec.rank
-        folder = manager.rank_folder(Path(request.folder), rank)
-        hook = kill_hook_for_save(request.kill_spec, step) if rank == 0 else None
-        entries: dict[str, dict[str, str]] = {}
-        try:
-            save_learner_state(learner.sharded_state(), folder / LEARNER_STATE)
-            if rank == 0:
-                if hook is not None:
-                    hook(f"part:{LEARNER_STATE}")
-                entries = manager.write_parts(folder, self._small_parts(request), hook)
-                self._add_model_files(folder, entries)
-        except SAVE_ERRORS as exc:  # one line for the controller, never a half-written step
-            manager.discard(folder)
-            raise save_failure(exc, step, manager.run_dir) from None
-        except BaseException:
-            manager.discard(folder)
-            raise
-
-        def finish() -> SavedCheckpoint | None:
-            try:
-                manager.save_shard(folder, step, rank, LEARNER_STATE)
-                if rank != 0:
-                    return None
-                world_size = self.spec.world_size
-                return manager.commit_save(folder, step, entries, world_size, LEARNER_STATE, hook)
-            except SAVE_ERRORS as exc:
-                raise save_failure(exc, step, manager.run_dir) from None
-            finally:
-                manager.discard(folder)
-
+        manager = request.manager
+        save = manager.save_rank(
+            request,
+            self.spec.rank,
+            self.spec.world_size,
+            learner_state=learner.sharded_state,
+            learner_parts=learner.state_parts,
+            dtype=dtype_name(learner.dtype),
+            model_folder=Path(self.spec.policy_path),
+        )
         if manager.background:
-            self._pending_save = Background(finish)
+            self._pending_save = save
             return None
-        return finish()
+        return save.result()
 
     def finish_checkpoint(self) -> SavedCheckpoint | None:
         """Wait for the save whose upload is under way, if any: rank 0 returns the complete
         checkpoint, the other ranks None. Raises what the upload raised."""
         pending, self._pending_save = self._pending_save, None
         return None if pending is None else pending.result()
-
-    def _small_parts(self, request: SaveRequest) -> dict[str, Any]:
-        learner = self._learner()
-        return {
-            **learner.state_parts(),
-            **request.controller_parts,
-            WORKER_RNG: {"workers": request.rng_states},
-            EXPORT_INFO: {"dtype": dtype_name(learner.dtype)},
-        }
-
-    def _add_model_files(self, folder: Path, entries: dict[str, dict[str, str]]) -> None:
-        # The policy's folder on this node (a hub id's snapshot): its config and tokenizer.
-        copy_model_files(Path(self.spec.policy_path), folder / HF_FILES)
-        entries[LEARNER_STATE] = {"file": LEARNER_STATE, "format": "dcp"}
-        entries[HF_FILES] = {"file": HF_FILES, "format": "folder"}
 
     def load_checkpoint(self, manager: Checkpoints, location: Location) -> LoadReport:
         """Load this rank's share of the checkpoint at location, read through manager."""
@@ -526,7 +461,7 @@ class TrainWorker:
         before = procfs.rss_bytes()
         peak_reset = procfs.reset_peak_rss()
         state = learner.sharded_state()
-        load_learner_state(state, parts[LEARNER_STATE])
+        load_learner_state(state, parts[LEARNER_STATE], manager.shard_reader(parts[LEARNER_STATE]))
         learner.load_sharded_state(state)
         del state
         peak = procfs.peak_rss_bytes() if peak_reset else procfs.rss_bytes()
@@ -553,24 +488,17 @@ class RolloutWorker:
 
     def __init__(self, spec: WorkerSpec, index: int, tensor_parallel: int):
         self.index = index
-        self.device = _prepare_process(
-            spec, f"rollout-worker-{index}", holds_vllm=spec.engine_kind == "vllm"
-        )
+        self.device = _prepare_process(spec, f"rollout-worker-{index}", holds_engine=True)
         self.spec = spec = on_this_node(spec)
-        options = None
-        if spec.engine_kind == "vllm":
-            if tensor_parallel > 1 and spec.use_gpu:
-                prepare_ray_executor()
-            options = vllm_options(
-                spec.settings, tensor_parallel, spec.policy_path, use_gpu=spec.use_gpu
-            )
-        self.engine = make_engine(
+        self.engine: RolloutEngine = engine_for_job(
             spec.engine_kind,
+            spec.settings,
             spec.policy_path,
-            dtype=dtype_name(compute_dtype(engine_dtype_setting(spec.settings), self.device)),
+            dtype=spec.engine_dtype,
             device=str(self.device),
-            vllm_options=options,
-            lora=spec.settings.model.lora,
+            use_gpu=spec.use_gpu,
+            tensor_parallel=tensor_parallel,
+            join_ray=prepare_ray_executor,
         )
         self._skip_pushes = 0
         self._drop_buckets = 0
@@ -580,8 +508,7 @@ class RolloutWorker:
 
     def notes(self) -> list[str]:
         """What the engine said at start-up, for the run's log."""
-        note = getattr(self.engine, "decode_note", None)
-        return [note] if note else []
+        return self.engine.notes()
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingArgs, seed: int) -> Any:
         return _generate(self.engine, prompt_ids, sampling, seed)

@@ -325,7 +325,7 @@ ADAPTER_CONFIG = "adapter_config.json"
 
 def _adapter_tensors(dcp_folder: Path) -> dict[str, Any]:
     """The policy's adapter tensors, keyed as PEFT saves them."""
-    from rlx.trainer.learn.lora import is_adapter, peft_key
+    from rlx.trainer.model.lora import is_adapter, peft_key
 
     names = [n for n in saved_tensors(dcp_folder, "policy") if is_adapter(n)]
     if not names:
@@ -359,7 +359,7 @@ def write_merged(
     from transformers import AutoModelForCausalLM
 
     from rlx.hub import is_hub_id, snapshot
-    from rlx.trainer.learn.lora import base_fingerprint
+    from rlx.trainer.model.lora import base_fingerprint
 
     base = adapter["base"]
     if is_hub_id(base):

@@ -8,7 +8,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from rlx.trainer.background import Background
 
 Location = Path | str  # a checkpoint's folder, or its URL in a store
 PhaseHook = Callable[[str], None]  # told each phase of a save as it ends (crash tests)
@@ -31,11 +34,12 @@ class Checkpoints(Protocol):
     and the controller and every training rank call the one they are handed.
 
     A save: the controller picks its temporary folder (begin) and hands it to every training
-    rank with this manager (training.SaveRequest). Each rank writes its shard under the
-    folder the manager gives it (rank_folder), rank 0 the small parts too (write_parts); then
-    each rank calls save_shard, rank 0 commit_save, which makes the checkpoint complete, and
-    every rank discard. Where `background` is set, those three run in a thread of each rank
-    while training goes on (a store's upload)."""
+    rank with this manager (SaveRequest, below). Each rank calls save_rank, which both
+    managers share (base.CheckpointBase): the rank writes its shard under the folder the
+    manager gives it (rank_folder), rank 0 the small parts too (write_parts); then each rank
+    calls save_shard, rank 0 commit_save, which makes the checkpoint complete, and every rank
+    discard. Where `background` is set, those three run in a thread of each rank while
+    training goes on (a store's upload)."""
 
     run_id: str
     keep: int
@@ -67,6 +71,20 @@ class Checkpoints(Protocol):
     def begin(self, step: int) -> Path:
         """The controller's first move of a save: clear what interrupted saves left and
         pick the save's temporary folder."""
+        ...
+
+    def save_rank(
+        self,
+        request: SaveRequest,
+        rank: int,
+        world_size: int,
+        *,
+        learner_state: Callable[[], dict[str, Any]],
+        learner_parts: Callable[[], Mapping[str, Any]],
+        dtype: str,
+        model_folder: Path,
+    ) -> Background | Finished:
+        """A training rank's whole part in a save (base.CheckpointBase.save_rank)."""
         ...
 
     def rank_folder(self, folder: Path, rank: int) -> Path:
@@ -113,3 +131,36 @@ class Checkpoints(Protocol):
         checked against its marker, plus "step". A DCP part comes back as where it lies (a
         folder, or its URL in a store, read in place)."""
         ...
+
+    def shard_reader(self, part: Location) -> Any:
+        """DCP's storage reader of a DCP part where load_parts says it lies."""
+        ...
+
+    def pinned(self, setting: str) -> Location:
+        """The one complete checkpoint a checkpoint.resume path names, checked (RlxError,
+        what to give instead, when it is not one)."""
+        ...
+
+
+class Finished:
+    """A save that was over when its ranks returned: result() gives what it gave."""
+
+    def __init__(self, value: SavedCheckpoint | None):
+        self._value = value
+
+    def result(self) -> SavedCheckpoint | None:
+        return self._value
+
+
+@dataclass(frozen=True)
+class SaveRequest:
+    """One checkpoint save, as every training rank receives it from the controller (one
+    object across Ray): each rank writes its shard where `manager` puts it for `folder`;
+    rank 0 adds the small parts and commits the save as step `step` of the manager's run."""
+
+    folder: str  # the save's temporary folder (a store: named like each node's staging folder)
+    manager: Checkpoints  # the run's checkpoints, as the controller opened them
+    step: int
+    controller_parts: dict[str, Any]  # the controller's own parts (trainer state, RNG)
+    rng_states: list[dict[str, Any]]  # every rank's RNG state, in rank order
+    kill_spec: str | None = None  # KILL_HOOK_ENV as the controller read it (tests)

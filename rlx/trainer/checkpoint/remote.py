@@ -33,16 +33,16 @@ import json
 import os
 import shutil
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from rlx.checkpoints import MARKER, STEP_DIR, parse_marker, step_of
 from rlx.errors import RlxError
 from rlx.node.raynode import backoff
-from rlx.storage import Retries, filesystem, join, unstrip
+from rlx.storage import Retries, filesystem, join, storage_options, unstrip
+from rlx.trainer.checkpoint.base import CheckpointBase
 from rlx.trainer.checkpoint.parts import read_part
 from rlx.trainer.checkpoint.protocol import PhaseHook, SavedCheckpoint
 from rlx.trainer.checkpoint.store import (
@@ -67,7 +67,7 @@ def staging_root() -> Path:
     return Path(os.environ.get(STAGING_ENV) or Path(tempfile.gettempdir()) / "rlx-staging")
 
 
-class StoreCheckpointManager:
+class StoreCheckpointManager(CheckpointBase):
     """Saves, finds and loads the checkpoints of one run under root/run_id/ in a store;
     follows protocol.Checkpoints."""
 
@@ -318,6 +318,21 @@ class StoreCheckpointManager:
     def load_parts(self, location: Path | str, names: Iterable[str]) -> dict[str, Any]:
         return load_store_parts(str(location), names)
 
+    def shard_reader(self, part: Path | str) -> Any:
+        """DCP's reader of a DCP part's URL, read in place (byte ranges through fsspec)."""
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        return FsspecReader(str(part), **storage_options(str(part)))
+
+    def pinned(self, setting: str) -> str:
+        """The one complete checkpoint a checkpoint.resume URL names (RlxError if it is not)."""
+        if read_marker_url(setting) is None:
+            raise RlxError(
+                f"checkpoint.resume: {setting} is not a complete checkpoint (no valid {MARKER} "
+                "marker there); give a step-NNNNNN prefix that has one"
+            )
+        return setting.rstrip("/")
+
     def _check_listed(self, step: int, files: list[dict[str, Any]]) -> None:
         base = self._path(self.step_url(step))
         self.fs.invalidate_cache(base)
@@ -354,29 +369,6 @@ class StoreCheckpointManager:
         current = [step for step in complete if step <= newest]
         for step in abandoned + current[: -self.keep]:
             self._delete(step)
-
-
-class Background:
-    """Work in a thread of its own (a save's upload, a queued weight push); result() waits for
-    it and gives its value, or raises what it raised."""
-
-    def __init__(self, work: Callable[[], Any], name: str = "rlx-checkpoint-upload"):
-        self._value: Any = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(work,), name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self, work: Callable[[], Any]) -> None:
-        try:
-            self._value = work()
-        except BaseException as exc:  # handed to whoever waits
-            self._error = exc
-
-    def result(self) -> Any:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._value
 
 
 # --------------------------------------------------------------------------- reading
@@ -473,7 +465,6 @@ def remove(folder: Path) -> None:
 
 
 __all__ = [
-    "Background",
     "StoreCheckpointManager",
     "check_listed",
     "fetch_files",

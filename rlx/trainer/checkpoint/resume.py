@@ -9,12 +9,9 @@ from rlx.errors import RlxError
 from rlx.node.env import RUN_ID_ENV
 from rlx.storage import is_store_url
 from rlx.trainer.checkpoint.protocol import Checkpoints, Location
-from rlx.trainer.checkpoint.remote import StoreCheckpointManager, read_marker_url
+from rlx.trainer.checkpoint.remote import StoreCheckpointManager
 from rlx.trainer.checkpoint.store import (
-    MARKER,
     CheckpointManager,
-    newest_complete,
-    read_marker,
     sanitize_run_id,
 )
 
@@ -54,13 +51,6 @@ def manager_for(checkpoint: str) -> Checkpoints:
     return open_manager(checkpoint.rstrip("/").rsplit("/", 1)[0], "resume-path", 1)
 
 
-def marker_of(location: Location) -> dict | None:
-    """The COMPLETE marker of a checkpoint folder or URL (None when it is not complete)."""
-    if isinstance(location, str) and is_store_url(location):
-        return read_marker_url(location)
-    return read_marker(Path(location))
-
-
 def location_name(location: Location) -> str:
     """step-NNNNNN of a checkpoint's folder or URL."""
     return str(location).rstrip("/").rsplit("/", 1)[-1]
@@ -76,7 +66,7 @@ def resolve_resume(
     is told to note in one line. 'never': None, but only if this run has no complete
     checkpoint yet: starting over in a folder that holds another history would mix two runs
     (rotation and 'auto' go by step number). A path must be one complete checkpoint that
-    verifies.
+    verifies; manager is then the one that reads it (manager_for).
     """
     if setting == "auto":
         return newest_verified(manager, note or (lambda line: None))
@@ -89,7 +79,7 @@ def resolve_resume(
                 "that run, or set RLX_RUN_ID to a new id (or delete that folder) to start afresh"
             )
         return None
-    pinned = pinned_checkpoint(setting)
+    pinned = manager.pinned(setting)
     problem = manager.problem(pinned)
     if problem is not None:
         raise RlxError(
@@ -122,27 +112,3 @@ def newest_verified(manager: Checkpoints, note: Callable[[str], None]) -> Locati
             f"{manager.run_dir} verifies; set RLX_RUN_ID to start a new run"
         )
     return None
-
-
-def pinned_checkpoint(setting: str) -> Location:
-    """The one complete checkpoint a checkpoint.resume path names (RlxError if it is not)."""
-    if is_store_url(setting):
-        if read_marker_url(setting) is None:
-            raise RlxError(
-                f"checkpoint.resume: {setting} is not a complete checkpoint (no valid {MARKER} "
-                "marker there); give a step-NNNNNN prefix that has one"
-            )
-        return setting.rstrip("/")
-    path = Path(setting).expanduser()
-    if not path.exists():
-        raise RlxError(f"checkpoint.resume: {path} does not exist; give a step-NNNNNN folder")
-    if not path.is_dir():
-        raise RlxError(f"checkpoint.resume: {path} is not a folder; give a step-NNNNNN folder")
-    if read_marker(path) is None:
-        newest = newest_complete(path)
-        if newest is not None:
-            hint = f"it looks like a run folder; did you mean {newest}?"
-        else:
-            hint = f"it has no valid {MARKER} marker (an interrupted save or not a checkpoint)"
-        raise RlxError(f"checkpoint.resume: {path} is not a complete checkpoint: {hint}")
-    return path

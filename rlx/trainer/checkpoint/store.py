@@ -28,6 +28,7 @@ from typing import Any
 from rlx import __version__
 from rlx.checkpoints import MARKER, MARKER_FORMAT, STEP_DIR, parse_marker, step_name, step_of
 from rlx.errors import RlxError
+from rlx.trainer.checkpoint.base import CheckpointBase
 from rlx.trainer.checkpoint.parts import (
     fsync_path,
     read_part,
@@ -200,7 +201,7 @@ def verify_files(path: Path, files: list[dict[str, Any]], prefixes: tuple[str, .
 # --------------------------------------------------------------------------- the manager
 
 
-class CheckpointManager:
+class CheckpointManager(CheckpointBase):
     """Saves, finds and loads the checkpoints of one run under root/run_id/ (a folder every
     rank shares); follows protocol.Checkpoints."""
 
@@ -356,6 +357,28 @@ class CheckpointManager:
 
     def load_parts(self, location: Path | str, names: Iterable[str]) -> dict[str, Any]:
         return load_folder_parts(Path(location), names)
+
+    def shard_reader(self, part: Path | str) -> Any:
+        """DCP's reader of a DCP part's folder, as load_parts gave it."""
+        import torch.distributed.checkpoint as dcp
+
+        return dcp.FileSystemReader(str(part))
+
+    def pinned(self, setting: str) -> Path:
+        """The one complete checkpoint a checkpoint.resume path names (RlxError if it is not)."""
+        path = Path(setting).expanduser()
+        if not path.exists():
+            raise RlxError(f"checkpoint.resume: {path} does not exist; give a step-NNNNNN folder")
+        if not path.is_dir():
+            raise RlxError(f"checkpoint.resume: {path} is not a folder; give a step-NNNNNN folder")
+        if read_marker(path) is None:
+            newest = newest_complete(path)
+            if newest is not None:
+                hint = f"it looks like a run folder; did you mean {newest}?"
+            else:
+                hint = f"it has no valid {MARKER} marker (an interrupted save or not a checkpoint)"
+            raise RlxError(f"checkpoint.resume: {path} is not a complete checkpoint: {hint}")
+        return path
 
     def load(self, path: Path, *, verify: bool = True) -> dict[str, Any]:
         """The parts saved in a complete checkpoint, plus "step". Tensors come back on the CPU.

@@ -29,16 +29,12 @@ import re
 import shutil
 import signal
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rlx.errors import RlxError
-from rlx.storage import is_store_url, storage_options
-from rlx.trainer.checkpoint.protocol import Checkpoints
-from rlx.trainer.checkpoint.remote import load_store_parts
-from rlx.trainer.checkpoint.store import load_folder_parts
 
 LEARNER_STATE = "learner"
 # The learner's small parts (Learner.state_parts); LORA_PART records LoRA adapters' base
@@ -65,34 +61,11 @@ KILL_HOOK_ENV = "RLX_TEST_KILL_AT"
 
 
 @dataclass(frozen=True)
-class SaveRequest:
-    """One checkpoint save, as every training rank receives it from the controller (one
-    object across Ray): each rank writes its shard where `manager` puts it for `folder`;
-    rank 0 adds the small parts and commits the save as step `step` of the manager's run."""
-
-    folder: str  # the save's temporary folder (a store: named like each node's staging folder)
-    manager: Checkpoints  # the run's checkpoints, as the controller opened them
-    step: int
-    controller_parts: dict[str, Any]  # the controller's own parts (trainer state, RNG)
-    rng_states: list[dict[str, Any]]  # every rank's RNG state, in rank order
-    kill_spec: str | None = None  # KILL_HOOK_ENV as the controller read it (tests)
-
-
-@dataclass(frozen=True)
 class LoadReport:
     """What each rank answers when it loads its share of a checkpoint."""
 
     rng_restored: bool  # its RNG came back too (the checkpoint had as many ranks)
     host_bytes: int  # the host memory the load took at its peak, above what it held before
-
-
-def load_parts(path: Path | str, names: Iterable[str]) -> dict[str, Any]:
-    """The named parts of a complete checkpoint (those it has), each file checked against
-    the size (and for small files the digest) its COMPLETE marker recorded. A DCP part comes
-    back as its folder's path (in a store: its URL, read in place)."""
-    if isinstance(path, str) and is_store_url(path):
-        return load_store_parts(path, names)
-    return load_folder_parts(Path(path), names)
 
 
 def copy_model_files(source: Path, target: Path) -> None:
@@ -119,18 +92,15 @@ def save_learner_state(state: dict[str, Any], folder: Path) -> None:
         )
 
 
-def load_learner_state(state: dict[str, Any], folder: Path | str) -> None:
-    """Fill state in place from a DCP folder (or its URL in a store): each rank reads only
-    what its tensors (whole, or its FSDP shards) cover; DCP reshards when the rank count
-    changed."""
+def load_learner_state(state: dict[str, Any], folder: Path | str, reader: Any = None) -> None:
+    """Fill state in place from a DCP folder: each rank reads only what its tensors (whole,
+    or its FSDP shards) cover; DCP reshards when the rank count changed. reader: DCP's
+    reader of the part where it lies (the manager's shard_reader: a URL in a store is read
+    in place); by default folder is read from disk."""
     import torch.distributed.checkpoint as dcp
 
     with single_process_quiet():
-        if isinstance(folder, str) and is_store_url(folder):
-            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-            reader = FsspecReader(folder, **storage_options(folder))
-        else:
+        if reader is None:
             reader = dcp.FileSystemReader(str(folder))
         try:
             dcp.load(state, storage_reader=reader, no_dist=not distributed())

@@ -11,7 +11,7 @@ is multiplied by the world size; FSDP2 is set to sum (sharding.shard). The gradi
 the same however the minibatch is split over ranks and micro-batches (test_parallel.py).
 
 How the models are shared between ranks (one module, DDP, FSDP2) is sharding.py's business;
-under FSDP every rank runs the same number of forwards (see _passes).
+under FSDP every rank runs the same number of forwards (see passes.PassPlanner.passes).
 """
 
 from __future__ import annotations
@@ -27,48 +27,35 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from rlx.errors import RlxError
-from rlx.plan.budget import packed_pass_tokens
 from rlx.recipe.correction import correction_bounds
 from rlx.recipe.model import TrainerSettings, episode_token_budget
 from rlx.runs import IS_TRUNCATED, IS_WEIGHT, MISMATCH_LOGGED
 from rlx.trainer import algos
 from rlx.trainer import packing as pack
 from rlx.trainer.algos.mismatch import mismatch_metrics
-from rlx.trainer.batch import SequenceBatch, micro_batch_rows
-from rlx.trainer.learn import lora, sharding
-from rlx.trainer.learn.attention import (
-    can_attend_by_segments,
-    use_segment_attention,
+from rlx.trainer.batch import (
+    ADVANTAGES,
+    BEHAV_LOGP,
+    OLD_LOGP,
+    REF_LOGP,
+    RETURNS,
+    VALUES,
+    SequenceBatch,
 )
+from rlx.trainer.learn import sharding
 from rlx.trainer.learn.models import (
-    ResponseScorer,
-    TokenScores,
     autocast,
-    can_share_prompts,
     compute_dtype,
     load_causal_lm,
     load_value_model,
     make_optimizer,
-    packing_obstacle,
-    prompt_groups,
-    response_values,
-    score_responses,
     sequence_logprob,
-    shares_packed_prompts,
-    uses_varlen_attention,
 )
+from rlx.trainer.learn.passes import Measure, PassPlanner
+from rlx.trainer.learn.scoring import ResponseScorer, TokenScores, response_values, score_responses
+from rlx.trainer.model import lora
+from rlx.trainer.model.attention import use_segment_attention
 from rlx.trainer.seeding import derive_seed
-
-# Per-token inputs an update may read from SequenceBatch.fields. BEHAV_LOGP: the engines'
-# sampling log-probs, sent only where engine and learner can disagree (sends_engine_logprobs).
-OLD_LOGP, REF_LOGP, VALUES, ADVANTAGES, RETURNS, BEHAV_LOGP = (
-    "old_logp",
-    "ref_logp",
-    "values",
-    "advantages",
-    "returns",
-    "behav_logp",
-)
 
 
 def minibatches_per_epoch(settings: TrainerSettings) -> int:
@@ -157,23 +144,6 @@ PADDING_FRACTION = "perf/padding_fraction"
 PASS_TOKENS_PER_S = "perf/pass_tokens_per_s"
 
 
-@dataclass(frozen=True)
-class Pass:
-    """One forward/backward: rows of the batch, whether it counts (see Learner._passes) and,
-    packed, how those rows (indices into `rows`) share packed rows."""
-
-    rows: list[int]
-    counts: bool
-    packed: list[list[list[int]]] | None = None  # rows of segments (see pack.pack_rows)
-
-
-def packing_tolerance(dtype: torch.dtype, scale: float) -> float:
-    """The largest mean difference of log-probs between a packed row and its sequences run
-    alone that is rounding, not sequences attending to each other: a few units of the
-    dtype's resolution at the log-probs' size (contamination moves them by tenths)."""
-    return 8 * torch.finfo(dtype).eps * (1.0 + scale)
-
-
 # The checkpoint part that records LoRA adapters' base and config (lora.adapter_record);
 # checkpoint/training.py lists it among the learner's parts under the same name.
 LORA_PART = "lora"
@@ -209,127 +179,120 @@ class Learner:
         self.world_size = world_size
         self.dtype = compute_dtype(settings.model.dtype, device)
         self.temperature = settings.rollout.temperature
-        algo = settings.algo
         # Decided once for the run (rlx.plan.strategy.choose_strategy) and handed in; a
         # Learner built on its own reads the recipe's explicit setting.
         self.strategy = strategy or sharding.resolve_strategy(settings.parallel, world_size)
-        trained_shard = frozen_shard = None
-        agree = None
-        if self.strategy == "fsdp":
-            mesh = sharding.make_mesh(device)
-            mixed = self.dtype if self.dtype != torch.float32 else None
-            trained_shard = sharding.ShardSpec(
-                mesh,
-                device,
-                param_dtype=mixed,
-                offload=settings.parallel.offload_optimizer,
-                reshard_after_forward=settings.parallel.reshard_after_forward,
-            )
-            # The frozen reference is stored in the compute dtype already.
-            frozen_shard = sharding.ShardSpec(
-                mesh,
-                device,
-                offload=settings.parallel.offload_reference,
-                reshard_after_forward=settings.parallel.reshard_after_forward,
-            )
-            agree = self._all_ranks
+        trained_shard, frozen_shard = self._shard_specs()
+        self._load_policy(trained_shard)
+        self._load_reference(frozen_shard)
+        self._load_critic(trained_shard)
+        self.policy_scorer = ResponseScorer(self.policy, agree=self.collective)
+        self.policy_ddp = self._data_parallel(self.policy_scorer)
+        self.critic_ddp = self._data_parallel(self.critic) if self.critic is not None else None
+        self.kl_estimator = algos.get_kl_estimator(settings.algo.kl.estimator)
+        self.policy.eval()  # generation (colocated) and probes see eval mode; update() flips
+        self.planner = self._plan_passes()
+        self._notes: list[str] = []
 
+    def _shard_specs(self) -> tuple[sharding.ShardSpec | None, sharding.ShardSpec | None]:
+        """How FSDP shards the trained models and the frozen reference; None, None under
+        any other strategy."""
+        if self.strategy != "fsdp":
+            return None, None
+        parallel = self.settings.parallel
+        mesh = sharding.make_mesh(self.device)
+        mixed = self.dtype if self.dtype != torch.float32 else None
+        trained = sharding.ShardSpec(
+            mesh,
+            self.device,
+            param_dtype=mixed,
+            offload=parallel.offload_optimizer,
+            reshard_after_forward=parallel.reshard_after_forward,
+        )
+        # The frozen reference is stored in the compute dtype already.
+        frozen = sharding.ShardSpec(
+            mesh,
+            self.device,
+            offload=parallel.offload_reference,
+            reshard_after_forward=parallel.reshard_after_forward,
+        )
+        return trained, frozen
+
+    def _load_policy(self, shard: sharding.ShardSpec | None) -> None:
+        settings = self.settings
         self.policy = load_causal_lm(
             settings.model,
-            policy_path,
-            device,
+            self.policy_path,
+            self.device,
             trainable=True,
-            shard=trained_shard,
+            shard=shard,
             seed=settings.seed,
         )
         self.optimizer, self.scheduler = make_optimizer(
             self.policy, settings.optim, settings.optim.lr, settings.steps
         )
+
+    def _load_reference(self, shard: sharding.ShardSpec | None) -> None:
+        """The reference model and its scorer, where the KL penalty is on."""
+        settings = self.settings
         self.reference = self.reference_scorer = None
-        if algo.kl.coef > 0 and settings.model.lora is not None:
+        if settings.algo.kl.coef > 0 and settings.model.lora is not None:
             # The base the adapters start from is the reference: no second copy of it.
-            self.reference_scorer = ResponseScorer(self.policy, agree=agree, adapter_off=True)
-        elif algo.kl.coef > 0:
+            self.reference_scorer = ResponseScorer(
+                self.policy, agree=self.collective, adapter_off=True
+            )
+        elif settings.algo.kl.coef > 0:
             self.reference = load_causal_lm(
-                settings.model, policy_path, device, trainable=False, shard=frozen_shard
+                settings.model, self.policy_path, self.device, trainable=False, shard=shard
             )
-            self.reference_scorer = ResponseScorer(self.reference, agree=agree)
+            self.reference_scorer = ResponseScorer(self.reference, agree=self.collective)
+
+    def _load_critic(self, shard: sharding.ShardSpec | None) -> None:
+        """The critic, its optimiser and schedule (PPO)."""
+        settings = self.settings
         self.critic = self.critic_optimizer = self.critic_scheduler = None
-        if settings.algorithm == "ppo":
-            if critic_path is None:
-                raise ValueError("ppo needs a critic model path")
-            critic_settings = settings.critic_model or settings.model
-            self.critic = load_value_model(
-                critic_settings, critic_path, device, shard=trained_shard, seed=settings.seed
-            )
-            self.critic_optimizer, self.critic_scheduler = make_optimizer(
-                self.critic, settings.optim, settings.optim.critic_lr, settings.steps
-            )
-        self.policy_scorer = ResponseScorer(self.policy, agree=agree)
-        self.policy_ddp = self._data_parallel(self.policy_scorer)
-        self.critic_ddp = self._data_parallel(self.critic) if self.critic is not None else None
-        self.kl_estimator = algos.get_kl_estimator(algo.kl.estimator)
-        self.policy.eval()  # generation (colocated) and probes see eval mode; update() flips
-        models = [m for m in (self.policy, self.reference, self.critic) if m is not None]
-        # Packed rows run a prompt once for the responses that share it (a layout or a 4-D
-        # mask), where every model's attention takes one; FlashAttention's varlen kernels
-        # cannot. On CPU, where every model runs SDPA over full attention, packed passes
-        # attend by their layout (attention.py): no dense mask, so a pass is one row. Not
-        # on GPUs: there each response's attention is a few kernel launches of its own, a
-        # cost not yet measured against the dense mask's (FlashAttention's varlen is the
-        # GPU's way to skip it).
-        self.by_segments = device.type == "cpu" and all(can_attend_by_segments(m) for m in models)
-        self.share_prompts = all(shares_packed_prompts(m) for m in models)
-        self.packing, self.packing_note = self._decide_packing()
-        self.by_segments = self.by_segments and self.packing
-        if self.by_segments:
-            for model in models:
-                use_segment_attention(model)
-        self.packing_checked = False
-        hidden = getattr(self.policy.config, "hidden_size", 1)  # type: ignore[union-attr]
-        whole = self._varlen or self.by_segments
-        self.row_tokens = self.packing_budget if whole else pack.masked_row_tokens(hidden)
-        self.attention_weight = pack.attention_weight(hidden)
-        self._notes: list[str] = []
+        if settings.algorithm != "ppo":
+            return
+        if self.critic_path is None:
+            raise ValueError("ppo needs a critic model path")
+        critic_settings = settings.critic_model or settings.model
+        self.critic = load_value_model(
+            critic_settings, self.critic_path, self.device, shard=shard, seed=settings.seed
+        )
+        self.critic_optimizer, self.critic_scheduler = make_optimizer(
+            self.critic, settings.optim, settings.optim.critic_lr, settings.steps
+        )
+
+    def _plan_passes(self) -> PassPlanner:
+        """The run's pass planner; where its packed rows attend by segments, every model is
+        switched to segment attention."""
+        planner = PassPlanner(
+            self.settings,
+            self.policy,
+            self.reference,
+            self.critic,
+            device=self.device,
+            dtype=self.dtype,
+            across_ranks=self.world_size > 1 and self.strategy != "single",
+        )
+        if planner.by_segments:
+            for model in (self.policy, self.reference, self.critic):
+                if model is not None:
+                    use_segment_attention(model)
+        return planner
+
+    # What the worker reports at start-up (actors/workers.py): the planner's decision.
+    @property
+    def packing(self) -> bool:
+        return self.planner.packing
 
     @property
-    def packing_budget(self) -> int:
-        return packed_pass_tokens(self.settings)
+    def packing_note(self) -> str:
+        return self.planner.note
 
     @property
-    def _varlen(self) -> bool:
-        return uses_varlen_attention(self.policy)
-
-    def _decide_packing(self) -> tuple[bool, str]:
-        """Whether the passes are packed, and the line that says so. trainer.batch.packing
-        unset: packed wherever every model's attention keeps packed sequences apart."""
-        wanted = self.settings.batch.packing
-        if wanted is False:
-            return False, "packing: off (trainer.batch.packing: false); padded micro-batches"
-        models = [m for m in (self.policy, self.reference, self.critic) if m is not None]
-        for model in models:
-            obstacle = packing_obstacle(model)
-            if obstacle is not None:
-                return False, f"packing: off, {obstacle}; padded micro-batches instead"
-        path = (
-            "FlashAttention varlen"
-            if self._varlen
-            else "segment attention, a prompt once for its responses"
-            if self.by_segments
-            else "a prompt once for its responses, prompt-and-own-response masks"
-            if self.share_prompts
-            else "block-diagonal causal mask from restarting position ids"
-        )
-        when = (
-            ""
-            if wanted or self.critic is not None
-            else " for the batches where it computes less than padded passes that run a shared "
-            "prompt once"
-        )
-        return True, (
-            f"packing: on{when}, up to {self.packing_budget} tokens a pass ({path}); checked "
-            "against sequences run alone on the first step"
-        )
+    def attention_weight(self) -> float:
+        return self.planner.attention_weight
 
     def _all_ranks(self, flag: bool) -> bool:
         return sharding.all_ranks(flag, self.device)
@@ -378,96 +341,6 @@ class Learner:
         with autocast(self.device, self.dtype):
             return response_values(critic, mb, packed).float()  # (b, r)
 
-    def _passes(self, batch: SequenceBatch) -> list[Pass]:
-        """The forward/backward passes over a batch. Packed: sequences in rows of at most
-        row_tokens, rows in passes of at most the budget (rlx.trainer.packing); padded:
-        micro-batches of micro_batch_size rows or max_tokens_per_micro_batch tokens. With
-        several ranks every rank makes as many passes as the busiest one (FSDP's forwards
-        and DDP's buffer broadcasts are collectives); the extra ones repeat the first and
-        count for nothing (counts False: outputs dropped, loss x 0)."""
-        batch_settings = self.settings.batch
-        pieces = micro_batch_rows(
-            batch, batch_settings.micro_batch_size, batch_settings.max_tokens_per_micro_batch
-        )
-        passes = [Pass(rows=piece, counts=True) for piece in pieces]
-        if self.packing:
-            segments, lengths = self._segments(batch)
-            packed = []
-            positions = 0  # what the packed passes compute: rows as wide as their fullest
-            for rows in pack.plan_passes(lengths, self.packing_budget, self.row_tokens):
-                placed = [[segments[s] for s in row] for row in rows]
-                flat = [i for row in placed for segment in row for i in segment]
-                packed.append(Pass(flat, True, _local_rows(flat, placed)))
-                positions += len(rows) * max(sum(lengths[s] for s in row) for row in rows)
-            if self._packing_pays(batch, positions, passes):
-                passes = packed
-        if self.world_size > 1 and self.strategy != "single":
-            needed = sharding.most_over_ranks(len(passes), self.device)
-            first = passes[0]
-            passes += [Pass(first.rows, False, first.packed)] * (needed - len(passes))
-        return passes
-
-    def _segments(self, batch: SequenceBatch) -> tuple[list[list[int]], list[int]]:
-        """What packed rows hold: a sequence each, or where prompts are shared the segments
-        of a prompt and its responses (pack.shared_segments); and the tokens each places."""
-        lengths = pack.sequence_lengths(batch)
-        groups = None
-        if self.share_prompts and batch.prompt_width > 0:
-            width = batch.prompt_width
-            groups = prompt_groups(batch.input_ids[:, :width], batch.attention_mask[:, :width])
-        if groups is None:
-            return [[i] for i in range(len(batch))], lengths
-        prompt_lengths = batch.attention_mask[:, : batch.prompt_width].sum(dim=1).tolist()
-        segments = pack.shared_segments(
-            lengths, prompt_lengths, groups[1].tolist(), self.row_tokens
-        )
-        return segments, pack.segment_lengths(segments, lengths, prompt_lengths)
-
-    def _packing_pays(
-        self, batch: SequenceBatch, packed_positions: int, padded: list[Pass]
-    ) -> bool:
-        """Whether the packed passes compute (packed_positions) fewer positions than the
-        padded ones. Padded passes run a prompt shared by several rows once (GRPO's n samples;
-        the policy's scorer, not the critic); packed rows do too where every model takes
-        their mask (share_prompts), else each sequence carries its own copy, which can cost
-        more when responses are short next to their prompts. Every rank decides alike (the
-        two paths make different collective forwards under FSDP). trainer.batch.packing: true
-        packs whatever the cost."""
-        if self.settings.batch.packing or self.critic is not None:
-            wins = True  # asked for; or a critic, which shares no prompts padded
-        else:
-            padded_cost = sum(self._padded_cost(batch.select(one.rows))[0] for one in padded)
-            wins = packed_positions <= padded_cost
-        if self.world_size > 1 and self.strategy != "single":
-            wins = self._all_ranks(wins)
-        return wins
-
-    def _padded_cost(self, mb: SequenceBatch) -> tuple[int, int]:
-        """(positions computed, real tokens among them) of a padded pass over mb's rows,
-        trimmed, its prompts run once per distinct prompt where the policy's scorer shares
-        them (ResponseScorer)."""
-        mb = mb.trimmed()
-        width = mb.prompt_width
-        responses = mb.response_mask.shape[1]
-        groups = None
-        if width > 0 and responses > 1 and can_share_prompts(self.policy):
-            groups = prompt_groups(mb.input_ids[:, :width], mb.attention_mask[:, :width])
-        if groups is None:
-            return mb.input_ids.numel(), mb.num_tokens
-        first, _ = groups
-        real = int(mb.attention_mask[first, :width].sum()) + int(mb.attention_mask[:, width:].sum())
-        return len(first) * width + len(mb) * responses, real
-
-    def _pass_inputs(
-        self, batch: SequenceBatch, one: Pass
-    ) -> tuple[SequenceBatch, pack.PackedRows | None]:
-        """A pass's rows on the device: trimmed of padding, and packed where the pass is."""
-        mb = batch.select(one.rows).trimmed()
-        packed = None
-        if one.packed is not None:
-            packed = pack.pack_rows(mb, one.packed, masks=not self.by_segments).to(self.device)
-        return mb.to(self.device), packed
-
     def _per_token(
         self,
         batch: SequenceBatch,
@@ -475,8 +348,8 @@ class Learner:
     ) -> Tensor:
         """fn over the passes, reassembled as one (B, R) tensor."""
         out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)  # (B, R)
-        for one in self._passes(batch):
-            mb, packed = self._pass_inputs(batch, one)
+        for one in self.planner.passes(batch):
+            mb, packed = self.planner.pass_inputs(batch, one)
             values = fn(mb, packed).float().cpu()  # (b, r)
             if one.counts:
                 out[one.rows, : values.shape[1]] = values
@@ -485,53 +358,27 @@ class Learner:
     # ------------------------------------------------------------------ packing check
 
     def check_packing(self, batch: SequenceBatch) -> None:
-        """Once, on the first batch: two of its sequences packed in one row must score as
-        each does alone (policy log-probs, and the critic's values), within rounding; if
-        not, this run trains on padded micro-batches, with one line saying so. Every rank
-        runs the same three forwards per model (a rank with one sequence packs it twice)."""
-        if not self.packing or self.packing_checked:
+        """Once, on the first batch, where the passes are packed: two of its sequences packed
+        in one row must score as each does alone (policy log-probs, and the critic's values),
+        within rounding; if not, this run trains on padded micro-batches, with one line
+        saying so (PassPlanner.check)."""
+        if not self.planner.needs_check:
             return
-        self.packing_checked = True
         self._set_train(False)  # no dropout: the same numbers twice
-        pair = batch.select([0, min(1, len(batch) - 1)]).trimmed()
-        segments, _ = self._segments(pair)  # the two share their prompt where they can
-        packed = pack.pack_rows(pair, [segments], masks=not self.by_segments).to(self.device)
-        scorers: list[tuple[str, Callable[..., Tensor]]] = [
+        measures: list[Measure] = [
             (
                 "log-probs",
-                lambda mb, rows=None: (
+                lambda mb, rows: (
                     self._scores(self.policy_scorer, mb, entropy_grad=False, packed=rows).logprobs
                 ),
             )
         ]
         if self.critic is not None:
             critic = self.critic
-            scorers.append(("values", lambda mb, rows=None: self._values(critic, mb, rows)))
-        worst: tuple[float, str, float, float] = (0.0, "", 0.0, 0.0)  # gap/tolerance, ...
-        with self.no_grad():
-            for what, score in scorers:
-                together = score(pair.to(self.device), packed).float().cpu()  # (2, r)
-                for row in range(2):
-                    single = pair.select([row]).trimmed()
-                    own = score(single.to(self.device)).float().cpu()[0]  # (r',)
-                    mask = single.response_mask[0]
-                    got = together[row, : own.shape[0]]
-                    scale = float(own[mask].abs().mean()) if bool(mask.any()) else 0.0
-                    tolerance = packing_tolerance(self.dtype, scale)
-                    gap = _mean_gap(got, own, mask)
-                    worst = max(worst, (gap / tolerance, what, gap, tolerance))
-        exact = worst[0] <= 1.0
-        if self.world_size > 1 and self.strategy != "single":
-            exact = self._all_ranks(exact)
-        if exact:
-            return
-        self.packing = False
-        _, what, gap, tolerance = worst
-        self._notes.append(
-            f"packing: off, a packed row's {what} differ from its sequences' run alone by "
-            f"{gap:.2e} on average (rounding allows {tolerance:.1e}); padded micro-batches "
-            "from here on"
-        )
+            measures.append(("values", lambda mb, rows: self._values(critic, mb, rows)))
+        note = self.planner.check(batch, measures, self.no_grad)
+        if note is not None:
+            self._notes.append(note)
 
     def take_notes(self) -> list[str]:
         notes, self._notes = self._notes, []
@@ -664,10 +511,10 @@ class Learner:
 
     def _update_minibatch(self, minibatch: SequenceBatch, stats: UpdateStats) -> None:
         tokens, seqs = self._global_counts(minibatch.response_mask)
-        passes = self._passes(minibatch)
+        passes = self.planner.passes(minibatch)
         for index, one in enumerate(passes):
             started = time.perf_counter()
-            mb, packed = self._pass_inputs(minibatch, one)
+            mb, packed = self.planner.pass_inputs(minibatch, one)
             sync = index == len(passes) - 1  # DDP all-reduces once, after the last backward
             with self._maybe_no_sync(self.policy_ddp, sync):
                 self._policy_backward(mb, tokens, seqs, stats, one.counts, packed)
@@ -678,7 +525,7 @@ class Learner:
                 if packed is not None:
                     computed, real = packed.positions, packed.real_tokens
                 else:
-                    computed, real = self._padded_cost(mb)
+                    computed, real = self.planner.padded_cost(mb)
                 stats.mean(PADDING_FRACTION, 1.0 - real / max(computed, 1), computed)
                 seen = mb.num_tokens  # the sequences' own, however the pass ran them
                 stats.mean(PASS_TOKENS_PER_S, seen / (time.perf_counter() - started), seen)
@@ -934,17 +781,3 @@ class Learner:
             if "critic_scheduler" not in parts:
                 raise ValueError("the checkpoint has no critic_scheduler (not a PPO run?)")
             self.critic_scheduler.load_state_dict(parts["critic_scheduler"])
-
-
-def _local_rows(rows: list[int], packed: list[list[list[int]]]) -> list[list[list[int]]]:
-    """Packed rows (of segments) of batch indices as indices into `rows` (the pass's own
-    order)."""
-    where = {index: position for position, index in enumerate(rows)}
-    return [[[where[index] for index in segment] for segment in row] for row in packed]
-
-
-def _mean_gap(got: Tensor, want: Tensor, mask: Tensor) -> float:
-    """Mean |got - want| over the mask's positions (0 with none)."""
-    if not bool(mask.any()):
-        return 0.0
-    return float((got - want).abs()[mask].mean())

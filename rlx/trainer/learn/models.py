@@ -3,32 +3,22 @@ head), and the optimiser and learning-rate schedule that go with each trained on
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
-from rlx.plan.memory import chunk_tokens_for_vocab
-from rlx.recipe.model import ModelSettings, OptimSettings, TrainerSettings
-from rlx.trainer.cpu_linear import linear, use_onednn
-from rlx.trainer.learn.attention import (
-    SEGMENT_ATTENTION,
-    attends_by_segments,
-    attends_in_full,
-    layout_inputs,
-)
+from rlx.recipe.model import ModelSettings, OptimSettings
+from rlx.trainer.model.attention import layout_inputs
+from rlx.trainer.model.cpu_linear import use_onednn
+from rlx.trainer.model.traits import traits
 from rlx.trainer.packing import Layout
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from rlx.trainer.batch import SequenceBatch
     from rlx.trainer.learn.sharding import ShardSpec
-    from rlx.trainer.packing import PackedRows
 
 
 FUSED_ADAM_DEVICES = ("cpu", "cuda")
@@ -39,12 +29,6 @@ def compute_dtype(setting: str, device: torch.device) -> torch.dtype:
     if setting == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, setting)
-
-
-def engine_dtype_setting(settings: TrainerSettings) -> str:
-    """The engines' dtype as the recipe gives it: rollout.dtype, unset the model's (whose
-    'auto' compute_dtype decides per device)."""
-    return settings.rollout.dtype or settings.model.dtype
 
 
 def quiet_transformers() -> None:
@@ -71,7 +55,7 @@ def load_causal_lm(
     FSDP2-sharded, each rank reading only its own rows."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rlx.trainer.learn import lora
+    from rlx.trainer.model import lora
 
     adapters = settings.lora if trainable else None
     dtype = compute_dtype(settings.dtype, device)
@@ -172,7 +156,7 @@ def load_value_model(
     head trains whole."""
     from transformers import AutoConfig, AutoModel
 
-    from rlx.trainer.learn import lora
+    from rlx.trainer.model import lora
 
     adapters = settings.lora
     dtype = compute_dtype(settings.dtype, device)
@@ -220,389 +204,18 @@ def load_value_model(
 # --------------------------------------------------------------------------- forwards
 
 
-def prompt_groups(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor] | None:
-    """Rows that hold the same prompt (same tokens, same padding), as (first row of each
-    distinct prompt (U,), which distinct prompt each row holds (B,)); None when no prompt
-    repeats. prompt_ids, prompt_mask: (B, P)."""
-    rows = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)  # (B, 2P)
-    distinct, inverse = torch.unique(rows, dim=0, return_inverse=True)  # (U, 2P), (B,)
-    if len(distinct) == len(rows):
-        return None
-    order = torch.arange(len(rows), device=rows.device)  # (B,)
-    first = torch.full((len(distinct),), len(rows), device=rows.device, dtype=torch.long)
-    first = first.scatter_reduce(0, inverse, order, reduce="amin")  # (U,)
-    return first, inverse
-
-
-def can_share_prompts(model: nn.Module) -> bool:
-    """Whether a prompt's keys and values can be computed once and extended by several
-    continuations: attention models of transformers (not recurrent, "stateful" ones), and not
-    while gradient checkpointing is on in training, which turns the cache off."""
-    if not hasattr(model, "config") or getattr(model, "_is_stateful", False):
-        return False
-    return not (model.training and getattr(model, "is_gradient_checkpointing", False))
-
-
-def shared_prompt_cache(
-    model: nn.Module, groups: tuple[Tensor, Tensor], prompt_ids: Tensor, prompt_mask: Tensor
-) -> tuple[Any, Tensor]:
-    """Run each distinct prompt through `model` once and give every row its prompt's keys
-    and values: (the cache, each row's output at its last prompt position: (B, 1, V) logits
-    of a causal LM, or (B, 1, H) hidden state of a decoder body)."""
-    from transformers import DynamicCache
-
-    first, inverse = groups
-    positions = (prompt_mask.cumsum(dim=-1) - 1).clamp(min=0)  # (B, P) as SequenceBatch's
-    cache = DynamicCache(config=model.config)
-    inputs: dict[str, Any] = {
-        "input_ids": prompt_ids[first],
-        "attention_mask": prompt_mask[first],
-        "position_ids": positions[first],
-        "past_key_values": cache,
-        "use_cache": True,
-    }
-    is_lm = getattr(model, "get_output_embeddings", lambda: None)() is not None
-    if is_lm:
-        head = model(**inputs, logits_to_keep=1).logits  # (U, 1, V)
-    else:
-        head = model(**inputs).last_hidden_state[:, -1:]  # (U, 1, H)
-    cache.batch_select_indices(inverse)  # indexing: gradients flow back to the U prompts
-    return cache, head[inverse]
-
-
-@dataclass(frozen=True)
-class TokenScores:
-    """Per response token, (B, R) each, zero on padding: log-prob of the token at the
-    sampling temperature, and the entropy of that distribution (with a graph only when
-    asked for)."""
-
-    logprobs: Tensor
-    entropy: Tensor
-
-
-class ResponseScorer(nn.Module):
-    """A causal LM as a function of a SequenceBatch's tensors: the log-prob of each response
-    token and the entropy of the distribution it was drawn from, at temperature T.
-
-    Memory: only the hidden states of real response tokens reach the LM head, in chunks of
-    `chunk_tokens`; with gradients on, each chunk is recomputed in the backward
-    (torch.utils.checkpoint), so one chunk's (tokens x vocab) fp32 logits live at a time.
-
-    Rows that hold the same prompt (GRPO's n samples per prompt) run it once: the distinct
-    prompts go through the body first, each row gets its prompt's keys and values, and only
-    the responses run on top. Gradients flow back through the shared keys and values, so the
-    result is a full forward's up to float rounding. Everything runs as one forward of the LM
-    (sharding.run_as_forward): one DDP forward when DDP wraps this module, one FSDP2 forward
-    of the sharded root. `agree` (all ranks' AND) makes every rank take the same path, which
-    FSDP's collective forwards need.
-    """
-
-    def __init__(
-        self,
-        lm: nn.Module,
-        *,
-        chunk_tokens: int | None = None,
-        agree: Callable[[bool], bool] | None = None,
-        adapter_off: bool = False,
-    ):
-        super().__init__()
-        config = lm.config  # type: ignore[union-attr]
-        if getattr(config, "final_logit_softcapping", None):
-            raise ValueError(
-                f"{type(lm).__name__} caps its logits (final_logit_softcapping), which the "
-                "chunked log-probs do not apply; this trainer does not support it yet"
-            )
-        self.lm = lm
-        vocab = config.vocab_size
-        # About LOGITS_CHUNK_BYTES of fp32 logits at once, whatever the micro-batch holds.
-        self.chunk_tokens = chunk_tokens or chunk_tokens_for_vocab(vocab)
-        self.agree = agree
-        # A LoRA policy scoring as its own reference: the base, with its adapters switched off.
-        self.adapter_off = adapter_off
-
-    def forward(
-        self,
-        input_ids: Tensor,
-        attention_mask: Tensor | None,
-        position_ids: Tensor,
-        prompt_width: int,
-        response_mask: Tensor,
-        temperature: float,
-        entropy_grad: bool,
-        score_index: Tensor | None = None,
-        target_index: Tensor | None = None,
-        layout: Layout = (),
-    ) -> tuple[Tensor, Tensor]:
-        """Padded rows (B, P + R), or with score_index and target_index packed rows (k, T)
-        whose attention_mask is None or PackedRows.attention and whose layout is
-        PackedRows.layout (rlx.trainer.packing)."""
-        from rlx.trainer.learn.sharding import run_as_forward
-
-        adapters = self.lm.disable_adapter() if self.adapter_off else contextlib.nullcontext()
-        with adapters:  # type: ignore[attr-defined]
-            if score_index is not None:
-                return run_as_forward(
-                    self.lm,
-                    self._score_packed,
-                    input_ids,
-                    position_ids,
-                    score_index,
-                    target_index,
-                    response_mask,
-                    temperature,
-                    entropy_grad,
-                    attention_mask,
-                    layout,
-                )
-            assert attention_mask is not None, "padded rows need their attention mask"
-            return run_as_forward(
-                self.lm,
-                self._score,
-                input_ids,
-                attention_mask,
-                position_ids,
-                prompt_width,
-                response_mask,
-                temperature,
-                entropy_grad,
-            )
-
-    def _can_share(self, input_ids: Tensor, attention_mask: Tensor, prompt_width: int) -> Any:
-        width = input_ids.shape[1] - prompt_width  # R
-        groups = None
-        if prompt_width > 0 and width > 1 and can_share_prompts(self.lm):
-            groups = prompt_groups(input_ids[:, :prompt_width], attention_mask[:, :prompt_width])
-        if self.agree is not None and not self.agree(groups is not None):
-            return None
-        return groups
-
-    def response_hidden(
-        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_width: int
-    ) -> Tensor:
-        """(B, R, H) final hidden states at the positions that predict each response token.
-        Call inside the LM's forward (see forward)."""
-        body = self.lm.get_decoder()  # type: ignore[operator]
-        width = input_ids.shape[1] - prompt_width  # R
-        groups = self._can_share(input_ids, attention_mask, prompt_width)
-        if groups is None:
-            hidden = body(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                use_cache=False,
-            ).last_hidden_state  # (B, P + R, H)
-            # position P - 1 + t predicts response token t
-            return hidden[:, prompt_width - 1 : prompt_width - 1 + width]  # (B, R, H)
-        cache, head = shared_prompt_cache(
-            body, groups, input_ids[:, :prompt_width], attention_mask[:, :prompt_width]
-        )  # head (B, 1, H) predicts response token 0
-        tail = body(
-            input_ids=input_ids[:, prompt_width:-1],
-            attention_mask=attention_mask[:, :-1],
-            position_ids=position_ids[:, prompt_width:-1],
-            past_key_values=cache,
-            use_cache=True,
-        ).last_hidden_state  # (B, R - 1, H) predict response tokens 1..R-1
-        return torch.cat([head, tail], dim=1)  # (B, R, H)
-
-    def _score(
-        self,
-        input_ids: Tensor,
-        attention_mask: Tensor,
-        position_ids: Tensor,
-        prompt_width: int,
-        response_mask: Tensor,
-        temperature: float,
-        entropy_grad: bool,
-    ) -> tuple[Tensor, Tensor]:
-        hidden = self.response_hidden(input_ids, attention_mask, position_ids, prompt_width)
-        targets = input_ids[:, prompt_width:]  # (B, R)
-        real_hidden = hidden[response_mask]  # (N, H): padding never reaches the head
-        real_targets = targets[response_mask]  # (N,)
-        return self._head_scores(
-            real_hidden, real_targets, response_mask, temperature, entropy_grad
-        )
-
-    def _score_packed(
-        self,
-        input_ids: Tensor,
-        position_ids: Tensor,
-        score_index: Tensor,
-        target_index: Tensor | None,
-        response_mask: Tensor,
-        temperature: float,
-        entropy_grad: bool,
-        attention: Tensor | None,
-        layout: Layout,
-    ) -> tuple[Tensor, Tensor]:
-        body = self.lm.get_decoder()  # type: ignore[operator]
-        # No 2-D attention mask and no cache: the only calls that keep packed sequences apart
-        # (packed_attention says which).
-        hidden = body(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            use_cache=False,
-            **packed_attention(body, attention, layout, input_ids.device),
-        ).last_hidden_state  # (k, T, H)
-        real_hidden = hidden.flatten(0, 1)[score_index]  # (N, H)
-        if target_index is None:
-            target_index = score_index + 1  # every sequence's own tokens follow each other
-        real_targets = input_ids.flatten()[target_index]  # (N,): the token each predicts
-        return self._head_scores(
-            real_hidden, real_targets, response_mask, temperature, entropy_grad
-        )
-
-    def _head_scores(
-        self,
-        real_hidden: Tensor,
-        real_targets: Tensor,
-        response_mask: Tensor,
-        temperature: float,
-        entropy_grad: bool,
-    ) -> tuple[Tensor, Tensor]:
-        """(N, H) hidden states of the scored tokens and their (N,) targets -> (B, R) log-probs
-        and entropies, zero where response_mask is False."""
-        head = self.lm.get_output_embeddings()  # type: ignore[operator]
-        logprobs, entropy = chunked_token_scores(
-            real_hidden,
-            head.weight,
-            getattr(head, "bias", None),
-            real_targets,
-            temperature=temperature,
-            entropy_grad=entropy_grad,
-            chunk_tokens=self.chunk_tokens,
-        )  # (N,) each
-        zeros = torch.zeros(response_mask.shape, dtype=torch.float32, device=real_hidden.device)
-        return zeros.masked_scatter(response_mask, logprobs), zeros.masked_scatter(
-            response_mask, entropy
-        )  # (B, R) each
-
-
-def _chunk_scores(
-    hidden: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    targets: Tensor,
-    temperature: float,
-    entropy_grad: bool,
-) -> tuple[Tensor, Tensor]:
-    """Log-probs and entropies of one chunk of tokens: hidden (n, H), targets (n,) -> (n,)."""
-    logits = linear(hidden, weight, bias).float()  # (n, V): as the model's own linears run
-    if temperature != 1.0:
-        logits = logits / temperature
-    logz = torch.logsumexp(logits, dim=-1)  # (n,)
-    logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - logz  # (n,)
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        # H = logsumexp(z) - sum_v p_v z_v
-        entropy = logz - torch.einsum("nv,nv->n", torch.softmax(logits, dim=-1), logits)
-    return logprobs, entropy
-
-
-def chunked_token_scores(
-    hidden: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    targets: Tensor,
-    *,
-    temperature: float,
-    entropy_grad: bool,
-    chunk_tokens: int,
-) -> tuple[Tensor, Tensor]:
-    """Log-probs of `targets` and entropies under softmax((hidden @ weight.T + bias) / T),
-    chunk by chunk of tokens: hidden (N, H), targets (N,) -> (N,), (N,) fp32. With gradients
-    on, each chunk's logits are recomputed in the backward instead of kept."""
-    from torch.utils.checkpoint import checkpoint
-
-    logprobs, entropies = [], []
-    for start in range(0, hidden.shape[0], chunk_tokens):
-        piece = (
-            hidden[start : start + chunk_tokens],
-            weight,
-            bias,
-            targets[start : start + chunk_tokens],
-            temperature,
-            entropy_grad,
-        )
-        if torch.is_grad_enabled():
-            lp, ent = checkpoint(_chunk_scores, *piece, use_reentrant=False)
-        else:
-            lp, ent = _chunk_scores(*piece)
-        logprobs.append(lp)
-        entropies.append(ent)
-    if not logprobs:
-        empty = hidden.new_zeros((0,), dtype=torch.float32)
-        return empty, empty
-    return torch.cat(logprobs), torch.cat(entropies)
-
-
-def score_responses(
-    scorer: nn.Module,
-    batch: SequenceBatch,
-    temperature: float,
-    *,
-    entropy_grad: bool,
-    packed: PackedRows | None = None,
-) -> TokenScores:
-    """(B, R) log-probs and entropies of a batch's responses, from a ResponseScorer (or DDP of
-    one); with `packed`, the same sequences run packed (no padding)."""
-    if packed is not None:
-        logprobs, entropy = scorer(
-            packed.input_ids,
-            packed.attention,
-            packed.position_ids,
-            0,
-            batch.response_mask,
-            temperature,
-            entropy_grad,
-            packed.score_index,
-            packed.target_positions(),
-            packed.layout,
-        )
-        return TokenScores(logprobs, entropy)
-    logprobs, entropy = scorer(
-        batch.input_ids,
-        batch.attention_mask,
-        batch.position_ids,
-        batch.prompt_width,
-        batch.response_mask,
-        temperature,
-        entropy_grad,
-    )
-    return TokenScores(logprobs, entropy)
-
-
-def response_values(
-    critic: nn.Module, batch: SequenceBatch, packed: PackedRows | None = None
-) -> Tensor:
-    """V(state before response token t) for every t: (B, R); with `packed`, the same
-    sequences run packed (zero off the response mask)."""
-    if packed is not None:
-        values = critic(
-            packed.input_ids, packed.attention, packed.position_ids, packed.layout
-        )  # (k, T)
-        scored = values.flatten()[packed.score_index]  # (N,)
-        zeros = torch.zeros(batch.response_mask.shape, dtype=scored.dtype, device=scored.device)
-        return zeros.masked_scatter(batch.response_mask, scored)  # (B, R)
-    values = critic(batch.input_ids, batch.attention_mask, batch.position_ids)  # (B, P + R)
-    return values[:, batch.prompt_width - 1 : -1]  # (B, R)
-
-
-# Attention implementations that take a 4-D mask as it is: True/False (SDPA) or 0/-inf
-# added to the scores (eager). Rows whose sequences share a prompt need one.
-MASKED_ATTENTION = ("sdpa", "eager")
-
-
 def attention_for(model: nn.Module, attention: Tensor | None) -> Tensor | None:
     """PackedRows.attention ((k, 1, T, T), True where a position attends) in the form the
     model's attention implementation takes; None stays None (the position ids say it all)."""
     if attention is None:
         return None
-    implementation = getattr(model.config, "_attn_implementation", None) or "eager"
+    facts = traits(model)
+    implementation = facts.attention
     if implementation == "sdpa":
         return attention
     if implementation != "eager":
         raise ValueError(f"rows sharing prompts need SDPA or eager attention, not {implementation}")
-    dtype = model.get_input_embeddings().weight.dtype  # type: ignore[operator]
+    dtype = facts.dtype
     scores = torch.zeros(attention.shape, dtype=dtype, device=attention.device)
     return scores.masked_fill(~attention, torch.finfo(dtype).min)
 
@@ -611,67 +224,14 @@ def packed_attention(
     model: nn.Module, attention: Tensor | None, layout: Layout, device: torch.device
 ) -> dict[str, Any]:
     """The attention keywords of a packed forward of `model` (a decoder body): its layout
-    where it attends by segments (rlx.trainer.learn.attention); else the 4-D mask of rows
+    where it attends by segments (rlx.trainer.model.attention); else the 4-D mask of rows
     that share prompts in the form its attention takes, or None, from which transformers
     derives the block-diagonal mask (restarting position ids)."""
-    if attends_by_segments(model):
+    if traits(model).attends_by_segments:
         return layout_inputs(layout, device)
     if attention is None and any(len(s[2]) > 1 for row in layout for s in row):
         raise ValueError("rows that share prompts need their 4-D mask for this model")
     return {"attention_mask": attention_for(model, attention)}
-
-
-def shares_packed_prompts(model: nn.Module) -> bool:
-    """Whether packed rows may run a prompt once for several responses (a layout or a 4-D
-    mask of prompt-and-own-response): the model attends by segments, or its attention
-    takes such a mask as it is, and every layer attends in full (a sliding window would
-    need its own)."""
-    inner = getattr(model, "body", model)
-    config = getattr(inner, "config", None)
-    if config is None or packing_obstacle(model) is not None:
-        return False
-    return attends_in_full(config) and (
-        getattr(config, "_attn_implementation", None) or "eager"
-    ) in (*MASKED_ATTENTION, SEGMENT_ATTENTION)
-
-
-# Attention implementations of transformers that keep packed sequences apart when called with
-# restarting position ids, no attention mask and no cache (see rlx.trainer.packing), and
-# segment attention, which reads their layout.
-PACKABLE_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", SEGMENT_ATTENTION)
-VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
-
-
-def packing_obstacle(model: nn.Module) -> str | None:
-    """Why `model` cannot run packed sequences exactly, or None when it can: a recurrent
-    ("stateful") model or one with linear-attention layers carries state across the
-    sequences of a row, and an attention implementation other than SDPA, eager or
-    FlashAttention may ignore the restarting position ids."""
-    inner = getattr(model, "body", model)  # a ValueModel's decoder
-    config = getattr(inner, "config", None)
-    if config is None:
-        return f"{type(model).__name__} has no transformers config"
-    name = type(inner).__name__
-    if getattr(inner, "_is_stateful", False):
-        return f"{name} is recurrent (its state runs across the sequences of a row)"
-    kinds = set(getattr(config, "layer_types", None) or ())
-    others = kinds - {"full_attention", "sliding_attention"}
-    if others:
-        return f"{name} has {sorted(others)[0]} layers, which packing would mix"
-    attention = getattr(config, "_attn_implementation", None) or "eager"
-    if attention not in PACKABLE_ATTENTION:
-        return f"{name} runs {attention} attention; packing is exact with " + ", ".join(
-            PACKABLE_ATTENTION
-        )
-    return None
-
-
-def uses_varlen_attention(model: nn.Module) -> bool:
-    """FlashAttention's varlen kernels: packed rows cost nothing for a mask, so a pass is one
-    row (transformers reads sequence starts from the position ids of a single row only)."""
-    inner = getattr(model, "body", model)
-    attention = getattr(getattr(inner, "config", None), "_attn_implementation", None)
-    return attention in VARLEN_ATTENTION
 
 
 @torch.no_grad()

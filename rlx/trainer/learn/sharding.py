@@ -30,8 +30,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from rlx.trainer.learn.dtensors import local_rows
-from rlx.trainer.learn.lora import base_name, is_adapter
+from rlx.trainer.model.dtensors import local_rows
+from rlx.trainer.model.lora import base_name
+from rlx.trainer.model.push import pushed_parameters
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -343,30 +344,6 @@ def named_full_tensors(
         if isinstance(tensor, DTensor):
             tensor = tensor.full_tensor()
         yield name, tensor.detach()
-
-
-def pushed_parameters(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
-    """What a weight push carries of the policy: every parameter (tied ones once), or, for a
-    model with LoRA adapters, the adapters alone (the engines hold the frozen base)."""
-    params = list(module.named_parameters())
-    if any(is_adapter(name) for name, _ in params):
-        params = [(name, param) for name, param in params if is_adapter(name)]
-    yield from params
-
-
-def engine_tensors(module: nn.Module, dtype: torch.dtype | None) -> Iterator[tuple[str, Tensor]]:
-    """The pushed parameters (pushed_parameters) as whole tensors in `dtype` (their own when
-    None), where they are, one at a time: what a colocated engine loads. A sharded one is
-    cast before it is gathered (half the bytes of gathering float32 master weights), a
-    collective of every rank."""
-    from torch.distributed.tensor import DTensor
-
-    with torch.no_grad():
-        for name, param in pushed_parameters(module):
-            tensor = param.detach().to(dtype or param.dtype)
-            if isinstance(tensor, DTensor):
-                tensor = tensor.full_tensor()
-            yield name, tensor
 
 
 def push_layouts(

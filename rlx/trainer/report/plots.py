@@ -45,7 +45,19 @@ def write_plot(jsonl_path: Path, png_path: Path) -> Path:
     figure = Figure(figsize=(8, 6), layout="constrained")
     FigureCanvasAgg(figure)  # Agg directly: no pyplot, no global backend switch
     reward_axes, kl_axes = figure.subplots(2, 1, sharex=True)
+    _reward_panel(reward_axes, records)
+    _lower_panel(kl_axes, records)
 
+    png_path = Path(png_path)
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = png_path.with_name(f".{png_path.name}.tmp")
+    figure.savefig(temporary, format="png", dpi=100)
+    temporary.replace(png_path)
+    return png_path
+
+
+def _reward_panel(reward_axes: Any, records: list[dict[str, Any]]) -> None:
+    """The training reward mean with its ±std band, and the validation scores."""
     # Markers keep a run of one or two steps visible, where a line alone would not be.
     steps, means = _series(records, REWARD_MEAN)
     if steps:
@@ -73,6 +85,9 @@ def write_plot(jsonl_path: Path, png_path: Path) -> Path:
     reward_axes.set_ylabel("reward")
     reward_axes.grid(alpha=0.3)
 
+
+def _lower_panel(kl_axes: Any, records: list[dict[str, Any]]) -> None:
+    """second_panel's lines, the staleness on an axis of its own on the right."""
     ylabel, lines, right = second_panel(records)
     for label, line_steps, values in lines:
         kl_axes.plot(line_steps, values, marker="o", markersize=3, label=label)
@@ -91,13 +106,6 @@ def write_plot(jsonl_path: Path, png_path: Path) -> Path:
     kl_axes.set_ylabel(ylabel)
     kl_axes.set_xlabel("step")
     kl_axes.grid(alpha=0.3)
-
-    png_path = Path(png_path)
-    png_path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = png_path.with_name(f".{png_path.name}.tmp")
-    figure.savefig(temporary, format="png", dpi=100)
-    temporary.replace(png_path)
-    return png_path
 
 
 Lines = list[tuple[str, list[int], list[float]]]

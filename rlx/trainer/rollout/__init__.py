@@ -16,17 +16,27 @@ module imports neither torch nor vLLM: lint and `rlx plan` ask it which engine a
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rlx.recipe.model import LoraSettings
+    from rlx.recipe.model import LoraSettings, TrainerSettings
 
 # Engine name -> "module:class", imported when chosen.
 ENGINES = {
     "hf": "rlx.trainer.rollout.hf:HFEngine",
     "vllm": "rlx.trainer.rollout.vllm:VLLMEngine",
 }
+# Engines that sample with kernels of their own, not the learner's transformers forward: their
+# log-probs can differ from the learner's even in float32.
+OWN_KERNELS = frozenset({"vllm"})
+
+
+def samples_with_own_kernels(kind: str) -> bool:
+    """Whether engine `kind` computes its log-probs with kernels other than the learner's
+    (read without importing the engine)."""
+    return kind in OWN_KERNELS
 
 
 def choose_engine(engine: str, gpus_per_node: int) -> str:
@@ -67,3 +77,28 @@ def make_engine(
     if kind == "vllm":
         return engine(model_path, dtype=dtype or "auto", **dict(vllm_options or {}))
     return engine(model_path, dtype=dtype, device=device, max_batch_size=max_batch_size, lora=lora)
+
+
+def engine_for_job(
+    kind: str,
+    settings: TrainerSettings,
+    model_path: str,
+    *,
+    dtype: str,
+    device: str,
+    use_gpu: bool,
+    tensor_parallel: int = 1,
+    join_ray: Callable[[], None] | None = None,
+) -> Any:
+    """An engine of `kind` for a job (layout: split), built with the arguments its class
+    makes from the settings (options_from)."""
+    engine = engine_class(kind)
+    options = engine.options_from(
+        settings,
+        model_path,
+        use_gpu=use_gpu,
+        device=device,
+        tensor_parallel=tensor_parallel,
+        join_ray=join_ray,
+    )
+    return engine(model_path, dtype=dtype, **options)

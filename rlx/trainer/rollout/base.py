@@ -9,8 +9,9 @@ so they equal a teacher-forced forward pass of the same weights.
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
@@ -52,7 +53,64 @@ class SamplingArgs:
 
 
 class RolloutEngine(abc.ABC):
-    """What the trainer needs from a generator of rollouts."""
+    """What the trainer needs from a generator of rollouts. Besides generating and taking
+    weights, an engine answers for its own lifecycle (the arguments it is built with, the
+    process it needs, sleeping while the policy trains, what it says for the run's log),
+    each a no-op here unless the engine needs it: whoever holds an engine never asks which
+    kind it holds."""
+
+    # The process holding this engine keeps CUDA's default allocator settings (see
+    # rlx.trainer.allocator.use_allocator_settings).
+    keeps_default_allocator: ClassVar[bool] = False
+    # Colocated: the engine loads its own weights from the model's files, sizing its share
+    # of the GPU from the memory still free, so it is built before the learner fills it
+    # (otherwise after the learner, over or beside the policy module).
+    starts_before_learner: ClassVar[bool] = False
+
+    @classmethod
+    def options_from(
+        cls,
+        settings: TrainerSettings,
+        model_path: str,
+        *,
+        use_gpu: bool,
+        device: str | None = None,
+        tensor_parallel: int = 1,
+        in_process: bool = False,
+        join_ray: Callable[[], None] | None = None,
+    ) -> dict[str, Any]:
+        """This engine's own arguments for an engine of the job, built from the settings
+        (the model path and dtype aside). device: where an in-process engine computes.
+        in_process: the engine runs in a training worker's own process (colocated).
+        join_ray: makes the calling process ready for an engine that spreads over Ray's
+        nodes, called where the engine does."""
+        return {}
+
+    @classmethod  # noqa: B027 - most engines need nothing beyond rlx's own packages
+    def check_installed(cls, settings: TrainerSettings, on_gpus: bool) -> None:
+        """Raise RlxError (what to change) where this machine lacks what the engine needs."""
+
+    def notes(self) -> list[str]:
+        """What the engine says once at start-up, for the run's log."""
+        return []
+
+    def take_part(self, max_new_tokens: int) -> None:  # noqa: B027 - most engines run alone
+        """A rank without prompts of its own joins the other ranks' generate (an engine over
+        a policy sharded across ranks)."""
+
+    # Colocated, around each update: sleep frees the engine's memory while the policy
+    # trains; wake_weights maps its weights' memory again before a push, wake_cache its
+    # cache once the push's own buffers are freed. Engines that hold no memory of their own
+    # beside the policy do nothing.
+
+    def sleep(self) -> None:  # noqa: B027 - most engines keep their memory
+        """Give back the memory the engine holds (its weights and cache)."""
+
+    def wake_weights(self) -> None:  # noqa: B027
+        """Map the weights' memory again (their values are whatever the next push writes)."""
+
+    def wake_cache(self) -> None:  # noqa: B027
+        """Map the cache again."""
 
     @abc.abstractmethod
     def generate(

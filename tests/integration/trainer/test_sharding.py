@@ -16,16 +16,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rlx.trainer.batch import SequenceBatch, micro_batch_rows, pack_rollout
-from rlx.trainer.learn.learner import (
+from rlx.trainer.batch import (
     ADVANTAGES,
     REF_LOGP,
     RETURNS,
     VALUES,
-    Learner,
-    UpdateStats,
-    merge_update_stats,
+    SequenceBatch,
+    micro_batch_rows,
+    pack_rollout,
 )
+from rlx.trainer.learn.learner import Learner, UpdateStats, merge_update_stats
 from rlx.trainer.packing import plan_passes
 from rlx.trainer.rollout.base import SamplingArgs
 from rlx.trainer.rollout.hf import HFEngine
@@ -140,8 +140,8 @@ def _peak_anonymous_memory(stop: threading.Event, out: list[int]) -> None:
 def own_passes(learner: Learner, batch: SequenceBatch, budget: int) -> int:
     """Passes a rank needs for `batch` under a token budget, packed (the default) as the
     learner packs: its segments (prompts shared) in rows of its row size."""
-    _, lengths = learner._segments(batch)
-    return len(plan_passes(lengths, budget, min(budget, learner.row_tokens)))
+    _, lengths = learner.planner.segments(batch)
+    return len(plan_passes(lengths, budget, min(budget, learner.planner.row_tokens)))
 
 
 def uneven_budget(learner: Learner, batch: SequenceBatch, world: int) -> int:
@@ -248,7 +248,7 @@ def _run_strategy(rank: int, world: int, strategy: str, model: str, big_model: s
             learner.policy,
             model,
             dtype="float32",
-            vllm_options={},
+            options={},
             collective=learner.collective,
         ).engine
         prompts = RANK_PROMPTS[rank]
@@ -287,7 +287,7 @@ def _run_strategy(rank: int, world: int, strategy: str, model: str, big_model: s
     tokens = uneven_budget(learner, batch, world)
     learner.settings = parallel_settings(folder, strategy, max_tokens_per_micro_batch=tokens)
     counts: list[Any] = [None] * world
-    assert learner.packing
+    assert learner.planner.packing
     dist.all_gather_object(counts, own_passes(learner, mine, tokens))
     policy, critic, _ = one_update(learner, mine)
     if rank == 0:
@@ -346,7 +346,7 @@ class _Grads(torch.nn.Module):
 
 @pytest.fixture(scope="module")
 def big_model_dir(tmp_path_factory) -> Path:
-    from rlx.trainer.learn.tiny import build_tiny_model
+    from rlx.trainer.model.tiny import build_tiny_model
 
     folder = tmp_path_factory.mktemp("big") / "model"
     return build_tiny_model(folder, hidden_size=512, num_layers=8, num_heads=8)
@@ -460,7 +460,7 @@ def test_ranks_train_like_one_unsharded_process(
 def test_chunked_logprobs_equal_the_full_logits(tiny_model_dir, ppo_step_batch) -> None:
     from transformers import AutoModelForCausalLM
 
-    from rlx.trainer.learn.models import ResponseScorer, score_responses
+    from rlx.trainer.learn.scoring import ResponseScorer, score_responses
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     model.train()

@@ -75,7 +75,6 @@ def _save(manager: Any, step: int, value: float, hook: Any = None) -> str:
 
 def test_only_marked_steps_count_and_retention_deletes_marker_first(store_env) -> None:
     from rlx.trainer.checkpoint import MARKER, open_manager
-    from rlx.trainer.checkpoint.training import load_parts
 
     root = store_env.new_prefix()
     manager = open_manager(root, "run-a", keep=2)
@@ -95,7 +94,7 @@ def test_only_marked_steps_count_and_retention_deletes_marker_first(store_env) -
     fs.invalidate_cache()
     assert not fs.exists(partial)
     assert [u.rsplit("/", 1)[-1] for u in manager.checkpoints()] == ["step-000003", "step-000004"]
-    assert load_parts(manager.latest(), ["trainer_state"])["trainer_state"] == {
+    assert manager.load_parts(manager.latest(), ["trainer_state"])["trainer_state"] == {
         "step": 4,
         "v": 1.1,
     }
@@ -103,7 +102,6 @@ def test_only_marked_steps_count_and_retention_deletes_marker_first(store_env) -
 
 def test_a_damaged_file_is_reported_not_loaded(store_env) -> None:
     from rlx.trainer.checkpoint import open_manager
-    from rlx.trainer.checkpoint.training import load_parts
 
     manager = open_manager(store_env.new_prefix(), "run-b", keep=1)
     url = _save(manager, 5, 0.25)
@@ -111,7 +109,7 @@ def test_a_damaged_file_is_reported_not_loaded(store_env) -> None:
     text = manager.fs.cat_file(target)
     manager.fs.pipe(target, text.replace(b"0.25", b"0.75"))  # same size, other bytes
     with pytest.raises(RlxError, match="does not match its checksum"):
-        load_parts(url, ["trainer_state"])
+        manager.load_parts(url, ["trainer_state"])
 
 
 def test_an_upload_missing_from_the_listing_leaves_no_marker(store_env) -> None:
@@ -310,7 +308,7 @@ def test_gcs_and_azure_keep_the_save_and_resume_protocol(
     the newest complete step in place (byte ranges through fsspec)."""
     from rlx.trainer.checkpoint import MARKER, open_manager
     from rlx.trainer.checkpoint.remote import DCP_METADATA, remove
-    from rlx.trainer.checkpoint.training import load_learner_state, load_parts, save_learner_state
+    from rlx.trainer.checkpoint.training import load_learner_state, save_learner_state
 
     store = stores[kind]
     for key, value in store.env.items():
@@ -348,10 +346,10 @@ def test_gcs_and_azure_keep_the_save_and_resume_protocol(
     assert fs.exists(f"{partial}/learner/{DCP_METADATA}") and not fs.exists(f"{partial}/{MARKER}")
     assert manager.latest() == first
 
-    parts = load_parts(first, ["learner", "trainer_state"])
+    parts = manager.load_parts(first, ["learner", "trainer_state"])
     assert parts["trainer_state"] == {"step": 1} and parts["learner"] == f"{first}/learner"
     loaded = state(0.0)
-    load_learner_state(loaded, parts["learner"])
+    load_learner_state(loaded, parts["learner"], manager.shard_reader(parts["learner"]))
     assert all(torch.equal(loaded[k], v) for k, v in state(1.0).items())
 
     third = save(3)

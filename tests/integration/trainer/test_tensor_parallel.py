@@ -55,6 +55,9 @@ def gpu_ray():
     touches a device)."""
     import ray
 
+    from rlx.trainer.main import read_ray_auth_mode_afresh
+
+    read_ray_auth_mode_afresh()  # an earlier module's cluster may have left another mode
     ray.init(
         address="local",
         num_cpus=4,

@@ -34,8 +34,8 @@ import pytest
 import torch
 
 from rlx.trainer import algos
-from rlx.trainer.batch import SequenceBatch
-from rlx.trainer.learn.learner import ADVANTAGES, OLD_LOGP, REF_LOGP, Learner
+from rlx.trainer.batch import ADVANTAGES, OLD_LOGP, REF_LOGP, SequenceBatch
+from rlx.trainer.learn.learner import Learner
 from tests.support.recipes import make_recipe
 
 trl = pytest.importorskip(

@@ -188,7 +188,7 @@ def test_split_engines_take_every_push_and_a_skipped_one_stops_the_run(
 def test_a_tensor_parallel_engine_generates_and_takes_pushes(tmp_path: Path, monkeypatch) -> None:
     """tensor_parallel_size=2 on CPU: two vLLM workers, one core each, each holding half of
     every attention and MLP layer; a push is resharded by vLLM's own loaders."""
-    from rlx.trainer.learn.tiny import build_tiny_model
+    from rlx.trainer.model.tiny import build_tiny_model
     from rlx.trainer.rollout.vllm import VLLMEngine
 
     if (os.cpu_count() or 1) < 2:

@@ -100,7 +100,7 @@ def test_colocated_hf_engine_is_the_policy_module(tiny_model_dir: Path) -> None:
 
     policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     colocated = make_colocated_engine(
-        "hf", policy, str(tiny_model_dir), dtype="float32", vllm_options={}
+        "hf", policy, str(tiny_model_dir), dtype="float32", options={}
     )
     assert colocated.engine.model is policy  # no copy: updates are seen without a push
     with torch.no_grad():

@@ -191,7 +191,7 @@ def test_logits_chunk_is_the_trainers(tmp_path: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlx.trainer.learn.models import ResponseScorer
+    from rlx.trainer.learn.scoring import ResponseScorer
     from rlx.trainer.resolve import resolve_model_path
 
     folder = resolve_model_path("tiny:qwen2-h64-l1", tmp_path, seed=0)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from rlx.recipe.correction import correction_bounds
-from rlx.trainer.job import with_correction_decided
+from rlx.trainer.job import engine_dtype_name, runs_ahead, with_correction_decided
 from rlx.trainer.learn.learner import correction_on, sends_engine_logprobs
 from tests.support.recipes import small_trainer
 
@@ -63,3 +63,21 @@ def test_unset_bounds_are_the_decoupled_cap(tmp_path: Path) -> None:
     assert correction_bounds(settings.algo) == (0.0, 3.0)
     written = small_trainer(tmp_path, algo={"rollout_correction": {"low": 0.5, "high": 2.5}})
     assert correction_bounds(written.algo) == (0.5, 2.5)
+
+
+DECIDED: list[tuple[dict[str, Any], bool, str, bool]] = [
+    # (overrides, on_gpus, engine dtype, rollouts ahead)
+    ({"model": {"dtype": "auto"}}, False, "float32", False),
+    ({"model": {"dtype": "auto"}}, True, "bfloat16", False),
+    ({"model": {"dtype": "auto"}, "rollout": {"dtype": "float16"}}, True, "float16", False),
+    ({"model": {"dtype": "float32"}, "rollout": {"max_staleness": 2}}, True, "float32", True),
+]
+
+
+@pytest.mark.parametrize("overrides,gpus,dtype,ahead", DECIDED)
+def test_engine_dtype_and_ahead_are_decided_from_the_settings(
+    overrides: dict[str, Any], gpus: bool, dtype: str, ahead: bool, tmp_path: Path
+) -> None:
+    settings = small_trainer(tmp_path, **overrides)
+    assert engine_dtype_name(settings, gpus) == dtype
+    assert runs_ahead(settings) is ahead

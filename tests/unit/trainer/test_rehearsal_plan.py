@@ -75,3 +75,23 @@ def test_a_recipe_start_up_refuses_is_refused_before_it_is_scaled(tmp_path: Path
     with pytest.raises(RlxError, match="minibatch_size 1024 does not divide the 512 sequences"):
         plan_rehearsal(load_recipe(path).recipe)
     assert_one_line_error(invoke(["rehearse", "--dry-run", str(path)]), "minibatch_size 1024")
+
+
+def test_nodes_that_never_start_in_time_are_one_line_and_other_errors_pass_through() -> None:
+    from rlx.trainer.rehearsal import NODE_START_TRIES, RAYLET_LATE, _started_on_a_busy_machine
+
+    calls = []
+
+    def late() -> None:
+        calls.append(1)
+        raise Exception(f"The current node {RAYLET_LATE}.")
+
+    with pytest.raises(RlxError, match="missed Ray's 30 s to register 3 times"):
+        _started_on_a_busy_machine(late)
+    assert len(calls) == NODE_START_TRIES
+
+    def broken() -> None:
+        raise ValueError("num_gpus must be >= 0")
+
+    with pytest.raises(ValueError, match="num_gpus"):
+        _started_on_a_busy_machine(broken)

@@ -15,11 +15,11 @@ import torch
 
 from rlx.recipe.model import TrainerSettings
 from rlx.trainer import algos
-from rlx.trainer.batch import pack_rollout
+from rlx.trainer.batch import ADVANTAGES, pack_rollout
 from rlx.trainer.episodes.env import Row, Step, Turn
 from rlx.trainer.episodes.runner import EnvironmentFailures, EpisodeRunner
 from rlx.trainer.episodes.trajectory import check_trajectories
-from rlx.trainer.learn.learner import ADVANTAGES, Learner
+from rlx.trainer.learn.learner import Learner
 from rlx.trainer.rollout.base import SamplingArgs
 from rlx.trainer.rollout.hf import HFEngine
 from rlx.trainer.rollout.probe import PROBE_TOLERANCE_FLOOR, PROBE_TOLERANCE_PER_TOKEN

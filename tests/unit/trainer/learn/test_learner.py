@@ -10,18 +10,9 @@ import math
 import pytest
 import torch
 
+from rlx.trainer.batch import ADVANTAGES, BEHAV_LOGP, OLD_LOGP, REF_LOGP, RETURNS, VALUES
 from rlx.trainer.checkpoint.training import load_learner_state, save_learner_state
-from rlx.trainer.learn.learner import (
-    ADVANTAGES,
-    BEHAV_LOGP,
-    OLD_LOGP,
-    REF_LOGP,
-    RETURNS,
-    VALUES,
-    Learner,
-    merge_update_stats,
-    needs_old_logprobs,
-)
+from rlx.trainer.learn.learner import Learner, merge_update_stats, needs_old_logprobs
 from rlx.trainer.learn.models import lr_multiplier
 from tests.support.gradients import assert_same_gradient, gradient_of_update
 from tests.support.recipes import small_trainer

@@ -10,7 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlx.trainer.batch import SequenceBatch, pack_rollout
-from rlx.trainer.learn.models import ResponseScorer, prompt_groups, score_responses
+from rlx.trainer.learn.scoring import ResponseScorer, score_responses
+from rlx.trainer.model.prefill import prompt_groups
 from rlx.trainer.rollout.base import SamplingArgs
 from rlx.trainer.rollout.hf import HFEngine
 
@@ -74,7 +75,7 @@ def test_shared_prompts_give_a_full_forwards_scores_and_gradients(
         return scores.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
     scorer = ResponseScorer(model)
-    assert scorer._can_share(batch.input_ids, batch.attention_mask, batch.prompt_width)
+    assert scorer._can_share(batch)
     shared_scores = score_responses(scorer, batch, 1.0, entropy_grad=True)
     shared, shared_grads = loss_and_grads(shared_scores.logprobs + shared_scores.entropy)
     logits = full_forward(model, batch)  # (B, R, V)

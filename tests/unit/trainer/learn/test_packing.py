@@ -15,17 +15,22 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlx.trainer.batch import RolloutBatch, SequenceBatch, pack_rollout, pad_responses
-from rlx.trainer.learn.attention import (
-    LAYOUT_KEYWORD,
-    SEGMENT_ATTENTION,
-    attends_by_segments,
-    register,
-    use_segment_attention,
+from rlx.trainer.batch import (
+    OLD_LOGP,
+    REF_LOGP,
+    RETURNS,
+    VALUES,
+    RolloutBatch,
+    SequenceBatch,
+    pack_rollout,
+    pad_responses,
 )
-from rlx.trainer.learn.learner import OLD_LOGP, REF_LOGP, RETURNS, VALUES, Learner
-from rlx.trainer.learn.models import ResponseScorer, prompt_groups, score_responses
-from rlx.trainer.learn.tiny import build_tiny_model
+from rlx.trainer.learn.learner import Learner
+from rlx.trainer.learn.scoring import ResponseScorer, score_responses
+from rlx.trainer.model.attention import LAYOUT_KEYWORD, register, use_segment_attention
+from rlx.trainer.model.prefill import prompt_groups
+from rlx.trainer.model.tiny import build_tiny_model
+from rlx.trainer.model.traits import SEGMENT_ATTENTION, traits
 from rlx.trainer.packing import (
     PackedRows,
     pack_rows,
@@ -180,7 +185,7 @@ def segment_policy(
         )
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     use_segment_attention(model)
-    assert attends_by_segments(model)
+    assert traits(model).attends_by_segments
     return ResponseScorer(model.eval())
 
 
@@ -247,7 +252,7 @@ def test_segment_attention_is_sdpa_outside_packed_passes(
     switched.save_pretrained(tmp_path / "saved")
     assert SEGMENT_ATTENTION not in (tmp_path / "saved" / "config.json").read_text()
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
-    assert again.config._attn_implementation == "sdpa"
+    assert traits(again).attention == "sdpa"
 
 
 def test_the_learner_attends_by_segments_in_one_row_a_pass(
@@ -255,10 +260,10 @@ def test_the_learner_attends_by_segments_in_one_row_a_pass(
 ) -> None:
     """SDPA models over full attention: the learner's passes are one row each, no mask."""
     one = learner(tmp_path, tiny_model_dir, True)
-    assert one.by_segments and "segment attention" in one.packing_note
-    passes = one._passes(advantage_batch)
+    assert one.planner.by_segments and "segment attention" in one.planner.note
+    passes = one.planner.passes(advantage_batch)
     assert all(p.packed is not None and len(p.packed) == 1 for p in passes)
-    _, packed = one._pass_inputs(advantage_batch, passes[0])
+    _, packed = one.planner.pass_inputs(advantage_batch, passes[0])
     assert packed is not None and packed.attention is None and len(packed.layout) == 1
     assert packed.positions == packed.real_tokens  # no padding
 
@@ -324,14 +329,14 @@ def test_the_learners_reference_critic_and_update_equal_sequences_run_alone(
     tmp_path: Path, tiny_model_dir: Path, advantage_batch: SequenceBatch
 ) -> None:
     packed, alone = (learner(tmp_path, tiny_model_dir, p) for p in (True, False))
-    assert packed.packing and not alone.packing
+    assert packed.planner.packing and not alone.planner.packing
     for one in (packed, alone):  # the value head starts at zero: give it values to compare
         generator = torch.Generator().manual_seed(3)
         head = one.critic.value_head
         with torch.no_grad():
             head.weight.copy_(torch.randn(head.weight.shape, generator=generator))
-    assert packed.share_prompts
-    rows = [row for one in packed._passes(advantage_batch) for row in one.packed or []]
+    assert packed.planner.share_prompts
+    rows = [row for one in packed.planner.passes(advantage_batch) for row in one.packed or []]
     assert max(sum(len(segment) for segment in row) for row in rows) > 1  # rows are shared
     assert max(len(segment) for row in rows for segment in row) > 1  # and prompts too
     want = alone.prepare(advantage_batch, old_logprobs=True)
@@ -381,7 +386,7 @@ def test_the_first_step_check_keeps_exact_packing_on(
 ) -> None:
     one = learner(tmp_path, tiny_model_dir, True)
     one.check_packing(advantage_batch)
-    assert one.packing and one.take_notes() == []
+    assert one.planner.packing and one.take_notes() == []
 
 
 def test_the_first_step_check_turns_mixing_attention_off_in_one_line(
@@ -395,10 +400,10 @@ def test_the_first_step_check_turns_mixing_attention_off_in_one_line(
         ),
         1,
     )
-    assert not one.packing
+    assert not one.planner.packing
     (note,) = stats.notes
     assert note.startswith("packing: off, a packed row's log-probs differ") and "\n" not in note
-    assert all(p.packed is None for p in one._passes(advantage_batch))
+    assert all(p.packed is None for p in one.planner.passes(advantage_batch))
 
 
 def grpo_batch(prompt: int, responses: list[int]) -> SequenceBatch:
@@ -432,5 +437,5 @@ def test_unset_packing_packs_where_it_computes_fewer_positions(
 ) -> None:
     conf = small_trainer(tmp_path, batch={"micro_batch_size": 4, "packing": packing})
     one = Learner(conf, str(tiny_model_dir), None, torch.device("cpu"))
-    passes = one._passes(grpo_batch(prompt, responses))
+    passes = one.planner.passes(grpo_batch(prompt, responses))
     assert all((p.packed is not None) == packed for p in passes)

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlx.trainer.batch import RolloutBatch, pad_responses
-from rlx.trainer.learn.tiny import build_tiny_model, token_id
+from rlx.trainer.model.tiny import build_tiny_model, token_id
 from rlx.trainer.rollout import choose_engine, make_engine
 from rlx.trainer.rollout.base import SamplingArgs
 from rlx.trainer.rollout.hf import HFEngine, mask_after_eos, top_p_filter
@@ -186,7 +186,7 @@ def test_growing_cache_layers_equal_concatenation() -> None:
     buffer and rows leaving, and they never hold room for more than `most` positions."""
     from transformers.cache_utils import DynamicCache, DynamicLayer
 
-    from rlx.trainer.rollout.decode import grow_in_place
+    from rlx.trainer.model.decode import grow_in_place
 
     gen = torch.Generator().manual_seed(0)
     prompt = [torch.randn(5, 2, 3, 4, generator=gen) for _ in range(2)]

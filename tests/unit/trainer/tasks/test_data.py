@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rlx.trainer.learn.tiny import build_tokenizer
+from rlx.trainer.model.tiny import build_tokenizer
 from rlx.trainer.tasks.data import (
     DataError,
     PromptSampler,

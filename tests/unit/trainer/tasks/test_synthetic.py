@@ -101,7 +101,7 @@ def test_plain_grpo_learns_the_task_in_a_few_dozen_steps(tmp_path: Path) -> None
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlx.trainer.learn.tiny import build_tiny_model
+    from rlx.trainer.model.tiny import build_tiny_model
     from rlx.trainer.rollout.hf import HFEngine
     from rlx.trainer.tasks.data import PromptSampler, load_prompt_dataset
 

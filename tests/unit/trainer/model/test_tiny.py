@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlx.trainer.learn.tiny import SPECIAL_TOKENS, VOCAB_SIZE, build_tiny_model, token_id
+from rlx.trainer.model.tiny import SPECIAL_TOKENS, VOCAB_SIZE, build_tiny_model, token_id
 
 
 def _digests(folder: Path) -> dict[str, str]:

@@ -9,10 +9,11 @@ weight push is seen at the next generation, and the cache the engine's prefill f
 fewer calls: the rotary table made once per generation, q/k/v as one projection (their
 weights concatenated per generation), q and k rotated together, the norms fused in float32.
 
-Which models: decoder layers of the classes in DECODER_LAYERS (Llama, Mistral, Qwen2,
-Qwen3), every layer full attention, a rotary embedding that does not depend on the sequence
-seen (not dynamic NTK or LongRoPE), SDPA, eager or segment attention, and plain tensors (a
-model sharded by FSDP gathers its weights in module hooks: it runs transformers' forward).
+Which models (ModelTraits.decode_obstacle, traits.py): decoder layers of the classes in
+DECODER_LAYERS (Llama, Mistral, Qwen2, Qwen3), every layer full attention, a rotary
+embedding that does not depend on the sequence seen (not dynamic NTK or LongRoPE), SDPA,
+eager or segment attention, and plain tensors (a model sharded by FSDP gathers its weights
+in module hooks: it runs transformers' forward).
 Projections that are not plain linear layers (LoRA adapters of peft) are called as modules, so
 they keep their own forward. `LeanDecoder.check` compares the step with transformers'
 forward on a few tokens before an engine uses it.
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rlx.trainer.cpu_linear import (
+from rlx.trainer.model.cpu_linear import (
     choice,
     is_linear,
     onednn_linear,
@@ -38,24 +39,8 @@ from rlx.trainer.cpu_linear import (
     reorder_weight,
     runs_onednn,
 )
-from rlx.trainer.learn.attention import SEGMENT_ATTENTION, attends_in_full, transformers_model
+from rlx.trainer.model.traits import ModelTraits, traits, transformers_model
 
-# The decoder layers whose forward this module repeats (their attention, MLP and norms, as
-# transformers 5 writes them): input norm, attention (q/k/v projections, optional per-head
-# q/k norms, rotary, cache, scaled dot-product attention, output projection), a residual
-# add, post-attention norm, gated MLP, a residual add.
-DECODER_LAYERS = (
-    "LlamaDecoderLayer",
-    "MistralDecoderLayer",
-    "Qwen2DecoderLayer",
-    "Qwen3DecoderLayer",
-)
-# Rotary embeddings whose frequencies change with the longest sequence seen: a table made
-# once would not follow them.
-SEQUENCE_DEPENDENT_ROPE = ("dynamic", "longrope")
-# Attention implementations whose decode step is the scaled dot-product attention this step
-# runs (segment attention is SDPA outside packed passes: rlx.trainer.learn.attention).
-ATTENTION = ("sdpa", "eager", SEGMENT_ATTENTION)
 # How far the step's logits may stray from transformers' forward, relative to the largest
 # logit (at least 1), by the dtype the check runs in: rounding of the same ops in a
 # different order, far below a wrong mask's or a wrong position's.
@@ -239,37 +224,9 @@ class Generation:
     head: Product
 
 
-def unsupported(model: nn.Module) -> str | None:
-    """Why LeanDecoder cannot run `model`'s decode step, or None when it can."""
-    lm = transformers_model(model)
-    body = getattr(lm, "model", None)
-    config = getattr(lm, "config", None)
-    if config is None or body is None or not hasattr(lm, "lm_head"):
-        return f"{type(lm).__name__} is not a transformers causal LM with a decoder body"
-    layers = getattr(body, "layers", None)
-    if not layers:
-        return f"{type(lm).__name__} has no decoder layers"
-    kinds = {type(layer).__name__ for layer in layers}
-    if not kinds <= set(DECODER_LAYERS):
-        return f"{sorted(kinds - set(DECODER_LAYERS))[0]} is not a decoder layer it knows"
-    if not attends_in_full(config):  # Mistral's default window of 4096 included
-        return f"{type(lm).__name__} has layers that are not full attention"
-    rotary = getattr(body, "rotary_emb", None)
-    rope = getattr(rotary, "rope_type", None)
-    if rotary is None or rope is None or any(kind in rope for kind in SEQUENCE_DEPENDENT_ROPE):
-        return f"its rotary embedding ({rope}) changes with the sequence"
-    attention = getattr(config, "_attn_implementation", None) or "eager"
-    if attention not in ATTENTION:
-        return f"it runs {attention} attention"
-    if getattr(config, "pretraining_tp", 1) != 1:
-        return "it splits its projections (pretraining_tp)"
-    if any(type(p).__name__ == "DTensor" for p in lm.parameters()):
-        return "its weights are sharded (FSDP gathers them in its forward hooks)"
-    return None
-
-
 class LeanDecoder:
-    """Decode steps of a supported model (see `unsupported`); build with `for_model`."""
+    """Decode steps of a supported model (ModelTraits.decode_obstacle); build with
+    `for_model`."""
 
     def __init__(self, model: nn.Module):
         lm = transformers_model(model)
@@ -305,9 +262,12 @@ class LeanDecoder:
         self.pack = size <= PACK_LIMIT
 
     @classmethod
-    def for_model(cls, model: nn.Module) -> tuple[LeanDecoder | None, str | None]:
-        """(a decoder, None), or (None, why not) when the model is not one it runs."""
-        reason = unsupported(model)
+    def for_model(
+        cls, model: nn.Module, facts: ModelTraits | None = None
+    ) -> tuple[LeanDecoder | None, str | None]:
+        """(a decoder, None), or (None, why not) when the model is not one it runs. facts:
+        the model's traits where the caller holds them."""
+        reason = (facts or traits(model)).decode_obstacle
         return (None, reason) if reason else (cls(model), None)
 
     def prepare(self, positions: int, rows: int) -> Generation:

@@ -1,4 +1,4 @@
-"""CPU linears through oneDNN (rlx.trainer.cpu_linear): the same products and gradients as
+"""CPU linears through oneDNN (rlx.trainer.model.cpu_linear): the same products and gradients as
 nn.Linear's within float32 rounding, models that keep their parameters and checkpoints, and
 BLAS wherever it is asked for; the choice between them follows the CPU's features, never a
 timing, so load cannot change it. The product tests fix the choice (RLX_CPU_LINEAR), so the
@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from rlx.trainer import cpu_linear
-from rlx.trainer.cpu_linear import OneDNNLinear, linear, use_onednn
+from rlx.trainer.model import cpu_linear
+from rlx.trainer.model.cpu_linear import OneDNNLinear, linear, use_onednn
 
 # float32 products summed in another order: a few units of float32's resolution relative
 # to the largest entry (measured 2e-7 to 8e-7 here); a wrong transpose or a missing term

@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rlx.trainer.model.traits import SEGMENT_ATTENTION, traits, transformers_model
 from rlx.trainer.packing import Layout, Segment
 
-SEGMENT_ATTENTION = "rlx_segments"
 # The keyword a packed forward hands its layout (PackedRows.layout) through transformers'
 # model call to every attention layer.
 LAYOUT_KEYWORD = "segment_layout"
@@ -45,42 +45,15 @@ def register() -> None:
     AttentionMaskInterface.register(SEGMENT_ATTENTION, sdpa_mask)
 
 
-def transformers_model(model: nn.Module) -> nn.Module:
-    """The transformers model of a causal LM, a peft wrapper of one, or a ValueModel."""
-    inner = getattr(model, "body", model)
-    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
-
-
-def can_attend_by_segments(model: nn.Module) -> bool:
-    """Whether use_segment_attention would switch `model`: it runs SDPA (or already segment
-    attention) and every layer attends in full (a sliding window would need its own
-    pieces)."""
-    config = getattr(transformers_model(model), "config", None)
-    implementation = getattr(config, "_attn_implementation", None)
-    return implementation in ("sdpa", SEGMENT_ATTENTION) and attends_in_full(config)
-
-
 def use_segment_attention(model: nn.Module) -> None:
-    """Switch `model` (see can_attend_by_segments) from SDPA to segment attention."""
-    if not can_attend_by_segments(model):
+    """Switch `model` (see ModelTraits.can_attend_by_segments) from SDPA to segment
+    attention."""
+    if not traits(model).can_attend_by_segments:
         raise ValueError(f"{type(model).__name__} cannot attend by segments")
     register()
     # On the config, which every attention layer reads at each call: the model's own
     # set_attn_implementation judges by its class's source, which FSDP2's wrapper hides.
     transformers_model(model).config._attn_implementation = SEGMENT_ATTENTION
-
-
-def attends_in_full(config: Any) -> bool:
-    """Every layer attends to the whole sequence before it (no sliding window): what a
-    prompt-and-own-response layout or mask describes."""
-    kinds = set(getattr(config, "layer_types", None) or ("full_attention",))
-    return kinds == {"full_attention"} and getattr(config, "sliding_window", None) is None
-
-
-def attends_by_segments(model: nn.Module) -> bool:
-    """Whether `model` (as for use_segment_attention) takes a layout in packed forwards."""
-    config = getattr(transformers_model(model), "config", None)
-    return getattr(config, "_attn_implementation", None) == SEGMENT_ATTENTION
 
 
 def layout_inputs(layout: Layout, device: torch.device) -> dict[str, Any]:

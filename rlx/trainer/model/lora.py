@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from rlx.trainer.learn.dtensors import local_rows
+from rlx.trainer.model.dtensors import local_rows
 
 if TYPE_CHECKING:
     from rlx.recipe.model import LoraSettings

@@ -1,4 +1,4 @@
-"""The HF engine's own decode step (rlx.trainer.rollout.decode): its logits equal
+"""The HF engine's own decode step (rlx.trainer.model.decode): its logits equal
 transformers' forward for every architecture it takes (grouped-query attention, per-head
 norms, LoRA adapters, a model named by hub id), it samples what the forward samples, the
 start-up check catches a step that is wrong, and models it cannot run go through the
@@ -13,15 +13,14 @@ import torch
 from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config, Qwen3Config
 
 from rlx.recipe.model import LoraSettings
-from rlx.trainer import cpu_linear
-from rlx.trainer.learn import lora
-from rlx.trainer.learn.attention import use_segment_attention
-from rlx.trainer.learn.tiny import build_tiny_model
+from rlx.trainer.model import cpu_linear, decode, lora
+from rlx.trainer.model.attention import use_segment_attention
+from rlx.trainer.model.decode import LeanDecoder
+from rlx.trainer.model.tiny import build_tiny_model
+from rlx.trainer.model.traits import traits
 from rlx.trainer.resolve import resolve_model_path
-from rlx.trainer.rollout import decode
 from rlx.trainer.rollout.base import SamplingArgs
 from rlx.trainer.rollout.colocated import make_colocated_engine
-from rlx.trainer.rollout.decode import LeanDecoder, unsupported
 from rlx.trainer.rollout.hf import HFEngine
 from tests.support.hub import HubCache
 
@@ -186,7 +185,7 @@ def sliding_model() -> AutoModelForCausalLM:
 
 def test_models_it_cannot_run_say_why() -> None:
     model = sliding_model()
-    assert "not full attention" in (unsupported(model) or "")
+    assert "not full attention" in (traits(model).decode_obstacle or "")
     dynamic = Qwen2Config(
         vocab_size=260,
         hidden_size=64,
@@ -197,9 +196,9 @@ def test_models_it_cannot_run_say_why() -> None:
         rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
     )
     assert "changes with the sequence" in (
-        unsupported(AutoModelForCausalLM.from_config(dynamic)) or ""
+        traits(AutoModelForCausalLM.from_config(dynamic)).decode_obstacle or ""
     )
-    assert "not a transformers causal LM" in (unsupported(torch.nn.Linear(2, 2)) or "")
+    assert "not a transformers causal LM" in (traits(torch.nn.Linear(2, 2)).decode_obstacle or "")
     windowed = MistralConfig(  # a window over every layer, as Mistral's default of 4096
         vocab_size=260,
         hidden_size=64,
@@ -209,7 +208,9 @@ def test_models_it_cannot_run_say_why() -> None:
         num_key_value_heads=1,
         sliding_window=16,
     )
-    assert "not full attention" in (unsupported(AutoModelForCausalLM.from_config(windowed)) or "")
+    assert "not full attention" in (
+        traits(AutoModelForCausalLM.from_config(windowed)).decode_obstacle or ""
+    )
     engine = HFEngine(model)
     assert engine.decoder is None and "not full attention" in (engine.decode_note or "")
 

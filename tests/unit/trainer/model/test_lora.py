@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from rlx.errors import RlxError
+from rlx.trainer.batch import REF_LOGP, RETURNS
 from rlx.trainer.checkpoint.training import load_learner_state, save_learner_state
-from rlx.trainer.learn import lora
-from rlx.trainer.learn.learner import REF_LOGP, RETURNS, Learner
+from rlx.trainer.learn.learner import Learner
+from rlx.trainer.model import lora
 from tests.support.recipes import small_trainer
 
 pytestmark = pytest.mark.timeout(300)
@@ -129,7 +130,7 @@ def test_a_checkpoint_holds_the_adapters_and_puts_a_learner_back(
 
 
 def test_the_base_fingerprint_sees_other_weights_of_the_same_shapes(tmp_path) -> None:
-    from rlx.trainer.learn.tiny import build_tiny_model
+    from rlx.trainer.model.tiny import build_tiny_model
 
     one = build_tiny_model(tmp_path / "one", seed=0)
     same = build_tiny_model(tmp_path / "same", seed=0)

@@ -33,10 +33,10 @@ oneDNN keeps what it builds for each product shape (rows, in, out) in two caches
 (LRU_CACHE_CAPACITY) and its own (ONEDNN_PRIMITIVE_CACHE_CAPACITY), 1024 entries each by
 default. A learner's passes differ in rows from step to step, so over a run they filled
 with shapes that never came back: bench/trainer.py's tiny model, its learner and HF engine
-in one process, grew from 0.51 to 1.84 GiB over 100 steps (and was still growing). rlx's
-package sets both to 64 (rlx/__init__.py: torch reads the first as it loads) unless they
-are set: the same 100 steps then held 0.81-0.94 GiB, as with BLAS (0.82-0.86), at the same
-speed.
+in one process, grew from 0.51 to 1.84 GiB over 100 steps (and was still growing). A
+trainer's Ray workers set both to 64 (rlx/trainer/actors/__init__.py, before torch loads:
+it reads the first as it does) unless they are set: the same 100 steps then held 0.81-0.94
+GiB, as with BLAS (0.82-0.86), at the same speed.
 """
 
 from __future__ import annotations
