@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+import shlex
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -126,43 +127,49 @@ def _data_problems(
         path = Path(spec).expanduser()
         found = path if path.is_absolute() else base_dir / path
         if not found.exists() and not path.suffix and _HUB_ID.fullmatch(spec):
+            command = (
+                f"hf download {shlex.quote(spec)} --repo-type dataset "
+                f"--local-dir {shlex.quote(f'data/{path.name}')}"
+            )
             yield Problem(
                 where,
                 ERROR,
                 f"{spec!r} looks like a hub dataset id, and rlx reads a local file here; "
-                f"download it first (e.g. `hf download {spec} --repo-type dataset "
-                f"--local-dir data/{path.name}`) and name {readable} in it",
+                f"download it first (e.g. `{command}`) and name {readable} in it",
             )
             continue
+        if found.is_dir():  # before the suffix: a folder has none, and that is not the news
+            yield Problem(where, ERROR, f"{spec} is a folder; name {readable} in it")
+            continue
         if data.format == "auto" and path.suffix.lower() not in suffixes:
+            suffix = f"the suffix {path.suffix!r} is neither" if path.suffix else "it has no suffix"
             yield Problem(
                 where,
                 ERROR,
-                f"{spec}: rlx reads jsonl and parquet files, and the suffix "
-                f"{path.suffix or '(none)'!r} is neither; convert it to {readable} (jsonl: "
-                "one JSON object per line), or write data.format: jsonl or parquet if it is one",
+                f"{spec}: rlx reads jsonl and parquet files, and {suffix}; convert it to "
+                f"{readable} (jsonl: one JSON object per line), or write data.format: jsonl or "
+                "parquet if it is one",
             )
             continue
         if not found.is_file():
-            if found.is_dir():
+            if path.is_absolute() or local_missing:
                 yield Problem(
                     where,
                     ERROR,
-                    f"{spec} is a folder; name {readable} in it",
-                )
-            elif path.is_absolute() or local_missing:
-                yield Problem(
-                    where,
-                    ERROR,
-                    f"{spec} does not exist"
-                    + ("" if path.is_absolute() else f" in {base_dir}")
-                    + f" (relative paths start in the folder the job runs in); give {readable}, "
+                    f"{spec} does not exist{_looked_in(path, base_dir)}; give {readable}, "
                     "or synthetic:letters_or_digits",
                 )
             continue
         problem = _columns_problem(found, spec, data.prompt_key, data.answer_key, data.format)
         if problem is not None:
             yield Problem(where, ERROR, problem)
+
+
+def _looked_in(path: Path, base_dir: Path) -> str:
+    """Where a missing relative path was looked for (nothing to add for an absolute one)."""
+    if path.is_absolute():
+        return ""
+    return f" in {base_dir} (relative paths start in the folder the job runs in)"
 
 
 def _first_row(path: Path, data_format: str) -> Mapping[str, Any] | None:
@@ -276,9 +283,8 @@ def _reward_problems(spec: str, base_dir: Path, settings: TrainerSettings) -> It
         yield Problem(
             field,
             ERROR,
-            f"reward {spec!r}: file {target!r} does not exist in {base_dir} (relative paths "
-            "start in the folder the job runs in); fix the path, or write "
-            "'package.module:function' for an installed module",
+            f"reward {spec!r}: file {target!r} does not exist{_looked_in(path, base_dir)}; "
+            "fix the path, or write 'package.module:function' for an installed module",
         )
         return
     problem = _function_problem(found, spec, target, name)

@@ -251,9 +251,8 @@ def test_a_data_file_gone_after_lint_is_lints_line(write_recipe, tmp_path):
         run_training(recipe, {"RLX_RUN_ID": "no-data"})
     line = str(refusal.value)
     assert (
-        line == f"trainer.data.train: {rows} does not exist (relative paths start in the "
-        "folder the job runs in); give a .jsonl, .ndjson or .parquet file, or "
-        "synthetic:letters_or_digits"
+        line == f"trainer.data.train: {rows} does not exist; give a .jsonl, .ndjson or "
+        ".parquet file, or synthetic:letters_or_digits"
     )
     assert any(s.endswith(f"error: {line}") for s in said), said
 
