@@ -1,0 +1,57 @@
+"""How lint's lines read: the most specific fact about a field first (a generic rule that is
+only a consequence stays quiet), near names suggested, commands quoted so they paste."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlx.lint import lint_file
+
+TRAINER = """\
+trainer:
+  model: {path: Qwen/Qwen2.5-0.5B}
+  data: {train: data.jsonl}
+"""
+
+
+def _lines(write_recipe, text: str, field: str) -> list[str]:
+    """Lint's findings for one field, each as `severity: message`."""
+    return [f"{f.severity}: {f.message}" for f in lint_file(write_recipe(text)) if f.field == field]
+
+
+@pytest.mark.parametrize(
+    "resources",
+    [
+        "resources: {nodes: 2}\n",
+        "resources: {nodes: 1}\nsky: {recovery: {max_restarts_on_errors: 3}}\n",
+    ],
+    ids=["two-nodes", "restarts"],
+)
+def test_a_mistyped_checkpoint_url_is_said_alone(resources, write_recipe):
+    # s3:/bucket is no folder on a node's disk: it is a URL with a slash missing.
+    text = "name: job\n" + resources + TRAINER + '  checkpoint: {dir: "s3:/bucket/x"}\n'
+    assert _lines(write_recipe, text, "trainer.checkpoint.dir") == [
+        "error: s3:/bucket/x looks like a s3:// URL with a slash missing; write "
+        "s3://bucket/prefix (rlx never makes a folder named 's3:')"
+    ]
+
+
+def test_a_local_checkpoint_dir_on_two_nodes_is_still_refused(write_recipe):
+    text = "name: job\nresources: {nodes: 2}\n" + TRAINER + "  checkpoint: {dir: /ckpt}\n"
+    assert _lines(write_recipe, text, "trainer.checkpoint.dir") == [
+        "error: /ckpt is on node-local disk but 2 nodes write shards there; put it in a bucket "
+        "(s3://BUCKET/checkpoints, gs://, az://) or on a filesystem every node shares (Slurm, "
+        "SkyPilot on Kubernetes)"
+    ]
+
+
+def test_a_mistyped_resume_url_is_said_alone(write_recipe):
+    text = (
+        "name: job\nresources: {nodes: 2}\n"
+        + TRAINER
+        + '  checkpoint: {dir: "s3://bucket/x", resume: "gs:/bucket/x/step-000010"}\n'
+    )
+    assert _lines(write_recipe, text, "trainer.checkpoint.resume") == [
+        "error: gs:/bucket/x/step-000010 looks like a gs:// URL with a slash missing; write "
+        "gs://bucket/prefix (rlx never makes a folder named 'gs:')"
+    ]
