@@ -274,11 +274,11 @@ def _unknown_key(key: str, model: type[BaseModel] | None) -> str:
     if model is None:
         return f"unknown field {key!r}"
     fields = sorted(model.model_fields)
+    if key in FAMILIAR_KEYS:  # known, where a near name may mislead (gpus is not cpus)
+        return f"unknown field {key!r}; in a recipe this is '{FAMILIAR_KEYS[key]}'"
     hint = _closest(key, fields)
     if hint:
         return f"unknown field {key!r}; did you mean {hint!r}?"
-    if key in FAMILIAR_KEYS:
-        return f"unknown field {key!r}; in a recipe this is '{FAMILIAR_KEYS[key]}'"
     return f"unknown field {key!r}; valid fields here: {', '.join(fields)}"
 
 

@@ -55,3 +55,31 @@ def test_a_mistyped_resume_url_is_said_alone(write_recipe):
         "error: gs:/bucket/x/step-000010 looks like a gs:// URL with a slash missing; write "
         "gs://bucket/prefix (rlx never makes a folder named 'gs:')"
     ]
+
+
+@pytest.mark.parametrize(
+    "text,field,message",
+    [
+        # A key from SkyPilot or dstack: where it lives, not the nearest name (cpus).
+        (
+            "resources:\n  gpus: 8\n",
+            "resources.gpus",
+            "unknown field 'gpus'; in a recipe this is 'resources.accelerators'",
+        ),
+        (
+            "resources:\n  use_spot: true\n",
+            "resources.use_spot",
+            "unknown field 'use_spot'; in a recipe this is 'resources.spot'",
+        ),
+        ("envs: {A: b}\n", "envs", "unknown field 'envs'; in a recipe this is 'env'"),
+        # A typo: the nearest name.
+        (
+            "resources:\n  acclerators: H100:8\n",
+            "resources.acclerators",
+            "unknown field 'acclerators'; did you mean 'accelerators'?",
+        ),
+    ],
+    ids=["gpus", "use_spot", "envs", "typo"],
+)
+def test_an_unknown_key_says_where_it_belongs(text, field, message, write_recipe):
+    assert _lines(write_recipe, "name: job\n" + text + TRAINER, field) == [f"error: {message}"]
