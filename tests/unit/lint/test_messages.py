@@ -83,3 +83,20 @@ def test_a_mistyped_resume_url_is_said_alone(write_recipe):
 )
 def test_an_unknown_key_says_where_it_belongs(text, field, message, write_recipe):
     assert _lines(write_recipe, "name: job\n" + text + TRAINER, field) == [f"error: {message}"]
+
+
+def test_a_mistyped_model_url_is_not_sent_to_the_hub(write_recipe):
+    # Not "memory not checked ... hf download s3:/bucket/model": the URL is the news.
+    text = "name: job\ntrainer:\n  model: {path: 's3:/bucket/model'}\n  data: {train: x.jsonl}\n"
+    assert _lines(write_recipe, text, "trainer.model.path") == [
+        "error: s3:/bucket/model looks like a s3:// URL with a slash missing; write "
+        "s3://bucket/prefix (rlx never makes a folder named 's3:')"
+    ]
+
+
+def test_an_unknown_critic_is_said_at_the_critic(write_recipe):
+    text = TRAINER + "  algorithm: ppo\n  critic_model: {path: acme/critic}\n"
+    path = write_recipe("name: job\n" + text)
+    said = {f.field: f.message for f in lint_file(path) if f.severity == "warning"}
+    assert list(said) == ["trainer.critic_model.path"]
+    assert said["trainer.critic_model.path"].startswith("memory not checked: acme/critic: ")
