@@ -105,7 +105,8 @@ def lint_loaded(lr: LoadedRecipe) -> list[Finding]:
         for check in all_checks()
         for problem in check(lr.recipe)
     ]
-    return sorted(findings, key=lambda f: (f.line, f.field, f.message))
+    # Per field, errors (what blocks the launch) before warnings (what may follow from them).
+    return sorted(findings, key=lambda f: (f.line, f.field, f.severity != ERROR, f.message))
 
 
 def lint_file(path: str | Path) -> list[Finding]:

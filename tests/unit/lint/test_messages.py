@@ -100,3 +100,12 @@ def test_an_unknown_critic_is_said_at_the_critic(write_recipe):
     said = {f.field: f.message for f in lint_file(path) if f.severity == "warning"}
     assert list(said) == ["trainer.critic_model.path"]
     assert said["trainer.critic_model.path"].startswith("memory not checked: acme/critic: ")
+
+
+def test_a_fields_errors_come_before_its_warnings(write_recipe):
+    # Alphabetically the warning ("... is read") sorts before the error ("...: rlx reads").
+    text = "name: job\nresources: {nodes: 2}\n" + TRAINER.replace("data.jsonl", "/data/x.csv")
+    assert [line.split(": ")[0] for line in _lines(write_recipe, text, "trainer.data.train")] == [
+        "error",
+        "warning",
+    ]
