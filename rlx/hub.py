@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -162,12 +163,12 @@ def _download(repo_id: str, revision: str | None, field: str, env: Mapping[str, 
         if offline(env):
             problem = (
                 f"is not in {where} and HF_HUB_OFFLINE=1 forbids fetching it; fetch it first "
-                f"(hf download {repo_id}) or unset HF_HUB_OFFLINE"
+                f"(hf download {shlex.quote(repo_id)}) or unset HF_HUB_OFFLINE"
             )
         else:
             problem = (
                 f"is not in {where} and the hub could not be reached; check the network, or "
-                f"fetch it where there is one (hf download {repo_id})"
+                f"fetch it where there is one (hf download {shlex.quote(repo_id)})"
             )
     except hub_errors.GatedRepoError:
         problem = (

@@ -5,7 +5,8 @@ the kind of thing it checks: trainer.py (the trainer section), lora.py (trainer.
 and critic_model.lora), environment.py (trainer.environment), memory.py (the memory plan of
 every accelerator alternative), alternatives.py (the layout with each alternative's GPUs
 and `auto` sizes), cluster.py (the Ray cluster), fabric.py (the network joining the
-nodes), groups.py (resources.groups), secrets.py, storage.py; each backend's own checks
+nodes), groups.py (resources.groups), secrets.py, sources.py (prompt files, the reward
+function, the context window), storage.py; each backend's own checks
 live in its package (rlx/launchers/<name>/checks.py, named in its BackendSpec). all_checks()
 lists them all; lint_loaded runs them on a loaded file and points every problem at its line.
 """
@@ -26,6 +27,7 @@ from rlx.lint import (
     lora,
     memory,
     secrets,
+    sources,
     storage,
     trainer,
 )
@@ -62,6 +64,7 @@ STARTUP_CHECKS: tuple[Check, ...] = (
     trainer.check_layout,
     trainer.check_colocated_tensor_parallel,
     trainer.check_trainer_specs,
+    trainer.check_packing_budget,
     lora.check_lora_target_modules,
     lora.check_lora_rank_servable,
     groups.check_groups_layout,
@@ -83,6 +86,7 @@ def all_checks() -> list[Check]:
         *fabric.CHECKS,
         *groups.CHECKS,
         *secrets.CHECKS,
+        *sources.CHECKS,
         *storage.CHECKS,
         *backend_checks(),
     ]
@@ -103,7 +107,8 @@ def lint_loaded(lr: LoadedRecipe) -> list[Finding]:
         for check in all_checks()
         for problem in check(lr.recipe)
     ]
-    return sorted(findings, key=lambda f: (f.line, f.field, f.message))
+    # Per field, errors (what blocks the launch) before warnings (what may follow from them).
+    return sorted(findings, key=lambda f: (f.line, f.field, f.severity != ERROR, f.message))
 
 
 def lint_file(path: str | Path) -> list[Finding]:

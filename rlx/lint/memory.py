@@ -33,9 +33,9 @@ def check_memory_plan(recipe: Recipe) -> Iterator[Problem]:
     try:
         alternatives = plan_alternatives(recipe)
     except PlanError as exc:
-        yield Problem(
-            ("trainer", "model", "path"), WARNING, f"memory not checked: {str(exc).rstrip('.')}"
-        )
+        field = _unplanned_model(recipe)
+        if field is not None:
+            yield Problem(field, WARNING, f"memory not checked: {str(exc).rstrip('.')}")
         return
     except RlxError:  # an impossible layout: check_layout says so
         return
@@ -67,6 +67,28 @@ def check_memory_plan(recipe: Recipe) -> Iterator[Problem]:
         for warning in plan.warnings:
             field = ("resources", "memory") if warning.startswith("host") else where
             yield Problem(field, WARNING, f"{label}tight: {warning}")
+
+
+def _unplanned_model(recipe: Recipe) -> Path_ | None:
+    """The model field whose shape the plan lacks: the critic's when the policy's is known.
+    None when a model's path is a URL with a slash missing: check_store_urls says that, and
+    advice to fetch its config would send people the wrong way."""
+    from rlx.plan import PlanError, find_shape
+    from rlx.storage import url_problem
+
+    trainer = recipe.trainer
+    assert trainer is not None
+    models = [("model", trainer.model.path)]
+    if trainer.algorithm == "ppo" and trainer.critic_model is not None:
+        models.append(("critic_model", trainer.critic_model.path))
+    if any(url_problem(path) is not None for _, path in models):
+        return None
+    for field, path in models[:-1]:
+        try:
+            find_shape(path)
+        except PlanError:
+            return ("trainer", field, "path")
+    return ("trainer", models[-1][0], "path")
 
 
 def _remedy(recipe: Recipe, label: str, others_fit: bool) -> str:

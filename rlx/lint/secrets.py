@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from typing import Any
 
 from rlx.launchers import specs
 from rlx.lint.core import ERROR, Check, Problem
@@ -20,6 +21,32 @@ SECRET_LIKE_VALUE = re.compile(
     r"^(hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|gh[pousr]_[A-Za-z0-9]{20,}"
     r"|AKIA[0-9A-Z]{16}|xox[abp]-[A-Za-z0-9-]{10,})"
 )
+
+# The shapes of keys people paste, anywhere in a value: Hugging Face, OpenAI, GitHub (classic
+# and fine-grained), AWS access key ids, Slack, and PEM private key blocks (a GCP service
+# account's JSON holds one).
+KEY_SHAPES = re.compile(
+    r"(?<![A-Za-z0-9])(hf_[A-Za-z0-9]{30,}|sk-[A-Za-z0-9_-]{20,}|gh[pousr]_[A-Za-z0-9]{30,}"
+    r"|github_pat_[A-Za-z0-9_]{40,}|(AKIA|ASIA)[0-9A-Z]{16}|xox[abposr]-[A-Za-z0-9-]{10,})"
+    r"|-----BEGIN [A-Z ]*PRIVATE KEY-----"
+)
+# A value that is one long random-looking word: 32+ letters, digits and + / _ = - with at
+# least 3.5 bits of entropy per character (a 40-hex W&B key has about 3.7; words, paths and
+# version pins far less, and they hold dots, slashes or few distinct characters).
+_TOKEN_LIKE = re.compile(r"[A-Za-z0-9+/=_-]{32,}")
+ENTROPY_BITS = 3.5
+
+
+def high_entropy(value: str) -> bool:
+    """Whether the value looks like a generated key: one long token of random characters."""
+    import math
+    from collections import Counter
+
+    if not _TOKEN_LIKE.fullmatch(value) or "/" in value.strip("/=+"):
+        return False
+    counts = Counter(value)
+    bits = -sum(n / len(value) * math.log2(n / len(value)) for n in counts.values())
+    return bits >= ENTROPY_BITS and any(c.isdigit() for c in value)
 
 
 def _reserved_prefixes() -> tuple[str, ...]:
@@ -52,7 +79,7 @@ def check_secrets_in_env(recipe: Recipe) -> Iterator[Problem]:
                 f"{name} is listed under secrets; remove its value "
                 "from env (secret values are read from your environment at launch)",
             )
-        elif SECRET_LIKE_VALUE.match(value):
+        elif SECRET_LIKE_VALUE.match(value) or KEY_SHAPES.search(value) or high_entropy(value):
             yield Problem(
                 where,
                 ERROR,
@@ -75,6 +102,33 @@ def check_secrets_in_env(recipe: Recipe) -> Iterator[Problem]:
             )
 
 
+def _strings(node: Any, path: tuple[str | int, ...]) -> Iterator[tuple[tuple, str]]:
+    if isinstance(node, str):
+        yield path, node
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            yield from _strings(value, (*path, key))
+    elif isinstance(node, list | tuple):
+        for i, value in enumerate(node):
+            yield from _strings(value, (*path, i))
+
+
+def check_inline_keys(recipe: Recipe) -> Iterator[Problem]:
+    """A key pasted anywhere else in the recipe (setup, a command, a URL, a path): it would
+    travel in the rendered files and the job's logs. env and secrets are check_secrets_in_env's."""
+    written = recipe.model_dump(exclude_unset=True, exclude={"env", "secrets"})
+    for where, value in _strings(written, ()):
+        if KEY_SHAPES.search(value):
+            # Never echo it: it is most likely a real credential.
+            yield Problem(
+                where,
+                ERROR,
+                "this value holds what looks like a credential; remove it, list a name "
+                "under secrets (e.g. HF_TOKEN), export it before launch and refer to it "
+                "by that name ($HF_TOKEN in setup: or command:)",
+            )
+
+
 def check_reserved_env(recipe: Recipe) -> Iterator[Problem]:
     for name in [*recipe.env, *recipe.secrets]:
         section = "env" if name in recipe.env else "secrets"
@@ -89,5 +143,6 @@ def check_reserved_env(recipe: Recipe) -> Iterator[Problem]:
 
 CHECKS: list[Check] = [
     check_secrets_in_env,
+    check_inline_keys,
     check_reserved_env,
 ]

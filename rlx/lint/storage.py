@@ -60,6 +60,8 @@ def check_checkpoint_storage(recipe: Recipe) -> Iterator[Problem]:
                 "resume: auto needs checkpoint.dir to look in; set it",
             )
         return
+    if url_problem(ckpt.dir) is not None:
+        return  # a mistyped URL (check_store_urls), not a folder on a node's disk
     if is_store_url(ckpt.dir) or _under(ckpt.dir, _shared_roots(recipe, writable=True)):
         return
     reasons = []
@@ -82,8 +84,8 @@ def check_resume_path(recipe: Recipe) -> Iterator[Problem]:
     trainer = recipe.trainer
     if trainer is None or trainer.checkpoint.resume in ("auto", "never"):
         return
-    if is_store_url(trainer.checkpoint.resume):
-        return
+    if is_store_url(trainer.checkpoint.resume) or url_problem(trainer.checkpoint.resume):
+        return  # a store, or a mistyped URL that check_store_urls names
     readable = _shared_roots(recipe, writable=False)
     readers = recipe.resources.train_nodes.nodes
     if readers > 1 and not _under(trainer.checkpoint.resume, readable):

@@ -333,6 +333,27 @@ def check_trainer_specs(recipe: Recipe) -> Iterator[Problem]:
         )
 
 
+def check_packing_budget(recipe: Recipe) -> Iterator[Problem]:
+    """Packed passes hold at most max_tokens_per_micro_batch tokens: with packing on, one
+    sequence (a prompt and its longest response or episode) must fit in it, or every longer
+    one runs alone above the budget the plan sized the memory for."""
+    from rlx.plan.budget import sequence_tokens
+
+    trainer = recipe.trainer
+    if trainer is None or trainer.batch.packing is not True:
+        return
+    budget = trainer.batch.max_tokens_per_micro_batch
+    longest = sequence_tokens(trainer)
+    if budget is not None and budget < longest:
+        yield Problem(
+            ("trainer", "batch", "max_tokens_per_micro_batch"),
+            ERROR,
+            f"{budget} tokens per packed pass hold no whole sequence (data.max_prompt_length "
+            f"+ the response budget = {longest} tokens); write max_tokens_per_micro_batch: "
+            f"{longest} or more, or leave it unset (micro_batch_size sequences)",
+        )
+
+
 def check_checkpoint_cadence(recipe: Recipe) -> Iterator[Problem]:
     trainer = recipe.trainer
     if trainer and trainer.checkpoint.dir and trainer.checkpoint.every > trainer.steps:
@@ -386,6 +407,7 @@ CHECKS: list[Check] = [
     check_staleness_layout,
     check_colocated_tensor_parallel,
     check_trainer_specs,
+    check_packing_budget,
     check_checkpoint_cadence,
     check_unused_settings,
 ]

@@ -5,9 +5,11 @@ or a built-in table of common architectures so the plan works offline.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,6 +153,16 @@ _LLAMA3 = {
     "llama-3.2-1b": (2048, 16, 32, 8, 8192, 128256, True, 131072),
     "llama-3.2-3b": (3072, 28, 24, 8, 8192, 128256, True, 131072),
 }
+# The hub ids of the Llama rows (the 3.3 70B is published as an instruct model only).
+_LLAMA3_IDS = {
+    "llama-3-8b": "meta-llama/Meta-Llama-3-8B",
+    "llama-3.1-8b": "meta-llama/Llama-3.1-8B",
+    "llama-3-70b": "meta-llama/Meta-Llama-3-70B",
+    "llama-3.1-70b": "meta-llama/Llama-3.1-70B",
+    "llama-3.3-70b": "meta-llama/Llama-3.3-70B-Instruct",
+    "llama-3.2-1b": "meta-llama/Llama-3.2-1B",
+    "llama-3.2-3b": "meta-llama/Llama-3.2-3B",
+}
 
 # Qwen3's dense models, from each one's config.json on the Hugging Face hub (Qwen/Qwen3-0.6B
 # ... Qwen/Qwen3-32B): head_dim 128 throughout (not hidden / heads), vocab 151936,
@@ -188,6 +200,32 @@ def builtin_configs() -> dict[str, dict[str, Any]]:
         if model_type == "qwen3":
             table[name]["head_dim"] = _QWEN3_HEAD_DIM
     return table
+
+
+def builtin_ids() -> dict[str, str]:
+    """A hub id for each row of the built-in table, keyed like builtin_configs."""
+    ids = {f"qwen2.5-{size}": f"Qwen/Qwen2.5-{size.upper()}" for size in _QWEN25}
+    ids.update(_LLAMA3_IDS)
+    ids.update({f"qwen3-{size}": f"Qwen/Qwen3-{size.upper()}" for size in _QWEN3})
+    return ids
+
+
+def nearest_builtin(model: str) -> str | None:
+    """The hub id of the table's row whose name is nearly the model's (a typo such as
+    Qwen2.5-05B), or None. Never a row of another size, whose plan would be another's:
+    Llama-2-7b is no typo of Llama-3-70B."""
+    name = normalise_name(model)
+    size = _size(name)
+    ids = builtin_ids()
+    same_size = [key for key in ids if size is None or _size(key) == size]
+    close = difflib.get_close_matches(name, same_size, n=1, cutoff=0.85)
+    return ids[close[0]] if close else None
+
+
+def _size(name: str) -> str | None:
+    """The parameter count a name ends with, dots dropped ('qwen2.5-0.5b' -> '05b')."""
+    match = re.search(r"(\d+(?:\.\d+)?)b$", name)
+    return match[1].replace(".", "") + "b" if match else None
 
 
 def normalise_name(model: str) -> str:
@@ -245,8 +283,11 @@ def find_shape(model: str, env: Mapping[str, str] | None = None) -> ModelShape:
     builtin = builtin_configs().get(normalise_name(model))
     if builtin is not None:
         return ModelShape.from_config(builtin, f"built-in table ({normalise_name(model)})")
+    near = nearest_builtin(model)
     raise PlanError(
         f"{model}: no config.json found (not a local folder, not in the Hugging Face cache "
-        f"under {cache_root(env)}) and not in the built-in table; fetch it once "
-        f"(hf download {model} config.json) or point model.path at a folder"
+        f"under {cache_root(env)}) and not in the built-in table"
+        + (f" (did you mean {near!r}?)" if near else "")
+        + f"; fetch it once (hf download {shlex.quote(model)} config.json) or point "
+        "model.path at a folder"
     )

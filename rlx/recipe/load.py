@@ -100,14 +100,15 @@ def parse_recipe(text: str, file: str = "<recipe>") -> LoadedRecipe:
 
 
 def _findings(exc: ValidationError, data: Any, positions: Positions, file: str) -> list[Finding]:
-    seen: dict[Path_, Finding] = {}
+    # Several members of a union fail for one value (bool and 'auto'): one finding per place.
+    by_path: dict[Path_, list[Any]] = {}
     for error in exc.errors(include_url=False):
-        path = _real_path(error["loc"], data, error["type"])
-        if path in seen:  # several members of a union failed for the same value
-            continue
-        message = _message(error, path)
-        seen[path] = Finding(file, positions.line_of(path), "error", dotted(path), message)
-    return sorted(seen.values(), key=lambda f: (f.line, f.field))
+        by_path.setdefault(_real_path(error["loc"], data, error["type"]), []).append(error)
+    findings = [
+        Finding(file, positions.line_of(path), "error", dotted(path), _message(errors, path))
+        for path, errors in by_path.items()
+    ]
+    return sorted(findings, key=lambda f: (f.line, f.field))
 
 
 def _real_path(loc: tuple[Any, ...], data: Any, kind: str) -> Path_:
@@ -128,7 +129,25 @@ def _real_path(loc: tuple[Any, ...], data: Any, kind: str) -> Path_:
     return tuple(path)
 
 
-def _message(error: Any, path: Path_) -> str:
+# Pydantic's errors for a value of the right kind outside its bounds (0 where 1 or more is
+# wanted): they say more than "not allowed" would.
+_BOUND_ERRORS = {
+    "greater_than",
+    "greater_than_equal",
+    "less_than",
+    "less_than_equal",
+    "multiple_of",
+    "too_short",
+    "too_long",
+    "string_too_short",
+    "string_too_long",
+}
+
+
+def _message(errors: list[Any], path: Path_) -> str:
+    """One line for the errors pydantic gave at one place (one per union member)."""
+    error = next((e for e in errors if e["msg"].startswith("Value error, ")), None)
+    error = error or next((e for e in errors if e["type"] in _BOUND_ERRORS), errors[0])
     kind, msg, given = error["type"], error["msg"], error.get("input")
     if kind == "extra_forbidden":
         return _unknown_key(str(path[-1]), _model_at(path[:-1]))
@@ -136,7 +155,17 @@ def _message(error: Any, path: Path_) -> str:
         return f"required field is missing; add '{path[-1]}:' (see `rlx schema`)"
     if msg.startswith("Value error, "):
         return msg.removeprefix("Value error, ")
-    if kind in ("literal_error", "enum"):
+    choices = _choices(_annotation_at(path))
+    if choices is not None and kind in _BOUND_ERRORS:  # the number is wrong, not its kind
+        fixed = [c for c in choices if c.startswith("'")]
+        return f"{msg}, got {given!r}" + (f"; or write {_listed(fixed)}" if fixed else "")
+    if choices is not None:
+        words = [c.strip("'") for c in choices if not c.startswith(("a ", "an "))]
+        hint = _closest(str(given), words) if isinstance(given, str | bool) else None
+        return f"{_written(given)} is not allowed; write {_listed(choices)}" + (
+            f" (did you mean {hint!r}?)" if hint else ""
+        )
+    if kind in ("literal_error", "enum"):  # a place whose annotation is not found
         expected = error.get("ctx", {}).get("expected", "")
         hint = _closest(
             str(given), [s.strip(" '") for s in expected.replace(" or ", ",").split(",")]
@@ -149,15 +178,107 @@ def _message(error: Any, path: Path_) -> str:
     return f"{msg}, got {given!r}"
 
 
+def _listed(choices: list[str]) -> str:
+    """'a', 'b' or 'c' ("one of" them when all are values to copy)."""
+    text = choices[0] if len(choices) == 1 else f"{', '.join(choices[:-1])} or {choices[-1]}"
+    values = all(c.startswith("'") or c in ("true", "false") for c in choices)
+    return f"one of {text}" if values and len(choices) > 1 else text
+
+
+def _written(value: Any) -> str:
+    """A value as the recipe's YAML writes it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    return repr(value)
+
+
+def _choices(annotation: Any) -> list[str] | None:
+    """What an enum-like field takes, as a recipe writes it ('auto', true, a whole number
+    of 1 or more, ...); None for a field with no fixed values among them."""
+    members = [m for m in _members(annotation) if m is not type(None)]
+    if len(members) == 1 and typing.get_origin(members[0]) is list:
+        item = _choices(typing.get_args(members[0])[0])
+        return None if item is None else [f"a list of {_listed(item).removeprefix('one of ')}"]
+    if not any(typing.get_origin(m) is typing.Literal for m in members):
+        return None
+    out: list[str] = []
+    for member in members:
+        if typing.get_origin(member) is typing.Literal:
+            out.extend(_written(v) for v in typing.get_args(member))
+        else:
+            out.extend(_kind(member))
+    return out
+
+
+def _members(annotation: Any) -> list[Any]:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return [m for arg in typing.get_args(annotation) for m in _members(arg)]
+    return [annotation]
+
+
+def _kind(annotation: Any) -> list[str]:
+    """How a recipe writes a value of a non-literal union member."""
+    bounds: list[str] = []
+    if typing.get_origin(annotation) is typing.Annotated:
+        base, *extras = typing.get_args(annotation)
+        for extra in extras:
+            for rule in getattr(extra, "metadata", [extra]):
+                bounds.extend(_bound(rule))
+        annotation = base
+    named = {bool: ["true", "false"], int: ["a whole number"], float: ["a number"]}
+    if annotation in named:
+        words = named[annotation]
+        return [f"{words[0]} ({' and '.join(bounds)})"] if bounds else words
+    if typing.get_origin(annotation) is list:
+        return ["a list of names"]
+    if annotation is str:
+        return ["a string"]
+    return [f"a {getattr(annotation, '__name__', annotation)}"]
+
+
+def _bound(rule: Any) -> list[str]:
+    for attr, words in (
+        ("ge", "{} or more"),
+        ("gt", "above {}"),
+        ("le", "at most {}"),
+        ("lt", "below {}"),
+    ):
+        value = getattr(rule, attr, None)
+        if value is not None:
+            return [words.format(value)]
+    return []
+
+
+def _annotation_at(path: Path_) -> Any:
+    """The annotation of the field at `path` (of a list's item for an index); None when the
+    place is not a model's field."""
+    current: Any = Recipe
+    for part in path:
+        if isinstance(part, int):
+            current = _list_item(current)
+            continue
+        model = _as_model(current)
+        if model is None or part not in model.model_fields:
+            return None
+        current = model.model_fields[part].annotation
+    return current
+
+
 def _unknown_key(key: str, model: type[BaseModel] | None) -> str:
     if model is None:
         return f"unknown field {key!r}"
     fields = sorted(model.model_fields)
+    if key in FAMILIAR_KEYS:  # known, where a near name may mislead (gpus is not cpus)
+        return f"unknown field {key!r}; in a recipe this is '{FAMILIAR_KEYS[key]}'"
     hint = _closest(key, fields)
     if hint:
         return f"unknown field {key!r}; did you mean {hint!r}?"
-    if key in FAMILIAR_KEYS:
-        return f"unknown field {key!r}; in a recipe this is '{FAMILIAR_KEYS[key]}'"
     return f"unknown field {key!r}; valid fields here: {', '.join(fields)}"
 
 

@@ -117,7 +117,9 @@ def resolve_inputs(job: TrainJob, env: Mapping[str, str], paths: RunPaths) -> An
 
     settings = job.settings
     quiet_transformers()
+    check_sources_at_start(settings)
     reward_fn = resolve_reward_fn(settings)
+    check_reward_signature(settings, reward_fn)
     environment = None
     if settings.environment is not None:
         from rlx.trainer.episodes.env import resolve_environment
@@ -130,8 +132,7 @@ def resolve_inputs(job: TrainJob, env: Mapping[str, str], paths: RunPaths) -> An
         critic = settings.critic_model or settings.model
         critic_path = resolve_model_path(critic.path, cache, settings.seed, "critic_model")
     tokenizer = load_tokenizer(policy_path, settings.model.trust_remote_code)
-    if settings.environment is not None:
-        check_environment_at_start(settings, policy_path)
+    check_context_at_start(settings, policy_path)
     data_file = resolve_data_path(settings.data.train, paths.run_dir, settings.seed)
     data = load_recipe_prompts(data_file, tokenizer, settings.data)
     if len(data) < settings.batch.prompts_per_step:
@@ -159,20 +160,49 @@ def resolve_inputs(job: TrainJob, env: Mapping[str, str], paths: RunPaths) -> An
     return inputs, policy_path, critic_path
 
 
-def check_environment_at_start(settings: Any, policy_path: Any) -> None:
-    """Lint's rule for trainer.environment, against the model as loaded: the first problem
-    as one line."""
+def check_sources_at_start(settings: Any) -> None:
+    """Lint's rule for the prompt files and the reward file, in the folder the job runs in
+    (a file gone since lint, a relative one lint left to be made): the first problem as one
+    line."""
+    from pathlib import Path
+
+    from rlx.lint.sources import source_problems
+    from rlx.recipe.load import dotted
+
+    for problem in source_problems(settings, Path.cwd()):
+        raise RlxError(f"{dotted(problem.field)}: {problem.message}")
+
+
+def check_reward_signature(settings: Any, reward_fn: Any) -> None:
+    """The imported reward takes the call rlx makes (lint reads a file's; a module's is
+    known only once imported here)."""
+    from rlx.lint.sources import signature_problem
+
+    if settings.environment is not None:
+        return
+    problem = signature_problem(settings.reward.function, reward_fn)
+    if problem is not None:
+        raise RlxError(f"trainer.reward.function: {problem}")
+
+
+def check_context_at_start(settings: Any, policy_path: Any) -> None:
+    """Lint's rules for the context window (trainer.environment's episode, or a prompt and
+    its response), against the model as loaded: the first problem as one line."""
     import json
     from pathlib import Path
 
     from rlx.lint.environment import environment_problems
+    from rlx.lint.sources import context_problems
     from rlx.recipe.load import dotted
 
     config = Path(policy_path) / "config.json"
     positions = None
     if config.is_file():
         positions = json.loads(config.read_text()).get("max_position_embeddings")
-    for problem in environment_problems(settings, Path.cwd(), positions):
+    problems = environment_problems(settings, Path.cwd(), positions)
+    if positions is not None:
+        problems += context_problems(settings, positions)
+    for problem in problems:
         raise RlxError(f"{dotted(problem.field)}: {problem.message}")
 
 

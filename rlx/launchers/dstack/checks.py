@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterator
 
 from rlx.launchers.dstack import NODE_RANK, per_node
@@ -122,18 +123,26 @@ def check_gpu_names(recipe: Recipe) -> Iterator[Problem]:
     except ImportError:  # dstack is not installed here: nothing to check against
         return
     known: dict[str, set[int]] = {}
+    spelled: dict[str, str] = {}  # lower case -> dstack's spelling
     for info in KNOWN_ACCELERATORS:
         known.setdefault(info.name.lower(), set()).add(info.memory)
+        spelled[info.name.lower()] = info.name
     for path, shape in node_kinds(recipe):
         named = [(option.type, *gpu_name(option.type)) for option in shape.accelerator_options]
         for written, name, gib in named:
             sizes = known.get(name.lower())
             if sizes is None or (gib is not None and gib not in sizes):
+                if sizes is not None:
+                    hint = f"{spelled[name.lower()]} comes in {_sizes(sizes)}; "
+                else:
+                    near = difflib.get_close_matches(name.lower(), spelled, n=3)
+                    guesses = " or ".join(repr(spelled[n]) for n in near)
+                    hint = f"did you mean {guesses}? " if near else ""
                 yield Problem(
                     path,
                     ERROR,
-                    f"dstack knows no GPU {written}; write one of its names (H100, A100-80GB, "
-                    "L4, MI300X...: `dstack offer` lists them)",
+                    f"dstack knows no GPU {written}; {hint}write one of its names (H100, "
+                    "A100-80GB, L4, MI300X...: `dstack offer` lists them)",
                 )
                 return
         least = min((gib for _, _, gib in named if gib is not None), default=None)
@@ -156,6 +165,10 @@ def check_gpu_names(recipe: Recipe) -> Iterator[Problem]:
                 f"it may also take {', '.join(dict.fromkeys(extra))}; list those too, or keep "
                 "to names of one size",
             )
+
+
+def _sizes(gib: set[int]) -> str:
+    return " or ".join(f"{size}GB" for size in sorted(gib))
 
 
 def check_order(recipe: Recipe) -> Iterator[Problem]:

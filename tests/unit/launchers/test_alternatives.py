@@ -187,6 +187,22 @@ def test_dstack_lint_names_an_unknown_gpu(write_recipe):
     errors = [f for f in lint_file(path) if f.severity == "error"]
     # dstack's table and the plan's both lack it: each says so
     assert "dstack knows no GPU A100-96GB" in [f.message.split(";")[0] for f in errors]
+    # a known name of another size: the sizes it comes in
+    assert any("A100-96GB; A100 comes in 40GB or 80GB; write" in f.message for f in errors)
+
+
+@pytest.mark.parametrize(
+    ("written", "guess"),
+    [("A10GG", "did you mean 'A10G' or 'A10' or 'A100'? "), ("H10O", "did you mean 'H100'? ")],
+)
+def test_dstack_lint_names_the_gpu_meant(written, guess, write_recipe):
+    pytest.importorskip("gpuhunt")
+    path = write_recipe(ALTERNATIVES.read_text().replace("A100-80GB:8", f"{written}:8"))
+    said = [f.message for f in lint_file(path) if f.message.startswith("dstack knows no GPU")]
+    assert said == [
+        f"dstack knows no GPU {written}; {guess}write one of its names (H100, A100-80GB, L4, "
+        "MI300X...: `dstack offer` lists them)"
+    ]
 
 
 def test_local_launch_ignores_accelerator_alternatives():

@@ -169,6 +169,20 @@ BROKEN: dict[str, list[tuple[Callable[[dict[str, Any]], None], str]]] = {
             "trainer.rollout_gpus",
         ),
     ],
+    "check_packing_budget": [
+        (
+            _set(
+                "trainer.batch",
+                {
+                    "prompts_per_step": 8,
+                    "micro_batch_size": 4,
+                    "packing": True,
+                    "max_tokens_per_micro_batch": 50,
+                },
+            ),
+            "trainer.batch.max_tokens_per_micro_batch",
+        )
+    ],
     "check_lora_target_modules": [
         (
             _set("trainer.model.lora", {"rank": 8, "target_modules": []}),
@@ -243,10 +257,24 @@ def test_a_model_folder_without_a_config_is_one_line(write_recipe, tmp_path):
         run_training(recipe, {"RLX_RUN_ID": "no-config"})
 
 
-def test_a_missing_data_file_is_one_line(write_recipe, tmp_path):
-    recipe = _recipe(write_recipe, tmp_path, data={"train": str(tmp_path / "no.jsonl")})
-    with pytest.raises(RlxError, match=r"^trainer.data.train: .*no.jsonl does not exist"):
+def test_a_data_file_gone_after_lint_is_lints_line(write_recipe, tmp_path):
+    rows = tmp_path / "gone.jsonl"
+    rows.write_text('{"prompt": "a", "answer": "1"}\n')
+    recipe = _recipe(write_recipe, tmp_path, data={"train": str(rows)})
+    rows.unlink()
+    said = [f.format() for f in lint_loaded(load_recipe(write_recipe(_dump(recipe), "g.yaml")))]
+    with pytest.raises(RlxError) as refusal:
         run_training(recipe, {"RLX_RUN_ID": "no-data"})
+    line = str(refusal.value)
+    assert (
+        line == f"trainer.data.train: {rows} does not exist; give a .jsonl, .ndjson or "
+        ".parquet file, or synthetic:letters_or_digits"
+    )
+    assert any(s.endswith(f"error: {line}") for s in said), said
+
+
+def _dump(recipe: Any) -> str:
+    return yaml.safe_dump(recipe.model_dump(mode="json", exclude_unset=True))
 
 
 def test_too_few_prompts_for_a_step_is_one_line(write_recipe, tmp_path):

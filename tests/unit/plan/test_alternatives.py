@@ -109,6 +109,7 @@ def test_an_unknown_accelerator_is_an_error_with_a_way_for_custom_hardware(
         ("A10GG", "did you mean 'A10G' or 'A10' or 'A100'? use the table's name"),
         ("H100-80GB", "did you mean 'H100'? use"),  # its own family, not A100-80GB
         ("RTX-4090", "did you mean 'RTX4090' or 'RTXA6000'? use"),
+        ("a10g-24gb", "did you mean 'A10G'? use"),  # dstack's style of name
         ("TPU-v9", "for it; use the table's name"),  # nothing near: no guess
     ],
 )

@@ -134,6 +134,37 @@ def test_model_shapes_from_folder_cache_and_table(tmp_path: Path) -> None:
         find_shape("acme/unknown-9b", {"HF_HOME": str(tmp_path / "none")})
 
 
+@pytest.mark.parametrize(
+    ("model", "near"),
+    [
+        ("Qwen/Qwen2.5-05B", "Qwen/Qwen2.5-0.5B"),  # a dot left out
+        ("Qwen/Qwen 2.5-0.5B", "Qwen/Qwen2.5-0.5B"),  # a space put in
+        ("qwen/qwen3-4", "Qwen/Qwen3-4B"),
+        ("meta-llama/Llama3.1-8B", "meta-llama/Llama-3.1-8B"),
+        ("meta-llama/Llama-2-7b-hf", None),  # another family and size, not a typo
+        ("mistralai/Mistral-7B-v0.1", None),
+    ],
+)
+def test_a_model_missing_from_the_table_names_the_row_it_nearly_is(
+    model: str, near: str | None, tmp_path: Path
+) -> None:
+    with pytest.raises(PlanError) as refusal:
+        find_shape(model, {"HF_HOME": str(tmp_path / "none")})
+    said = str(refusal.value)
+    assert said.startswith(f"{model}: no config.json found")
+    if near is None:
+        assert "did you mean" not in said
+    else:
+        assert f"not in the built-in table (did you mean {near!r}?); fetch it once" in said
+    assert find_shape(near or "Qwen/Qwen2.5-0.5B", {}).params > 0  # the row is there
+
+
+def test_the_fetch_command_for_a_model_pastes_as_one_id(tmp_path: Path) -> None:
+    with pytest.raises(PlanError) as refusal:
+        find_shape("acme/my model", {"HF_HOME": str(tmp_path / "none")})
+    assert "(hf download 'acme/my model' config.json)" in str(refusal.value)
+
+
 def test_shapes_know_the_models_positions() -> None:
     # What lint checks an episode against (the built tiny model's: the test below).
     assert find_shape("tiny:qwen2-h64-l2", {}).max_positions == 2048

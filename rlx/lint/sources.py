@@ -1,0 +1,362 @@
+"""Checks of what a run reads besides its model: the prompt files (trainer.data.train,
+trainer.validation.data), the reward function (trainer.reward.function) and the context
+window they fill with the model's positions.
+
+source_problems() is the rule, one for lint and for the trainer's start-up: lint calls it
+with the folder the job will run in (check_sources), the trainer with the folder it runs in,
+before it reads any of them (rlx.trainer.main). Files are read, never run: a reward file's
+function is found in its source (ast); its module is imported on the head only.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import shlex
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from rlx.lint.core import ERROR, Check, Problem
+from rlx.recipe import Recipe
+from rlx.recipe.model import TrainerSettings, episode_token_budget
+from rlx.recipe.specs import SYNTHETIC_PREFIX
+from rlx.storage import is_store_url, url_problem
+
+# The engine's context holds one token more than a prompt and a response: the probe request
+# that checks an engine at start-up generates one (rlx.lint.environment.PROBE_TOKENS).
+PROBE_TOKENS = 1
+REWARD_SIGNATURE = "fn(prompt: str, response: str, answer: str | None) -> float"
+# A hub id as people write them: owner/name, no suffix (openai/gsm8k, HuggingFaceH4/MATH-500).
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def source_problems(
+    settings: TrainerSettings, base_dir: Path, *, local_missing: bool = True
+) -> list[Problem]:
+    """What is wrong with the run's prompt files and reward function as found in base_dir
+    (the folder the job runs in: relative paths start there). local_missing: whether a
+    relative data path that is not there is a problem (at start-up it is; lint leaves it to
+    the data that is made before launch, as the shipped recipes' comments say)."""
+    problems = list(_data_problems(settings, base_dir, local_missing))
+    problems.extend(_reward_problems(settings.reward.function, base_dir, settings))
+    return problems
+
+
+def check_sources(recipe: Recipe) -> Iterator[Problem]:
+    """source_problems() as lint sees it: paths start in the folder `rlx launch` runs in,
+    and in the recipe's workdir under it when it sets one."""
+    if recipe.trainer is None:
+        return
+    base_dir = Path.cwd() / (recipe.workdir or "")
+    yield from source_problems(recipe.trainer, base_dir, local_missing=False)
+
+
+def check_context_window(recipe: Recipe) -> Iterator[Problem]:
+    """context_problems() with the model's positions as `rlx plan` finds them (its config in
+    a local folder or the hub cache, a tiny spec, the built-in table); nothing when none
+    knows them."""
+    trainer = recipe.trainer
+    if trainer is None or trainer.environment is not None:
+        return  # an environment's episode: rlx.lint.environment says it
+    from rlx.plan.shapes import PlanError, find_shape
+
+    try:
+        positions = find_shape(trainer.model.path).max_positions
+    except PlanError:  # check_memory_plan says the model is unknown
+        return
+    if positions is not None:
+        yield from context_problems(trainer, positions)
+
+
+def context_problems(settings: TrainerSettings, max_positions: int) -> list[Problem]:
+    """A prompt and its longest response (and the engine's probe token) must fit in the
+    model's positions (max_position_embeddings). With an environment, rlx.lint.environment
+    counts the episode instead."""
+    if settings.environment is not None:
+        return []
+    prompt, response = settings.data.max_prompt_length, episode_token_budget(settings)
+    needed = prompt + response + PROBE_TOKENS
+    if needed <= max_positions:
+        return []
+    room = max_positions - prompt - PROBE_TOKENS
+    if room >= 1:
+        where = ("trainer", "rollout", "max_new_tokens")
+        instead = f"write rollout.max_new_tokens: {room} or less"
+    else:
+        where = ("trainer", "data", "max_prompt_length")
+        instead = (
+            "lower data.max_prompt_length and rollout.max_new_tokens so that a prompt and a "
+            f"response fit in {max_positions - PROBE_TOKENS} tokens"
+        )
+    return [
+        Problem(
+            where,
+            ERROR,
+            f"data.max_prompt_length {prompt} + rollout.max_new_tokens {response} + "
+            f"{PROBE_TOKENS} for the engine's probe = {needed} positions, more than "
+            f"{settings.model.path}'s {max_positions} (max_position_embeddings); {instead}",
+        )
+    ]
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def _data_fields(settings: TrainerSettings) -> list[tuple[tuple[str, ...], str]]:
+    fields = [(("trainer", "data", "train"), settings.data.train)]
+    if settings.validation is not None:
+        fields.append((("trainer", "validation", "data"), settings.validation.data))
+    return fields
+
+
+def _data_problems(
+    settings: TrainerSettings, base_dir: Path, local_missing: bool
+) -> Iterator[Problem]:
+    from rlx.trainer.tasks.data import FORMATS
+
+    data = settings.data
+    suffixes = [s for group in FORMATS.values() for s in group]
+    readable = f"a {', '.join(suffixes[:-1])} or {suffixes[-1]} file"
+    for where, spec in _data_fields(settings):
+        if spec.startswith(SYNTHETIC_PREFIX):
+            continue  # check_trainer_specs checks the task's name
+        if is_store_url(spec) or url_problem(spec) is not None:
+            continue  # rlx.lint.storage: a URL is read from no store, or is malformed
+        path = Path(spec).expanduser()
+        found = path if path.is_absolute() else base_dir / path
+        if not found.exists() and not path.suffix and _HUB_ID.fullmatch(spec):
+            command = (
+                f"hf download {shlex.quote(spec)} --repo-type dataset "
+                f"--local-dir {shlex.quote(f'data/{path.name}')}"
+            )
+            yield Problem(
+                where,
+                ERROR,
+                f"{spec!r} looks like a hub dataset id, and rlx reads a local file here; "
+                f"download it first (e.g. `{command}`) and name {readable} in it",
+            )
+            continue
+        if found.is_dir():  # before the suffix: a folder has none, and that is not the news
+            yield Problem(where, ERROR, f"{spec} is a folder; name {readable} in it")
+            continue
+        if data.format == "auto" and path.suffix.lower() not in suffixes:
+            suffix = f"the suffix {path.suffix!r} is neither" if path.suffix else "it has no suffix"
+            yield Problem(
+                where,
+                ERROR,
+                f"{spec}: rlx reads jsonl and parquet files, and {suffix}; convert it to "
+                f"{readable} (jsonl: one JSON object per line), or write data.format: jsonl or "
+                "parquet if it is one",
+            )
+            continue
+        if not found.is_file():
+            if path.is_absolute() or local_missing:
+                yield Problem(
+                    where,
+                    ERROR,
+                    f"{spec} does not exist{_looked_in(path, base_dir)}; give {readable}, "
+                    "or synthetic:letters_or_digits",
+                )
+            continue
+        problem = _columns_problem(found, spec, data.prompt_key, data.answer_key, data.format)
+        if problem is not None:
+            yield Problem(where, ERROR, problem)
+
+
+def _looked_in(path: Path, base_dir: Path) -> str:
+    """Where a missing relative path was looked for (nothing to add for an absolute one)."""
+    if path.is_absolute():
+        return ""
+    return f" in {base_dir} (relative paths start in the folder the job runs in)"
+
+
+def _first_row(path: Path, data_format: str) -> Mapping[str, Any] | None:
+    """The file's first row, or None when it cannot be read here (the trainer's reading
+    says what is wrong with it then)."""
+    from rlx.trainer.tasks.data import detect_format
+
+    try:
+        fmt = detect_format(path, None if data_format == "auto" else data_format)
+        if fmt == "jsonl":
+            with path.open(encoding="utf-8") as f:
+                for line in f:
+                    if line.strip():
+                        row = json.loads(line)
+                        return row if isinstance(row, Mapping) else None
+            return None
+        import pyarrow.parquet as pq
+
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1):
+            rows = batch.to_pylist()
+            if rows:
+                return rows[0]
+        return None
+    except Exception:  # unreadable here: not this rule's to say
+        return None
+
+
+def _columns_problem(
+    path: Path, spec: str, prompt_key: str, answer_key: str | None, data_format: str
+) -> str | None:
+    """The prompt and answer keys must be in the file's first row."""
+    from rlx.trainer.tasks.data import get_field
+
+    row = _first_row(path, data_format)
+    if row is None:
+        return None
+    for field, key in (("prompt_key", prompt_key), ("answer_key", answer_key)):
+        if key is None:
+            continue
+        try:
+            get_field(row, key)
+        except KeyError:
+            columns = ", ".join(map(str, row))
+            return (
+                f"{spec} has no {key!r} in its first row (data.{field}); its columns: "
+                f"{columns}; write data.{field}: one of them (dotted for nested fields)"
+                + (", or answer_key: null when there is no answer" if field == "answer_key" else "")
+            )
+    return None
+
+
+# ----------------------------------------------------------------------------- rewards
+
+
+def reward_arity_problem(
+    spec: str, positional: int, required: int, varargs: bool, required_keywords: list[str]
+) -> str | None:
+    """Whether a function called fn(prompt, response, answer) accepts the call: it takes
+    `positional` positional parameters, the first `required` without a default, *args when
+    varargs, and keyword-only parameters without a default (required_keywords)."""
+    takes_three = varargs or positional >= 3
+    if takes_three and required <= 3 and not required_keywords:
+        return None
+    if required_keywords:
+        wrong = f"needs keyword argument {', '.join(map(repr, required_keywords))}"
+    elif required > 3:
+        wrong = f"needs {required} arguments"
+    else:
+        wrong = f"takes {positional} argument{'s' if positional != 1 else ''}"
+    return (
+        f"reward {spec!r} {wrong}, and rlx calls it with 3 (prompt, response, answer); "
+        f"write it as {REWARD_SIGNATURE}"
+    )
+
+
+def signature_problem(spec: str, fn: Any) -> str | None:
+    """reward_arity_problem for an imported callable (the trainer's side)."""
+    import inspect
+
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: its call will tell
+        return None
+    kinds = inspect.Parameter
+    params = list(signature.parameters.values())
+    by_position = (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)
+    positional = [p for p in params if p.kind in by_position]
+    return reward_arity_problem(
+        spec,
+        len(positional),
+        sum(p.default is kinds.empty for p in positional),
+        any(p.kind is kinds.VAR_POSITIONAL for p in params),
+        [p.name for p in params if p.kind is kinds.KEYWORD_ONLY and p.default is kinds.empty],
+    )
+
+
+def _reward_problems(spec: str, base_dir: Path, settings: TrainerSettings) -> Iterator[Problem]:
+    from rlx.trainer.tasks.rewards import REWARD_FUNCTIONS, reward_spec_problem
+
+    field = ("trainer", "reward", "function")
+    if settings.environment is not None or spec in REWARD_FUNCTIONS:
+        return  # the environment's reward replaces it; built-ins take the call
+    if reward_spec_problem(spec) is not None:
+        return  # check_trainer_specs says it
+    target, _, name = spec.rpartition(":")
+    if not target.endswith(".py"):
+        return  # a module: installed on the nodes by setup:, imported on the head only
+    path = Path(target).expanduser()
+    found = path if path.is_absolute() else base_dir / path
+    if not found.is_file():
+        yield Problem(
+            field,
+            ERROR,
+            f"reward {spec!r}: file {target!r} does not exist{_looked_in(path, base_dir)}; "
+            "fix the path, or write 'package.module:function' for an installed module",
+        )
+        return
+    problem = _function_problem(found, spec, target, name)
+    if problem is not None:
+        yield Problem(field, ERROR, problem)
+
+
+def _function_problem(path: Path, spec: str, target: str, name: str) -> str | None:
+    """What the file's source says about function `name` (read with ast, never run); None
+    when it is fine or when the source cannot tell (bound by an import or an assignment)."""
+    try:
+        tree = ast.parse(path.read_bytes(), filename=str(path))
+    except SyntaxError as exc:
+        return (
+            f"reward {spec!r}: {target!r} is not valid Python (line {exc.lineno}: {exc.msg}); "
+            "fix it"
+        )
+    except (OSError, ValueError) as exc:
+        return f"reward {spec!r}: cannot read {target!r} ({exc})"
+    functions = {
+        node.name: node
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+    }
+    if name not in functions:
+        if _bound_otherwise(tree, name):
+            return None
+        public = sorted(n for n in functions if not n.startswith("_"))
+        return (
+            f"reward {spec!r}: {target!r} defines no function {name!r}; its functions: "
+            f"{', '.join(public) or '(none)'}"
+        )
+    args = functions[name].args
+    positional = [*args.posonlyargs, *args.args]
+    keywords = zip(args.kwonlyargs, args.kw_defaults, strict=True)
+    required_keywords = [a.arg for a, default in keywords if default is None]
+    return reward_arity_problem(
+        spec,
+        len(positional),
+        len(positional) - len(args.defaults),
+        args.vararg is not None,
+        required_keywords,
+    )
+
+
+def _bound_otherwise(tree: ast.Module, name: str) -> bool:
+    """Whether a module-level statement other than a def may bind `name` (an import, an
+    assignment, a class, a star import, a def inside an if or try)."""
+    for statement in tree.body:
+        if isinstance(statement, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        if isinstance(statement, ast.ClassDef):
+            if statement.name == name:
+                return True
+            continue
+        for node in ast.walk(statement):
+            imported = isinstance(node, ast.Import | ast.ImportFrom) and node.names
+            if imported and any(
+                (a.asname or a.name).split(".")[0] in (name, "*") for a in imported
+            ):
+                return True
+            bound = None
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                bound = node.id
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                bound = node.name
+            if bound == name:
+                return True
+    return False
+
+
+CHECKS: list[Check] = [
+    check_sources,
+    check_context_window,
+]
