@@ -490,6 +490,17 @@ def node(
 
 @app.command()
 @expected_errors
+def hold() -> None:
+    """What the head of a kept cluster (`rlx launch --keep`) runs: holds it while Ray jobs run
+    or wait on it, and ends once none has for resources.idle_minutes (recipe from
+    $RLX_RECIPE_JSON)."""
+    from rlx.node.hold import main as hold_main
+
+    raise typer.Exit(hold_main(_recipe_from(None), os.environ))
+
+
+@app.command()
+@expected_errors
 def train(
     recipe: Path | None = typer.Argument(
         None, help="Recipe file (default: the recipe in $RLX_RECIPE_JSON, as on a job's head)."
