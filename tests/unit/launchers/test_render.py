@@ -23,13 +23,16 @@ GOLDEN = REPO / "tests" / "golden"
 RECIPE_FILES = sorted(RECIPES.glob("*.yaml"))
 # Test recipes (tests/recipes/) for what the shipped ones do not show, with the backends each
 # renders for: GPU alternatives with spot auto, a price cap and places (Slurm refuses those),
-# and a set of GPUs that Slurm asks for by node feature.
+# a set of GPUs that Slurm asks for by node feature, and limits on time and idleness.
 ALTERNATIVES = REPO / "tests" / "recipes" / "alternatives.yaml"
 ALTERNATIVES_SET = REPO / "tests" / "recipes" / "alternatives-set.yaml"
+# Limits on time and idleness: a run time limit, a start deadline, a kept cluster's idle limit.
+LIMITS = REPO / "tests" / "recipes" / "limits.yaml"
 TEST_CASES = [
     (ALTERNATIVES, "sky"),
     (ALTERNATIVES, "dstack"),
     *((ALTERNATIVES_SET, b) for b in ("sky", "dstack", "slurm")),
+    (LIMITS, "sky"),
 ]
 CASES = [(r, b) for r in RECIPE_FILES for b in renderable()] + TEST_CASES
 runner = CliRunner()
