@@ -158,7 +158,7 @@ def _check_duration(value: str | None) -> str | None:
             f"{value!r} is not a positive duration; write a whole number and a unit (s, m, h, "
             "d or w), e.g. '8h', '90m' or '2d'"
         )
-    return value
+    return value.strip()
 
 
 def _check_idle_minutes(value: Any) -> Any:

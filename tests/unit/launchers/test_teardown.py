@@ -148,3 +148,105 @@ def test_the_launch_call_tears_down_too(tmp_path: Path, monkeypatch: pytest.Monk
     assert fake.launched["idle_minutes_to_autostop"] == ENDED_IDLE_MINUTES
     (resources,) = fake.launched["task"].resources
     assert resources.autostop_config.down
+
+
+# ------------------------------------------------------------------------- dstack
+
+
+def dstack_documents(job: Any) -> tuple[Any, Any]:
+    """(fleet or None, task) of a dstack rendering, each parsed as `dstack apply` parses."""
+    pytest.importorskip("dstack")
+    from dstack._internal.core.models.configurations import (
+        parse_apply_configuration,
+        parse_run_configuration,
+    )
+
+    documents = list(yaml.safe_load_all(render("dstack", job, "job.yaml")))
+    assert len(documents) in (1, 2)
+    task = parse_run_configuration(documents[-1])
+    fleet = parse_apply_configuration(documents[0]) if len(documents) == 2 else None
+    return fleet, task
+
+
+ALL = [*sorted(RECIPES.glob("*.yaml")), LIMITS]
+
+
+@pytest.mark.parametrize("path", ALL, ids=lambda p: p.stem)
+def test_dstack_runs_in_a_fleet_whose_instances_go_when_idle(path: Path):
+    loaded = load_recipe(path).recipe
+    fleet, task = dstack_documents(loaded)
+    idle = ENDED_IDLE_MINUTES * 60
+    assert task.idle_duration == idle  # what the run provisions, in any fleet
+    named = loaded.dstack.fleets if loaded.dstack else []
+    if named:
+        assert fleet is None and [f.name for f in task.fleets] == named
+        return
+    # its own fleet, named after the job: none kept, at most the job's nodes, one cluster
+    assert fleet.type == "fleet" and fleet.name == loaded.name
+    assert [f.name for f in task.fleets] == [loaded.name]
+    assert (fleet.nodes.min, fleet.nodes.max) == (0, loaded.resources.total_nodes)
+    assert fleet.placement.value == "cluster"
+    assert fleet.idle_duration == idle
+    assert fleet.spot_policy == task.spot_policy and fleet.backends == task.backends
+
+
+def test_dstack_max_duration_and_start_deadline():
+    _, task = dstack_documents(load_recipe(LIMITS).recipe)
+    assert task.max_duration == 12 * 3600
+    assert task.retry.duration == 45 * 60
+    assert [e.value for e in task.retry.on_events] == ["no-capacity"]
+    # a start deadline beside dstack's own retry events: the events stay, the duration is it
+    job = recipe(
+        "name: job\ncommand: [echo]\nresources:\n  start_deadline: 2h\n"
+        "dstack:\n  retry: {on_events: [no-capacity, interruption]}\n"
+    )
+    _, task = dstack_documents(job)
+    assert task.retry.duration == 7200
+    assert [e.value for e in task.retry.on_events] == ["no-capacity", "interruption"]
+
+
+@pytest.mark.parametrize(
+    "lines,says",
+    [
+        (
+            "resources: {max_duration: 8h}\ndstack: {max_duration: 4h}\n",
+            "dstack.max_duration: resources.max_duration sets dstack's max_duration too",
+        ),
+        (
+            "resources: {start_deadline: 1h}\ndstack: {retry: {duration: 3h}}\n",
+            "dstack.retry.duration: resources.start_deadline sets dstack's retry duration",
+        ),
+        (
+            "resources: {start_deadline: 1h}\ndstack: {retry: {on_events: [interruption]}}\n",
+            "dstack.retry.on_events: resources.start_deadline is how long dstack retries",
+        ),
+    ],
+    ids=["max-duration-twice", "retry-duration-twice", "no-capacity-left-out"],
+)
+def test_dstack_refuses_a_limit_said_twice(lines: str, says: str, write_recipe):
+    from typer.testing import CliRunner
+
+    from rlx.cli import app
+    from rlx.errors import RlxError
+    from tests.support.cli import assert_one_line_error
+
+    # refused when rendered, lint or not, in lint's words
+    with pytest.raises(RlxError) as refused:
+        render("dstack", recipe(f"name: job\ncommand: [echo]\n{lines}"), "job.yaml")
+    assert str(refused.value).startswith(says) and "\n" not in str(refused.value)
+    path = write_recipe(f"name: job\ncommand: [echo]\n{lines}")
+    result = CliRunner().invoke(app, ["render", str(path), "-b", "dstack"])
+    assert f"{path}:" in result.output and says in result.output
+    assert_one_line_error(result, "1 lint error(s)")
+
+
+def test_no_offer_in_the_jobs_own_fleet_is_said_as_such():
+    from rlx.launchers.dstack.ops import NO_CAPACITY, NodeJob, RunView, verdict
+
+    said = "no offers"
+    jobs = (NodeJob(0, "failed", NO_CAPACITY, said), NodeJob(1, "failed", NO_CAPACITY, said))
+    run = RunView("limits", "failed", "job_failed", 2, ("limits",), jobs)
+    state = verdict(run)
+    assert state.state == "FAILED"
+    assert state.detail.startswith("dstack: no offer can run this 2-node job in its fleet limits")
+    assert "dstack offer" in state.detail
