@@ -35,6 +35,7 @@ TEST_CASES = [
     *((ALTERNATIVES_SET, b) for b in ("sky", "dstack", "slurm")),
     (LIMITS, "sky"),
     (LIMITS, "dstack"),
+    (LIMITS, "slurm"),
 ]
 CASES = [(r, b) for r in RECIPE_FILES for b in renderable()] + TEST_CASES
 runner = CliRunner()

@@ -250,3 +250,80 @@ def test_no_offer_in_the_jobs_own_fleet_is_said_as_such():
     assert state.state == "FAILED"
     assert state.detail.startswith("dstack: no offer can run this 2-node job in its fleet limits")
     assert "dstack offer" in state.detail
+
+
+# ------------------------------------------------------------------------- Slurm
+
+
+def sbatch_lines(job: Any) -> list[str]:
+    return [line for line in render("slurm", job, "job.yaml").splitlines() if line[:7] == "#SBATCH"]
+
+
+def test_slurm_time_limit_and_start_deadline():
+    lines = sbatch_lines(load_recipe(LIMITS).recipe)
+    assert "#SBATCH --time=12:00:00" in lines
+    # Slurm drops a job that cannot end before its deadline: 45 minutes to start + 12 hours
+    assert "#SBATCH --deadline=now+765minutes" in lines
+    job = recipe(
+        "name: job\ncommand: [echo]\nresources:\n  start_deadline: 90s\nslurm:\n  time: 1-12:30\n"
+    )
+    lines = sbatch_lines(job)
+    assert "#SBATCH --time=1-12:30" in lines
+    assert f"#SBATCH --deadline=now+{90 + 36 * 3600 + 30 * 60}" in lines
+    longer = recipe("name: job\ncommand: [echo]\nresources:\n  max_duration: 3d\n")
+    assert "#SBATCH --time=3-00:00:00" in sbatch_lines(longer)
+
+
+def test_every_component_of_a_heterogeneous_job_has_the_time_limit():
+    text = (RECIPES / "grpo-async.yaml").read_text()
+    job = parse_recipe(
+        text.replace('time: "12:00:00"', "").replace(
+            "resources:", "resources:\n  max_duration: 6h", 1
+        )
+    ).recipe
+    lines = sbatch_lines(job)
+    assert lines.count("#SBATCH --time=06:00:00") == 2
+
+
+@pytest.mark.parametrize(
+    "lines,says",
+    [
+        (
+            "resources: {start_deadline: 1h}\n",
+            "resources.start_deadline: Slurm's --deadline drops a job that cannot end before it",
+        ),
+        (
+            "resources: {max_duration: 8h}\nslurm: {time: '04:00:00'}\n",
+            "slurm.time: resources.max_duration sets Slurm's --time too",
+        ),
+    ],
+    ids=["deadline-without-time", "time-twice"],
+)
+def test_slurm_refuses_a_deadline_it_cannot_keep(lines: str, says: str):
+    from rlx.errors import RlxError
+
+    with pytest.raises(RlxError) as refused:
+        render("slurm", recipe(f"name: job\ncommand: [echo]\n{lines}"), "job.yaml")
+    assert str(refused.value).startswith(says)
+
+
+def test_slurm_lint_on_deadlines(write_recipe):
+    from rlx.lint import lint_file
+
+    def found(text: str) -> dict[tuple[str, str], str]:
+        path = write_recipe(f"name: job\ncommand: [echo]\n{text}")
+        return {(f.field, f.severity): f.message for f in lint_file(path)}
+
+    # for the clouds a recipe also runs on: a warning with a slurm section, refused on Slurm
+    assert ("resources.start_deadline", "warning") in found(
+        "resources: {start_deadline: 1h}\nslurm: {partition: gpu}\n"
+    )
+    requeued = found(
+        "resources: {start_deadline: 1h, max_duration: 8h}\nslurm: {requeue: {retries: 2}}\n"
+    )
+    assert requeued[("resources.start_deadline", "warning")].startswith(
+        "Slurm keeps a job's --deadline when it requeues it"
+    )
+    assert ("slurm.time", "error") in found(
+        "resources: {max_duration: 8h}\nslurm: {time: '04:00:00'}\n"
+    )
