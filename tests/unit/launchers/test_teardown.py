@@ -327,3 +327,15 @@ def test_slurm_lint_on_deadlines(write_recipe):
     assert ("slurm.time", "error") in found(
         "resources: {max_duration: 8h}\nslurm: {time: '04:00:00'}\n"
     )
+
+
+# ------------------------------------------------------------------------- lint
+
+
+def test_lint_says_skypilot_keeps_no_time_limit():
+    from rlx.lint import lint_file
+
+    findings = [f for f in lint_file(LIMITS) if f.field == "resources.max_duration"]
+    assert [(f.severity, f.message.split(":")[0]) for f in findings] == [
+        ("warning", "SkyPilot has no run time limit")
+    ]
