@@ -316,6 +316,8 @@ def launch(
         for line in launchers.alternatives(backend.value, job_recipe):
             typer.echo(line, err=True)
         return
+    if chosen.stays_up:  # where no rendered file says what is left up afterwards
+        typer.echo(f"rlx: {chosen.stays_up}", err=True)
     rendered = text if chosen.renders else ""
     request = LaunchRequest(
         recipe=job_recipe,

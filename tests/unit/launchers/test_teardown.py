@@ -6,6 +6,7 @@ local backends say."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -339,3 +340,45 @@ def test_lint_says_skypilot_keeps_no_time_limit():
     assert [(f.severity, f.message.split(":")[0]) for f in findings] == [
         ("warning", "SkyPilot has no run time limit")
     ]
+
+
+# ------------------------------------------------------------------------- Ray Jobs, local
+
+
+def test_ray_jobs_and_local_say_what_stays_up(write_recipe):
+    from typer.testing import CliRunner
+
+    from rlx.cli import app
+
+    runner = CliRunner()
+    path = RECIPES / "quickstart.yaml"
+    local = runner.invoke(app, ["launch", str(path), "--dry-run"])
+    assert local.exit_code == 0, local.output
+    assert "# nothing stays up after this run: its Ray and every process it starts end" in (
+        local.stdout
+    )
+    header = json.loads(runner.invoke(app, ["render", str(path), "-b", "ray"]).stdout)
+    assert any("The cluster this job runs on stays up after it" in c for c in header["_comment"])
+    # `rlx launch -b ray` says it before it submits (here it then stops: no address)
+    command = write_recipe("name: job\ncommand: [echo hi]\nray: {auth: none}\n")
+    ray = runner.invoke(app, ["launch", str(command), "-b", "ray"], env={"RAY_ADDRESS": ""})
+    assert ray.exit_code == 1
+    assert "rlx: the cluster this job runs on stays up after it" in ray.stderr
+
+
+@pytest.mark.parametrize("backend", ["ray", "local"])
+def test_an_idle_limit_where_nothing_is_kept_is_one_line(backend: str, write_recipe):
+    from typer.testing import CliRunner
+
+    from rlx.cli import app
+    from tests.support.cli import assert_one_line_error
+
+    path = write_recipe("name: job\ncommand: [echo hi]\nresources:\n  idle_minutes: 10\n")
+    args = ["render", str(path), "-b", "ray"] if backend == "ray" else ["launch", str(path)]
+    result = CliRunner().invoke(app, [*args, "--dry-run"] if backend == "local" else args)
+    assert_one_line_error(result, "resources.idle_minutes: ", "drop it")
+    # the default, unsaid, is no promise: fine
+    plain = write_recipe("name: job\ncommand: [echo hi]\n", "plain.yaml")
+    args = ["render", str(plain), "-b", "ray"] if backend == "ray" else ["launch", str(plain)]
+    ok = CliRunner().invoke(app, [*args, "--dry-run"] if backend == "local" else args)
+    assert ok.exit_code == 0, ok.output
