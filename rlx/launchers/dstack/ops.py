@@ -16,7 +16,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 from rlx.errors import RlxError
@@ -204,13 +203,14 @@ def fleet_configuration(request: LaunchRequest) -> Any:
         raise RlxError(f"dstack rejected the rendered fleet: {one_line(exc)}") from exc
 
 
-def apply_fleet(client: Any, target: Target, fleet: Any, workdir: Path) -> None:
+def apply_fleet(client: Any, target: Target, fleet: Any) -> None:
     """Create the job's fleet, or update it in place; one that cannot change in place is
-    left to the user (it may hold instances another run uses)."""
+    left to the user (it may hold instances another run uses). As the run, it takes no
+    profile of the user's dstack config: the file says it all."""
     from dstack._internal.core.models.fleets import FleetSpec
-    from dstack.api.utils import load_profile
+    from dstack._internal.core.models.profiles import Profile
 
-    spec = FleetSpec(configuration=fleet, profile=load_profile(workdir, None))
+    spec = FleetSpec(configuration=fleet, profile=Profile(name="default"))
     plan = client.client.fleets.get_plan(target.project, spec)
     current = plan.current_resource
     if current is not None:
@@ -243,7 +243,7 @@ def launch(request: LaunchRequest) -> Job:
     client, target = _client(None, request.name)
     with ERRORS.around(target):
         if fleet is not None:
-            apply_fleet(client, target, fleet, request.workdir)
+            apply_fleet(client, target, fleet)
         plan = client.runs.get_run_plan(conf, configuration_path=str(rendered_file))
         current = plan.current_resource
         if current is not None and not current.status.is_finished():

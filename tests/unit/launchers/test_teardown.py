@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -239,6 +240,61 @@ def test_dstack_refuses_a_limit_said_twice(lines: str, says: str, write_recipe):
     result = CliRunner().invoke(app, ["render", str(path), "-b", "dstack"])
     assert f"{path}:" in result.output and says in result.output
     assert_one_line_error(result, "1 lint error(s)")
+
+
+class FakeFleets:
+    """dstack's fleets API as rlx's launch uses it: a plan for a spec, and applying it."""
+
+    def __init__(self, current: Any = None, action: str = "create", same: bool = False):
+        self.current, self.action, self.same = current, action, same
+        self.applied: list[Any] = []
+
+    def get_plan(self, project: str, spec: Any) -> Any:
+        effective = spec if not self.same else None
+
+        class Plan:
+            current_resource = self.current
+            action = self.action
+
+            def get_effective_spec(plan) -> Any:
+                return spec if effective is not None else self.current.spec
+
+        return Plan()
+
+    def apply_plan(self, project: str, plan: Any) -> None:
+        self.applied.append(plan)
+
+
+@pytest.mark.parametrize(
+    "current,action,same,applied,refused",
+    [
+        (None, "create", False, True, False),  # no fleet yet: created
+        ("old", "update", False, True, False),  # changed in place
+        ("old", "create", True, False, False),  # as it is: left alone
+        ("old", "create", False, False, True),  # cannot change in place: the user's call
+    ],
+    ids=["create", "update", "unchanged", "recreate"],
+)
+def test_launch_applies_the_jobs_own_fleet(
+    tmp_path: Path, current: Any, action: str, same: bool, applied: bool, refused: bool
+):
+    pytest.importorskip("dstack")
+    from rlx.errors import RlxError
+    from rlx.launchers.dstack.errors import Target
+    from rlx.launchers.dstack.ops import apply_fleet, fleet_configuration
+
+    job = load_recipe(LIMITS).recipe
+    request = LaunchRequest(job, "x", "limits", render("dstack", job, "x"), {}, tmp_path)
+    fleet = fleet_configuration(request)
+    existing = None if current is None else SimpleNamespace(spec=object())
+    fleets = FakeFleets(existing, action, same)
+    client = SimpleNamespace(client=SimpleNamespace(fleets=fleets))
+    if refused:
+        with pytest.raises(RlxError, match="fleet limits exists with settings that cannot"):
+            apply_fleet(client, Target("limits", "main"), fleet)
+    else:
+        apply_fleet(client, Target("limits", "main"), fleet)
+    assert bool(fleets.applied) == applied
 
 
 def test_no_offer_in_the_jobs_own_fleet_is_said_as_such():
