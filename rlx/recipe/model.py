@@ -1354,6 +1354,14 @@ class Recipe(StrictModel):
         return out
 
     @property
+    def places(self) -> list[str]:
+        """Where the job may run: resources.infra, else the older sky.infra (lint refuses
+        both); [] for anywhere."""
+        if self.resources.infra_list:
+            return self.resources.infra_list
+        return [self.sky.infra] if self.sky and self.sky.infra else []
+
+    @property
     def head_command(self) -> list[str]:
         """Shell commands the head runs once the cluster is up."""
         return self.command if self.command is not None else ["rlx train"]

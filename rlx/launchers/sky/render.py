@@ -32,9 +32,7 @@ KUBERNETES = ("kubernetes", "k8s")
 
 def places(recipe: Recipe) -> list[str]:
     """Where SkyPilot may run: resources.infra, else the older sky.infra (lint refuses both)."""
-    if recipe.resources.infra_list:
-        return recipe.resources.infra_list
-    return [recipe.sky.infra] if recipe.sky and recipe.sky.infra else []
+    return recipe.places
 
 
 def _accelerator_set(options: tuple[Accelerator, ...]) -> dict[str, int | None]:
