@@ -37,6 +37,14 @@ def active_jobs(url: str, token: str | None, timeout: float = 10.0) -> int:
     return sum(1 for job in jobs if isinstance(job, dict) and job.get("status") in ACTIVE)
 
 
+def dashboard_host(bound: str) -> str:
+    """Where the head reaches its own dashboard: the address it binds, or the loopback for
+    one bound to every address."""
+    if bound in ("", "0.0.0.0", "::"):
+        return "127.0.0.1"
+    return f"[{bound}]" if ":" in bound else bound
+
+
 def hold(
     idle_minutes: int | None,
     count_active: Callable[[], int],
@@ -80,7 +88,7 @@ def hold(
 def main(recipe: Recipe, env: Mapping[str, str]) -> int:
     """Hold the cluster of `recipe` (on its head, with the job's token in the environment)."""
     minutes = recipe.resources.idle_minutes
-    url = f"http://127.0.0.1:{recipe.ray.dashboard_port}"
+    url = f"http://{dashboard_host(recipe.ray.dashboard_host)}:{recipe.ray.dashboard_port}"
     token = env.get("RAY_AUTH_TOKEN")
 
     def say(line: str) -> None:

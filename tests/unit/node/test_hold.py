@@ -137,3 +137,10 @@ def test_rlx_hold_reads_the_recipe_and_the_token(monkeypatch: pytest.MonkeyPatch
         "url": "http://127.0.0.1:8300/api/jobs/",
         "auth": "Bearer t0ken",
     }
+
+
+def test_the_head_asks_the_dashboard_where_it_listens():
+    assert hold.dashboard_host("127.0.0.1") == "127.0.0.1"
+    assert hold.dashboard_host("0.0.0.0") == "127.0.0.1"
+    assert hold.dashboard_host("10.0.0.5") == "10.0.0.5"
+    assert hold.dashboard_host("fd00::5") == "[fd00::5]"
