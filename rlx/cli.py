@@ -217,16 +217,24 @@ def _load_checked(
 def plan(
     recipe: Path = typer.Argument(..., help="Recipe file."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
+    prices: Path | None = typer.Option(
+        None,
+        "--prices",
+        help="Hourly prices from this CSV file, in the columns of SkyPilot's vms.csv "
+        "(default: SkyPilot's catalog in ~/.sky/catalogs where it is).",
+    ),
 ) -> None:
     """Memory per GPU and per node (weights, grads, optimiser, reference, critic,
     activations, logits, rollout engine), checkpoint size, and whether it fits; with
-    accelerator alternatives, a row for each and the preferred one's plan. Exit 1 when one
-    does not fit."""
+    accelerator alternatives, a row for each and the preferred one's plan; the hourly price
+    of each alternative, per node and for the cluster, spot and on-demand, where prices are
+    known. Exit 1 when one does not fit."""
     import json
 
     from rlx.errors import RecipeError
     from rlx.plan.planner import plan_alternatives
-    from rlx.plan.report import print_alternatives, print_plan
+    from rlx.plan.prices import NO_PRICES, load_prices, price_alternatives
+    from rlx.plan.report import print_alternatives, print_plan, print_prices
     from rlx.recipe import load_recipe
 
     try:
@@ -235,21 +243,32 @@ def plan(
         for finding in exc.findings:
             typer.echo(finding.format(), err=True)
         fail(f"{recipe} has {len(exc.findings)} error(s); fix them (see `rlx lint {recipe}`)")
+    price_data = load_prices(prices)  # a bad price file is one line before any plan
     alternatives = plan_alternatives(loaded.recipe)
     preferred = alternatives[0]
     if preferred.plan is None:
         fail(f"{recipe}: resources.accelerators: {preferred.error}")
     result = preferred.plan
     several = len(alternatives) > 1
+    priced = None if price_data is None else price_alternatives(loaded.recipe, price_data)
+    on_gpus = loaded.recipe.resources.total_gpus > 0
     if as_json:
         out = result.to_json()
         if several:
             out["alternatives"] = [a.to_json() for a in alternatives]
+        if on_gpus:
+            out["prices"] = (
+                {"missing": NO_PRICES}
+                if priced is None or price_data is None
+                else {"source": price_data.source, "alternatives": [p.to_json() for p in priced]}
+            )
         typer.echo(json.dumps(out, indent=2))
     else:
         if several:
             print_alternatives(alternatives)
         print_plan(result)
+        if on_gpus:
+            print_prices(priced, price_data.source if price_data else "")
     if not all(a.fits for a in alternatives):
         raise typer.Exit(1)
 
@@ -316,6 +335,8 @@ def launch(
         for line in launchers.alternatives(backend.value, job_recipe):
             typer.echo(line, err=True)
         return
+    if chosen.stays_up:  # where no rendered file says what is left up afterwards
+        typer.echo(f"rlx: {chosen.stays_up}", err=True)
     rendered = text if chosen.renders else ""
     request = LaunchRequest(
         recipe=job_recipe,
@@ -486,6 +507,17 @@ def node(
     loaded = _recipe_from(recipe)
     info = node_env.job_node_info(backend.value, os.environ, loaded.resources)
     raise typer.Exit(bootstrap.main(loaded, info, os.environ))
+
+
+@app.command()
+@expected_errors
+def hold() -> None:
+    """What the head of a kept cluster (`rlx launch --keep`) runs: holds it while Ray jobs run
+    or wait on it, and ends once none has for resources.idle_minutes (recipe from
+    $RLX_RECIPE_JSON)."""
+    from rlx.node.hold import main as hold_main
+
+    raise typer.Exit(hold_main(_recipe_from(None), os.environ))
 
 
 @app.command()

@@ -16,6 +16,10 @@ from rlx.recipe import Recipe
 if TYPE_CHECKING:
     from rlx.lint.core import Check
 
+# Minutes a job's machines stay up once it has ended, on backends that keep them otherwise
+# (SkyPilot's autostop with down, dstack's idle_duration): SkyPilot's least.
+ENDED_IDLE_MINUTES = 1
+
 NOT_INSTALLED = "rlx: rlx is not installed on this node; add: pip install rlx[train] to setup"
 
 # What rlx this node runs, to compare with the shipped wheel's version (which is the hash

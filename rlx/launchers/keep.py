@@ -1,7 +1,9 @@
 """A cluster that stays up: `rlx launch RECIPE -b sky|dstack|slurm --keep`.
 
 The job forms its Ray cluster as usual, but the head runs no trainer: it holds the cluster
-until `rlx down NAME`, so `rlx launch -b ray` jobs and `rlx attach` can use it. Its
+(`rlx hold`, rlx/node/hold.py) while Ray jobs run or wait on it, so `rlx launch -b ray` jobs
+and `rlx attach` can use it, and ends once none has for resources.idle_minutes (`none`: until
+`rlx down NAME`); the backend then lets the machines go as after any job. Its
 dashboard stays on the head's 127.0.0.1; rlx prints the tunnel that reaches it (`ssh -L`
 through SkyPilot's or dstack's ssh host, or `rlx tunnel`, which forwards through srun on
 Slurm) and keeps the job's Ray token in .rlx/tokens/NAME (mode 0600, on this machine only).
@@ -19,11 +21,23 @@ from rlx.launchers.base import Job, state_dir
 from rlx.node.env import RAY_TOKEN_SECRET
 from rlx.recipe import Recipe
 
-# The head's command while the cluster is kept: say how to use it, then hold until stopped.
+# The head's command while the cluster is kept: say how to use it, then hold it while it is
+# used (its idle limit is the recipe's, which the head reads as every node does).
 HOLD_COMMAND = (
     'echo "rlx: cluster kept: $RLX_NUM_NODES node(s), Ray at $RAY_ADDRESS; submit with '
-    'rlx launch RECIPE -b ray, end with rlx down"; exec sleep infinity'
+    'rlx launch RECIPE -b ray, end with rlx down"; exec rlx hold'
 )
+
+
+def kept_until(recipe: Recipe) -> str:
+    """How long a cluster kept with --keep stays up, in words."""
+    minutes = recipe.resources.idle_minutes
+    if minutes == "none":
+        return "until `rlx down` (resources.idle_minutes: none)"
+    return (
+        f"until no Ray job has run or waited on it for {minutes} minutes "
+        "(resources.idle_minutes), or `rlx down`"
+    )
 
 
 def kept_recipe(recipe: Recipe) -> Recipe:
@@ -67,5 +81,5 @@ def announce(
     lines.append(f"  then submit: {exports}; rlx launch RECIPE -b ray")
     if spec(job.backend).can_attach:
         lines.append(f"  a shell on a node: rlx attach {job.name} [--node K] [-- COMMAND]")
-    lines.append(f"  end it: rlx down {job.name}")
+    lines.append(f"  it stays up {kept_until(recipe)}; end it: rlx down {job.name}")
     print("\n".join(lines), file=sys.stderr, flush=True)

@@ -40,6 +40,9 @@ class BackendSpec:
     forwards: bool = False  # `rlx tunnel` forwards the head's dashboard itself (ops.tunnel)
     # Else the command that forwards it, for the user to run: (job handle, remote, local).
     tunnel_hint: Callable[[str, int, int], str] | None = None
+    # What is still up once a job ends, in one line `rlx launch` says, for a backend whose
+    # rendered file does not say it (the native files' headers do).
+    stays_up: str = ""
 
     def tunnel_command(self, job: str, handle: str, remote: int, local: int) -> str | None:
         """How to bring job `job`'s dashboard (port `remote` on its head) to local port

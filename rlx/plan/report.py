@@ -6,6 +6,7 @@ from typing import Any
 
 from rlx.plan.budget import GIB, HEADROOM, Budget
 from rlx.plan.planner import AlternativePlan, MemoryPlan
+from rlx.plan.prices import NO_PRICES, AlternativePrice, Offer
 
 
 def _gib(n: int | None) -> str:
@@ -185,3 +186,45 @@ def print_alternatives(alternatives: list[AlternativePlan]) -> None:
         elif not plan.fits:
             console.print(f"[red]{alternative.label} does not fit:[/] {plan.problems[0]}")
     console.print()
+
+
+def _priced(offer: Offer | None, price: float | None, kind: str) -> str:
+    if offer is None or price is None:
+        return f"{kind} not priced"
+    return f"${price:,.2f} {kind} ({offer.where})"
+
+
+def price_lines(priced: list[AlternativePrice], source: str) -> list[str]:
+    """Each alternative's hourly price for the whole cluster, then per node of each kind with
+    the offer it is (instance type, place), spot and on-demand; 'not priced' where no row
+    prices it."""
+    lines = [f"hourly price in dollars, from {source}:"]
+    for alternative in priced:
+        cluster = [
+            f"${total:,.2f} {kind}" if total is not None else f"{kind} not priced"
+            for kind, total in (
+                ("on-demand", alternative.cluster(spot=False)),
+                ("spot", alternative.cluster(spot=True)),
+            )
+        ]
+        lines.append(f"  {alternative.label}: cluster {', '.join(cluster)}")
+        for node in alternative.nodes:
+            group = f"{node.group} " if node.group else ""
+            on_demand_price = node.on_demand.price if node.on_demand else None
+            on_demand = _priced(node.on_demand, on_demand_price, "on-demand")
+            spot = _priced(node.spot, node.spot.spot_price if node.spot else None, "spot")
+            lines.append(
+                f"    {group}{node.nodes} x {node.accelerator}, per node: {on_demand}, {spot}"
+            )
+    return lines
+
+
+def print_prices(priced: list[AlternativePrice] | None, source: str) -> None:
+    """The prices, or the one line that says how to get them (None: no price data)."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    console = Console(soft_wrap=True, highlight=False)
+    console.print()
+    for line in [NO_PRICES] if priced is None else price_lines(priced, source):
+        console.print(escape(line))

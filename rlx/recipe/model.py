@@ -33,6 +33,11 @@ LOG_DIR = re.compile(r"[A-Za-z0-9_./~-]+")
 SLURM_TIME = re.compile(r"([0-9]+-)?[0-9]+(:[0-9]{1,2}){0,2}")
 INFRA = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]*(/[A-Za-z0-9][A-Za-z0-9_.:-]*){0,2}")
 BUCKET_URL = re.compile(r"(s3|gs|r2|cos|oci|https)://")
+# A duration as dstack writes one: a whole number and a unit.
+DURATION = re.compile(r"(?P<amount>[0-9]+) *(?P<unit>[smhdw])")
+DURATION_UNITS = {"w": 604800, "d": 86400, "h": 3600, "m": 60, "s": 1}
+# How long a cluster kept with `rlx launch --keep` may sit with no Ray job (minutes).
+IDLE_MINUTES = 30
 
 
 def is_bucket(source: str) -> bool:
@@ -134,6 +139,37 @@ def accelerator_options(value: Any) -> tuple[Accelerator, ...]:
             for key, count in value.items()
         )
     return tuple(parse_accelerator(item) for item in value)
+
+
+def duration_seconds(text: str) -> int:
+    """Seconds in a duration such as '90m', '8h' or '2d' (one the recipe model accepted)."""
+    found = DURATION.fullmatch(text.strip())
+    if found is None:
+        raise ValueError(text)
+    return int(found["amount"]) * DURATION_UNITS[found["unit"]]
+
+
+def _check_duration(value: str | None) -> str | None:
+    if value is None:
+        return value
+    found = DURATION.fullmatch(value.strip())
+    if found is None or int(found["amount"]) == 0:
+        raise ValueError(
+            f"{value!r} is not a positive duration; write a whole number and a unit (s, m, h, "
+            "d or w), e.g. '8h', '90m' or '2d'"
+        )
+    return value.strip()
+
+
+def _check_idle_minutes(value: Any) -> Any:
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if value == "none" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    raise ValueError(
+        f"{value!r} is not an idle limit; write whole minutes, at least 1 (e.g. "
+        f"{IDLE_MINUTES}), or none to keep a kept cluster until `rlx down`"
+    )
 
 
 def _check_amount(value: str | None) -> str | None:
@@ -245,6 +281,27 @@ class Resources(_NodeShape):
         description="Where to run: a cloud, cloud/region or cloud/region/zone, e.g. 'aws', "
         "'gcp/us-central1'; or a list of them. Any the backend knows if unset.",
     )
+    max_duration: Str | None = Field(
+        None,
+        description="The longest the job may run once started, e.g. '8h' or '2d' (a whole "
+        "number and s, m, h, d or w): dstack's max_duration, Slurm's --time. SkyPilot has no "
+        "such limit (lint warns).",
+    )
+    start_deadline: Str | None = Field(
+        None,
+        description="The longest the job may wait to start (for capacity, in a queue), e.g. "
+        "'30m': dstack's retry.duration on no-capacity, Slurm's --deadline (with a time limit: "
+        "Slurm drops a job that cannot end before its deadline), SkyPilot's "
+        "provision_timeout on Kubernetes (on clouds SkyPilot tries each place once and fails "
+        "without waiting).",
+    )
+    idle_minutes: int | Literal["none"] = Field(
+        IDLE_MINUTES,
+        description="A cluster kept with `rlx launch --keep` is torn down once no Ray job has "
+        "run or waited on it for this many minutes (whole minutes, at least 1); `none` keeps "
+        "it until `rlx down`. A job that trains is torn down when it ends, whatever this "
+        "says. -b ray and local refuse it: they keep no cluster of their own.",
+    )
     ports: list[int | Str] = Field(
         default_factory=list,
         description="Ports to open to the internet (SkyPilot) or publish (dstack), e.g. 8000 "
@@ -288,9 +345,11 @@ class Resources(_NodeShape):
         # job-wide nodes or accelerators (the validator above would refuse them), and one
         # without carries no `groups: null`; nor does one that names no fabric.
         data = handler(self)
-        for name in ("fabric", "max_hourly_cost", "infra"):
+        for name in ("fabric", "max_hourly_cost", "infra", "max_duration", "start_deadline"):
             if data.get(name) is None:
                 data.pop(name, None)
+        if data.get("idle_minutes") == IDLE_MINUTES:
+            data.pop("idle_minutes")
         if self.groups is None:
             data.pop("groups", None)
         else:
@@ -313,6 +372,16 @@ class Resources(_NodeShape):
         if len(set(places)) != len(places):
             raise ValueError("lists a place twice")
         return value
+
+    @field_validator("max_duration", "start_deadline")
+    @classmethod
+    def _duration(cls, value: str | None) -> str | None:
+        return _check_duration(value)
+
+    @field_validator("idle_minutes", mode="before")
+    @classmethod
+    def _idle_minutes(cls, value: Any) -> Any:
+        return _check_idle_minutes(value)
 
     @property
     def infra_list(self) -> list[str]:
@@ -1348,6 +1417,14 @@ class Recipe(StrictModel):
                 label = str(first) if rollout_group is None else f"train {first} + rollout {second}"
                 out.append((label, self.on_accelerators(first, second)))
         return out
+
+    @property
+    def places(self) -> list[str]:
+        """Where the job may run: resources.infra, else the older sky.infra (lint refuses
+        both); [] for anywhere."""
+        if self.resources.infra_list:
+            return self.resources.infra_list
+        return [self.sky.infra] if self.sky and self.sky.infra else []
 
     @property
     def head_command(self) -> list[str]:

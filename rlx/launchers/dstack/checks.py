@@ -34,13 +34,6 @@ def check_dstack(recipe: Recipe) -> Iterator[Problem]:
             "a network volume lives in one region, and this run may start in any of "
             f"{', '.join(dstack.regions)}; keep one region, or keep state in a bucket",
         )
-    if recipe.resources.total_nodes > 1 and not dstack.fleets:
-        yield Problem(
-            ("dstack", "fleets"),
-            WARNING,
-            "a distributed task needs a fleet with placement: cluster; name it "
-            "here so the run does not wait for one that never fits",
-        )
     # dstack turns EFA on by itself for the EFA instances of its AWS fleets
     if recipe.resources.fabric == "efa" and dstack.backends and "aws" not in dstack.backends:
         yield Problem(
@@ -106,6 +99,28 @@ def check_twice(recipe: Recipe) -> Iterator[Problem]:
             ERROR,
             "resources.max_hourly_cost sets dstack's max_price too; drop dstack.max_price",
         )
+    if recipe.resources.max_duration is not None and settings.max_duration is not None:
+        yield Problem(
+            ("dstack", "max_duration"),
+            ERROR,
+            "resources.max_duration sets dstack's max_duration too; drop dstack.max_duration",
+        )
+    retry, deadline = settings.retry, recipe.resources.start_deadline
+    if deadline is not None and retry is not None:
+        if "duration" in retry.model_fields_set:
+            yield Problem(
+                ("dstack", "retry", "duration"),
+                ERROR,
+                "resources.start_deadline sets dstack's retry duration (one for all its "
+                "events); drop dstack.retry.duration",
+            )
+        if "no-capacity" not in retry.on_events:
+            yield Problem(
+                ("dstack", "retry", "on_events"),
+                ERROR,
+                "resources.start_deadline is how long dstack retries for want of an offer, "
+                "and these events leave no-capacity out; add no-capacity",
+            )
     if recipe.resources.infra is not None and (settings.backends or settings.regions):
         yield Problem(
             ("dstack", "backends" if settings.backends else "regions"),

@@ -103,9 +103,17 @@ def _unknown(exc: BaseException, target: Target) -> str:
 ERRORS = ErrorTable(EXPLAIN, _unknown)
 
 
-def no_capacity(nodes: int, fleets: Sequence[str], server_says: str) -> str:
-    """The server found no instance for the run. For a multi-node task the usual cause is
-    that no fleet with `placement: cluster` exists (dstack places such tasks on fleets only)."""
+def no_capacity(nodes: int, fleets: Sequence[str], server_says: str, run: str = "") -> str:
+    """The server found no instance for the run. In the fleet the job brought (named after
+    it), no backend of the server offered what it asks for; for a multi-node task in no fleet
+    the usual cause is that no fleet with `placement: cluster` exists (dstack places such
+    tasks on fleets only)."""
+    if run and list(fleets) == [run]:
+        return (
+            f"dstack: no offer can run this {nodes}-node job in its fleet {run} ({server_says}); "
+            "see what the server's backends offer with `dstack offer`, or ask for other GPUs, "
+            "places or spot"
+        )
     if fleets:
         kind = "a fleet with placement: cluster" if nodes > 1 else "a fleet"
         return (

@@ -18,13 +18,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-import yaml
-
 from rlx.errors import RlxError
 from rlx.launchers.base import Job, JobStatus, LaunchRequest, remember
 from rlx.launchers.dstack import BACKEND
 from rlx.launchers.dstack.errors import ERRORS, Target, no_capacity
-from rlx.launchers.dstack.render import escape
+from rlx.launchers.dstack.render import escape, fleet_text, task_text
 from rlx.launchers.ops_common import absolute_local, one_line, save_rendered
 from rlx.launchers.ship import build_wheel, wheel_dir
 from rlx.node.env import WHEEL_ENV
@@ -143,7 +141,8 @@ def verdict(run: RunView) -> JobStatus:
             return JobStatus(
                 run.name, BACKEND.name, "PENDING", f"run {run.status}, waiting to retry: {said}"
             )
-        return JobStatus(run.name, BACKEND.name, "FAILED", no_capacity(run.nodes, run.fleets, said))
+        said = no_capacity(run.nodes, run.fleets, said, run.name)
+        return JobStatus(run.name, BACKEND.name, "FAILED", said)
     if run.status in ("terminating", "terminated"):
         still = "RUNNING" if run.status == "terminating" else "CANCELLED"
         state = ENDED_BY.get(run.reason) or ("FAILED" if run.reason else still)
@@ -172,7 +171,7 @@ def configuration(request: LaunchRequest) -> Any:
     from dstack._internal.core.models.configurations import parse_run_configuration
 
     try:
-        conf = parse_run_configuration(yaml.safe_load(request.rendered))
+        conf = parse_run_configuration(task_text(request.rendered))
     except Exception as exc:  # pydantic's ValidationError, or dstack's ConfigurationError
         raise RlxError(f"dstack rejected the rendered configuration: {one_line(exc)}") from exc
     for name, value in request.secrets.items():
@@ -190,6 +189,41 @@ def configuration(request: LaunchRequest) -> Any:
     return conf
 
 
+def fleet_configuration(request: LaunchRequest) -> Any:
+    """The fleet the rendered file brings, parsed by dstack (None when the recipe names its
+    own fleets)."""
+    from dstack._internal.core.models.configurations import parse_apply_configuration
+
+    fleet = fleet_text(request.rendered)
+    if fleet is None:
+        return None
+    try:
+        return parse_apply_configuration(fleet)
+    except Exception as exc:  # dstack's ConfigurationError
+        raise RlxError(f"dstack rejected the rendered fleet: {one_line(exc)}") from exc
+
+
+def apply_fleet(client: Any, target: Target, fleet: Any) -> None:
+    """Create the job's fleet, or update it in place; one that cannot change in place is
+    left to the user (it may hold instances another run uses). As the run, it takes no
+    profile of the user's dstack config: the file says it all."""
+    from dstack._internal.core.models.fleets import FleetSpec
+    from dstack._internal.core.models.profiles import Profile
+
+    spec = FleetSpec(configuration=fleet, profile=Profile(name="default"))
+    plan = client.client.fleets.get_plan(target.project, spec)
+    current = plan.current_resource
+    if current is not None:
+        if current.spec == plan.get_effective_spec():
+            return
+        if _value(plan.action) != "update":
+            raise RlxError(
+                f"dstack: fleet {fleet.name} exists with settings that cannot change in "
+                f"place; delete it (`dstack fleet delete {fleet.name}`) or launch with --name"
+            )
+    client.client.fleets.apply_plan(target.project, plan)
+
+
 def _retries_on_no_capacity(conf: Any) -> bool:
     retry = getattr(conf, "retry", None)
     events = [_value(e) for e in (getattr(retry, "on_events", None) or [])]
@@ -204,9 +238,12 @@ def launch(request: LaunchRequest) -> Job:
     # know would match no offer, and the run would wait for one
     refuse(request.recipe, [check_gpu_names])
     conf = configuration(request)
+    fleet = fleet_configuration(request)
     rendered_file = save_rendered(request, BACKEND.suffix)
     client, target = _client(None, request.name)
     with ERRORS.around(target):
+        if fleet is not None:
+            apply_fleet(client, target, fleet)
         plan = client.runs.get_run_plan(conf, configuration_path=str(rendered_file))
         current = plan.current_resource
         if current is not None and not current.status.is_finished():

@@ -1,13 +1,21 @@
 """dstack: a task YAML that dstack's `parse_run_configuration` accepts; with resources.groups,
 one node group per recipe group (train first: dstack ranks the nodes of its groups in order,
-so the master node, rank 0, is the first training node), each with its own resources."""
+so the master node, rank 0, is the first training node), each with its own resources.
+
+A recipe that names no fleet (dstack.fleets) gets one of its own, rendered before the task in
+the same file (two YAML documents, each what `dstack apply -f` reads): named after the job,
+`placement: cluster`, up to the job's nodes and none kept (`nodes: 0..N`: dstack terminates
+only the instances above the least), so its instances go `idle_duration` after the run ends."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import yaml
+
 from rlx.errors import RlxError
 from rlx.launchers.common import (
+    ENDED_IDLE_MINUTES,
     drop_empty,
     dump_yaml,
     header_lines,
@@ -18,10 +26,16 @@ from rlx.launchers.common import (
 )
 from rlx.launchers.dstack import BACKEND
 from rlx.launchers.dstack.names import BACKEND_NAMES, gpu_name
+from rlx.launchers.keep import kept_until
 from rlx.launchers.offers import describe
 from rlx.node.env import RECIPE_ENV, recipe_json
 from rlx.recipe import Recipe
 from rlx.recipe.model import NodeGroup, Resources, is_bucket
+
+# How long the job's instances stay once idle (its run ended), in dstack's words.
+IDLE_DURATION = f"{ENDED_IDLE_MINUTES}m"
+# The events a start deadline retries on: no offer could be had.
+NO_CAPACITY = "no-capacity"
 
 
 def escape(value: str) -> str:
@@ -108,7 +122,6 @@ def run_config(recipe: Recipe) -> dict[str, Any]:
     from rlx.launchers.dstack.checks import RENDER_CHECKS
 
     refuse(recipe, RENDER_CHECKS)
-    settings = recipe.dstack
     env, files = _env(recipe), _files(recipe)
     commands = [setup_script(recipe) + node_command(BACKEND.name)]
     groups = [
@@ -121,9 +134,6 @@ def run_config(recipe: Recipe) -> dict[str, Any]:
         }
         for name, group in recipe.resources.node_groups()
     ]
-    retry = None
-    if settings and settings.retry:
-        retry = {"on_events": list(settings.retry.on_events), "duration": settings.retry.duration}
     return drop_empty(
         {
             "type": "task",
@@ -141,14 +151,66 @@ def run_config(recipe: Recipe) -> dict[str, Any]:
             "commands": None if groups else commands,
             "resources": None if groups else _resources(recipe.resources),
             "spot_policy": spot_policy(recipe),
-            "fleets": list(settings.fleets) if settings else [],
+            "fleets": fleets(recipe),
             **placement(recipe),
             "max_price": max_price(recipe),
-            "max_duration": settings.max_duration if settings else None,
-            "retry": retry,
+            "max_duration": max_duration(recipe),
+            "retry": retry(recipe),
+            # instances this run provisions, in any fleet, go once the run has ended
+            "idle_duration": IDLE_DURATION,
             "stop_criteria": "master-done",
         }
     )
+
+
+def named_fleets(recipe: Recipe) -> list[str]:
+    """The fleets the recipe names to run in (dstack.fleets)."""
+    return list(recipe.dstack.fleets) if recipe.dstack else []
+
+
+def own_fleet(recipe: Recipe) -> bool:
+    """The job brings its own fleet: the recipe names none to run in."""
+    return not named_fleets(recipe)
+
+
+def fleets(recipe: Recipe) -> list[str]:
+    return named_fleets(recipe) or [recipe.name]
+
+
+def fleet_config(recipe: Recipe) -> dict[str, Any]:
+    """The fleet a job that names none runs in, as a plain dict: its instances are made for
+    the run (none before, at most the job's nodes) and terminated once idle for
+    IDLE_DURATION. The run's own resources, spot policy, places and price cap choose them."""
+    return drop_empty(
+        {
+            "type": "fleet",
+            "name": recipe.name,
+            "nodes": f"0..{recipe.resources.total_nodes}",
+            "placement": "cluster",
+            "spot_policy": spot_policy(recipe),
+            **placement(recipe),
+            "max_price": max_price(recipe),
+            "idle_duration": IDLE_DURATION,
+        }
+    )
+
+
+def max_duration(recipe: Recipe) -> str | None:
+    """resources.max_duration, else dstack.max_duration (lint refuses both)."""
+    if recipe.resources.max_duration is not None:
+        return recipe.resources.max_duration
+    return recipe.dstack.max_duration if recipe.dstack else None
+
+
+def retry(recipe: Recipe) -> dict[str, Any] | None:
+    """dstack.retry; resources.start_deadline is how long it retries for want of an offer
+    (dstack holds one duration for all its events)."""
+    settings = recipe.dstack.retry if recipe.dstack else None
+    deadline = recipe.resources.start_deadline
+    if settings is None:
+        return None if deadline is None else {"on_events": [NO_CAPACITY], "duration": deadline}
+    duration = settings.duration if deadline is None else deadline
+    return {"on_events": list(settings.on_events), "duration": duration}
 
 
 def _env(recipe: Recipe) -> list[str]:
@@ -181,13 +243,37 @@ def _files(recipe: Recipe) -> list[dict[str, str]]:
 
 def render(recipe: Recipe, source: str) -> str:
     exports = "export " + " ".join(f"{n}=..." for n in secret_names(recipe))
+    task = run_config(recipe)
+    exported = f"{exports}; " if secret_names(recipe) else ""
+    by_hand = f"{exported}dstack apply -f THIS_FILE"
+    if own_fleet(recipe):
+        by_hand = (
+            "save the fleet (the first document) and the task (the second) as two files; "
+            f"dstack apply -f FLEET_FILE; {exported}dstack apply -f TASK_FILE"
+        )
     how = [
         f"Run with: rlx launch {source} --backend dstack",
-        "(or by hand: "
-        + (f"{exports}; " if secret_names(recipe) else "")
-        + "dstack apply -f THIS_FILE)",
+        f"(or by hand: {by_hand})",
+        f"When the run ends dstack terminates the instances it made for it once idle for "
+        f"{IDLE_DURATION} (idle_duration); a cluster kept with rlx launch --keep stays "
+        f"{kept_until(recipe)}.",
     ]
-    return "\n".join(header_lines(recipe, source, how)) + "\n" + dump_yaml(run_config(recipe))
+    documents = [dump_yaml(task)]
+    if own_fleet(recipe):
+        documents.insert(0, dump_yaml(fleet_config(recipe)))
+    return "\n".join(header_lines(recipe, source, how)) + "\n" + "---\n".join(documents)
+
+
+def task_text(rendered: str) -> dict[str, Any]:
+    """The task of a rendered dstack file (its last document)."""
+    *_, task = yaml.safe_load_all(rendered)
+    return task
+
+
+def fleet_text(rendered: str) -> dict[str, Any] | None:
+    """The fleet a rendered dstack file brings (its first of two documents), or None."""
+    documents = list(yaml.safe_load_all(rendered))
+    return documents[0] if len(documents) > 1 else None
 
 
 def alternatives(recipe: Recipe) -> list[str]:

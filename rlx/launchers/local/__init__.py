@@ -5,4 +5,8 @@ from __future__ import annotations
 
 from rlx.launchers.spec import BackendSpec
 
-BACKEND = BackendSpec(name="local", title="this machine")
+BACKEND = BackendSpec(
+    name="local",
+    title="this machine",
+    stays_up="nothing stays up after this run: its Ray and every process it starts end with it",
+)

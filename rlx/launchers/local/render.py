@@ -4,6 +4,7 @@ the run folder's date and time are shown as placeholders."""
 from __future__ import annotations
 
 from rlx.errors import RlxError
+from rlx.launchers.local import BACKEND
 from rlx.recipe import Recipe
 from rlx.storage import join
 
@@ -21,9 +22,19 @@ NO_PRICES = (
 )
 
 
+NO_IDLE_LIMIT = (
+    "resources.idle_minutes: the local backend keeps nothing up once the run ends (its Ray "
+    "ends with it), so there is no idle limit to keep; drop it, or launch with --backend sky, "
+    "dstack or slurm --keep"
+)
+
+
 def refuse_elsewhere(recipe: Recipe) -> None:
     if recipe.resources.groups is not None:
         raise RlxError(NO_GROUPS)
+    # An idle limit asked for by name promises a cluster that ends on its own: none here.
+    if "idle_minutes" in recipe.resources.model_fields_set:
+        raise RlxError(NO_IDLE_LIMIT)
     # Accelerators (alternatives too), spot and places mean nothing here and are ignored;
     # a price cap is refused, as it would promise a limit that nothing here keeps.
     if recipe.resources.max_hourly_cost is not None:
@@ -34,7 +45,10 @@ def render(recipe: Recipe, source: str) -> str:
     """What `rlx launch --dry-run` prints for the local backend."""
     refuse_elsewhere(recipe)
     trainer = recipe.trainer
-    lines = [f"# rlx launch {source}: local backend (this machine, a private Ray)"]
+    lines = [
+        f"# rlx launch {source}: local backend (this machine, a private Ray)",
+        f"# {BACKEND.stays_up}",
+    ]
     if trainer is None or recipe.command is not None:
         command = " && ".join(recipe.head_command)
         lines.append(f"would run on this machine, with a Ray head started for it: {command}")

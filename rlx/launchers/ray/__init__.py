@@ -15,4 +15,6 @@ BACKEND = BackendSpec(
     suffix=".ray-job.json",
     renders=True,
     launch_options=frozenset({"address", "detach"}),
+    stays_up="the cluster this job runs on stays up after it: it is not the job's (a cluster "
+    "rlx launch --keep holds ends after its own resources.idle_minutes, or with rlx down)",
 )

@@ -12,7 +12,9 @@ import json
 import shlex
 from typing import Any
 
+from rlx.errors import RlxError
 from rlx.launchers.common import header_lines
+from rlx.launchers.ray import BACKEND
 from rlx.node.env import RECIPE_ENV, recipe_json
 from rlx.recipe import Recipe
 
@@ -40,10 +42,20 @@ def submission(recipe: Recipe) -> dict[str, Any]:
     }
 
 
+NO_IDLE_LIMIT = (
+    "resources.idle_minutes: a -b ray job runs on a cluster that is not its own, which its "
+    "idle limit cannot end; set it in the recipe launched with --keep, and drop it here"
+)
+
+
 def render(recipe: Recipe, source: str) -> str:
+    # An idle limit asked for by name here would be taken for the cluster's: refused.
+    if "idle_minutes" in recipe.resources.model_fields_set:
+        raise RlxError(NO_IDLE_LIMIT)
     how = [
         f"Run with: rlx launch {source} --backend ray --address http://HOST:8265",
         "(the cluster's dashboard through a tunnel; RAY_AUTH_TOKEN holds its token)",
+        BACKEND.stays_up[:1].upper() + BACKEND.stays_up[1:] + ".",
     ]
     header = {"_comment": header_lines(recipe, source, how)}
     return json.dumps({**header, **submission(recipe)}, indent=2) + "\n"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from rlx.launchers.sky.render import places
-from rlx.lint.core import ERROR, Check, Problem
+from rlx.lint.core import ERROR, WARNING, Check, Problem
 from rlx.recipe import Recipe
 
 # Where SkyPilot has volumes (sky/utils/volume.py: k8s-pvc, k8s-hostpath,
@@ -65,6 +65,13 @@ def check_sky(recipe: Recipe) -> Iterator[Problem]:
                 "(resources.fabric)",
             )
             break
+    if recipe.resources.max_duration is not None:
+        yield Problem(
+            ("resources", "max_duration"),
+            WARNING,
+            "SkyPilot has no run time limit: on SkyPilot the job runs until it ends or `rlx "
+            "down` (dstack and Slurm keep max_duration)",
+        )
     no_spot = [p for p in where if p.lower().startswith(("k8s", "kubernetes", "ssh"))]
     if recipe.resources.spot is True and no_spot:
         yield Problem(

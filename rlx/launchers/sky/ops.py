@@ -20,6 +20,7 @@ import yaml
 
 from rlx.errors import RlxError
 from rlx.launchers.base import Job, JobStatus, LaunchRequest, remember
+from rlx.launchers.common import ENDED_IDLE_MINUTES
 from rlx.launchers.ops_common import absolute_local, one_line, save_rendered
 from rlx.launchers.ship import build_wheel, wheel_dir
 from rlx.launchers.sky import BACKEND
@@ -114,7 +115,15 @@ def launch(request: LaunchRequest) -> Job:
         return job
     try:
         with ERRORS.around(target):
-            job_id, _ = sky.stream_and_get(sky.launch(task, cluster_name=request.name))
+            # Down when the job ends, as the task's own autostop says (a kept cluster's
+            # head holds the job until its idle limit).
+            launched = sky.launch(
+                task,
+                cluster_name=request.name,
+                down=True,
+                idle_minutes_to_autostop=ENDED_IDLE_MINUTES,
+            )
+            job_id, _ = sky.stream_and_get(launched)
     except RlxError:
         # A cluster that got as far as existing must stay reachable by `rlx down`.
         if _cluster_exists(sky, request.name):

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlx.errors import TRY_AGAIN
 from rlx.launchers.common import (
+    ENDED_IDLE_MINUTES,
     drop_empty,
     dump_yaml,
     header_lines,
@@ -15,18 +17,22 @@ from rlx.launchers.common import (
     secret_names,
     setup_script,
 )
+from rlx.launchers.keep import kept_until
 from rlx.launchers.offers import describe, offers, spot_levels
 from rlx.launchers.sky import BACKEND
 from rlx.node.env import NODE_GROUP_ENV, RECIPE_ENV, recipe_json
 from rlx.recipe import Recipe
-from rlx.recipe.model import Accelerator, NodeGroup, Resources, is_bucket
+from rlx.recipe.model import Accelerator, NodeGroup, Resources, duration_seconds, is_bucket
+
+# Torn down when its job ends, also when a session holds an ssh connection (a forgotten
+# `ssh -L` tunnel must not keep the cluster billed). A managed job's controller sets its own.
+AUTOSTOP = {"idle_minutes": ENDED_IDLE_MINUTES, "down": True, "wait_for": "jobs"}
+KUBERNETES = ("kubernetes", "k8s")
 
 
 def places(recipe: Recipe) -> list[str]:
     """Where SkyPilot may run: resources.infra, else the older sky.infra (lint refuses both)."""
-    if recipe.resources.infra_list:
-        return recipe.resources.infra_list
-    return [recipe.sky.infra] if recipe.sky and recipe.sky.infra else []
+    return recipe.places
 
 
 def _accelerator_set(options: tuple[Accelerator, ...]) -> dict[str, int | None]:
@@ -93,13 +99,33 @@ def _resources(recipe: Recipe, group: NodeGroup | None = None) -> dict[str, Any]
         # per node and hour, as the recipe's (SkyPilot prices a whole node's offer)
         "max_hourly_cost": res.max_hourly_cost,
         **varying,
+        "autostop": dict(AUTOSTOP),
+        "job_recovery": job_recovery(recipe),
     }
-    if sky and sky.recovery:
-        out["job_recovery"] = {
-            "strategy": sky.recovery.strategy,
-            "max_restarts_on_errors": sky.recovery.max_restarts_on_errors,
-        }
     return drop_empty(out)
+
+
+def job_recovery(recipe: Recipe) -> dict[str, Any]:
+    """A managed job's recovery: the recipe's strategy and restarts, and rlx's exit code for
+    "stopped and saved, run me again" (a preemption warning, a lost node) as a recovery that
+    does not count against max_restarts_on_errors."""
+    recovery = recipe.sky.recovery if recipe.sky else None
+    out: dict[str, Any] = {}
+    if recovery is not None:
+        out["strategy"] = recovery.strategy
+        out["max_restarts_on_errors"] = recovery.max_restarts_on_errors
+    out["recover_on_exit_codes"] = [TRY_AGAIN]
+    return out
+
+
+def task_settings(recipe: Recipe) -> dict[str, Any]:
+    """SkyPilot settings the task overrides: Kubernetes' provision_timeout from
+    resources.start_deadline, where the job may run on Kubernetes (any place, or one named)."""
+    deadline = recipe.resources.start_deadline
+    clouds = {place.split("/")[0].lower() for place in places(recipe)}
+    if deadline is None or (clouds and not clouds & set(KUBERNETES)):
+        return {}
+    return {"kubernetes": {"provision_timeout": duration_seconds(deadline)}}
 
 
 def _file_mounts(recipe: Recipe) -> dict[str, Any]:
@@ -135,6 +161,7 @@ def task_config(recipe: Recipe, group: str | None = None) -> dict[str, Any]:
             "secrets": dict.fromkeys(secret_names(recipe)),
             "setup": setup_script(recipe),
             "run": node_command(BACKEND.name),
+            "config": task_settings(recipe),
         }
     )
 
@@ -163,6 +190,9 @@ def render(recipe: Recipe, source: str) -> str:
             + "".join(f" --secret {name}" for name in recipe.secrets)
             + ")",
         ]
+        how.append(
+            "SkyPilot's jobs controller tears every job's cluster down when the job group ends."
+        )
         documents = [dump_yaml(config) for config in job_group_configs(recipe)]
         return "\n".join(header_lines(recipe, source, how)) + "\n---\n" + "---\n".join(documents)
     how = [
@@ -171,6 +201,9 @@ def render(recipe: Recipe, source: str) -> str:
         + (" --secret RLX_RAY_TOKEN=$(openssl rand -hex 32)" if recipe.ray.auth == "token" else "")
         + "".join(f" --secret {name}" for name in recipe.secrets)
         + ")",
+        f"When the job ends SkyPilot tears the cluster down (autostop: down, within "
+        f"{ENDED_IDLE_MINUTES} minute); a cluster kept with rlx launch --keep stays "
+        f"{kept_until(recipe)}.",
     ]
     return "\n".join(header_lines(recipe, source, how)) + "\n" + dump_yaml(task_config(recipe))
 

@@ -112,18 +112,66 @@ def check_no_prices(recipe: Recipe) -> Iterator[Problem]:
         )
 
 
+def check_time_twice(recipe: Recipe) -> Iterator[Problem]:
+    if recipe.resources.max_duration is not None and recipe.slurm and recipe.slurm.time:
+        yield Problem(
+            ("slurm", "time"),
+            ERROR,
+            "resources.max_duration sets Slurm's --time too; drop slurm.time",
+        )
+
+
+def check_deadline_has_time(recipe: Recipe) -> Iterator[Problem]:
+    """Slurm drops a job that cannot end before its --deadline: without the job's time
+    limit the deadline cannot say when it must start."""
+    if recipe.resources.start_deadline is None:
+        return
+    if recipe.resources.max_duration is None and not (recipe.slurm and recipe.slurm.time):
+        yield Problem(
+            ("resources", "start_deadline"),
+            ERROR,
+            "Slurm's --deadline drops a job that cannot end before it, so on Slurm a start "
+            "deadline needs the job's time limit; set resources.max_duration (e.g. 12h)",
+        )
+
+
 # What one batch script cannot express: refused when rendered, lint or not.
-RENDER_CHECKS: list[Check] = [check_gpu_alternatives, check_no_prices]
+RENDER_CHECKS: list[Check] = [
+    check_gpu_alternatives,
+    check_no_prices,
+    check_time_twice,
+    check_deadline_has_time,
+]
 
 
 def check_expressible(recipe: Recipe) -> Iterator[Problem]:
-    """RENDER_CHECKS for a recipe with a slurm section. A price cap or places are for the
-    clouds a recipe also runs on: a warning here, refused only on a Slurm launch."""
+    """RENDER_CHECKS for a recipe with a slurm section. A price cap, places or a start
+    deadline with no time limit are for the clouds a recipe also runs on: a warning here,
+    refused only on a Slurm launch."""
     if recipe.slurm is None:
         return
     yield from check_gpu_alternatives(recipe)
-    for problem in check_no_prices(recipe):
-        yield Problem(problem.field, WARNING, problem.message)
+    yield from check_time_twice(recipe)
+    for check in (check_no_prices, check_deadline_has_time):
+        for problem in check(recipe):
+            yield Problem(problem.field, WARNING, problem.message)
 
 
-CHECKS: list[Check] = [check_slurm, check_slurm_groups, check_expressible]
+def check_deadline_and_requeue(recipe: Recipe) -> Iterator[Problem]:
+    slurm = recipe.slurm
+    if slurm and slurm.requeue and recipe.resources.start_deadline is not None:
+        yield Problem(
+            ("resources", "start_deadline"),
+            WARNING,
+            "Slurm keeps a job's --deadline when it requeues it, so an attempt that cannot end "
+            "before the deadline is dropped instead of retried; drop the start deadline, or "
+            "slurm.requeue",
+        )
+
+
+CHECKS: list[Check] = [
+    check_slurm,
+    check_slurm_groups,
+    check_expressible,
+    check_deadline_and_requeue,
+]

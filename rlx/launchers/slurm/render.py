@@ -18,6 +18,7 @@ from rlx.launchers.common import (
     refuse,
     setup_script,
 )
+from rlx.launchers.keep import kept_until
 from rlx.launchers.offers import node_kinds
 from rlx.launchers.slurm.containers import (
     container_of,
@@ -36,7 +37,7 @@ from rlx.node.env import (
     recipe_json,
 )
 from rlx.recipe import Recipe
-from rlx.recipe.model import NodeGroup, Resources, SlurmContainer
+from rlx.recipe.model import NodeGroup, Resources, SlurmContainer, duration_seconds
 
 # Once the head (or every worker) is done, the other step follows within seconds; past this
 # grace period the driver stops it, so a stalled node cannot hold the allocation.
@@ -96,6 +97,57 @@ def _constraint(recipe: Recipe, shape: Resources | NodeGroup, more: str | None) 
     return "&".join([gpus, f"({more})" if "|" in more else more])
 
 
+def slurm_time(seconds: int) -> str:
+    """A time limit as Slurm writes one: D-HH:MM:SS, or HH:MM:SS under a day."""
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    clock = f"{hours:02d}:{rest // 60:02d}:{rest % 60:02d}"
+    return f"{days}-{clock}" if days else clock
+
+
+def time_seconds(text: str) -> int:
+    """Seconds in a Slurm time limit: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS."""
+    days, _, clock = text.rpartition("-")
+    parts = [int(part) for part in clock.split(":")]
+    if days:  # D-HH[:MM[:SS]]
+        hours, minutes, seconds = [*parts, 0, 0][:3]
+        return int(days) * 86400 + hours * 3600 + minutes * 60 + seconds
+    if len(parts) == 3:
+        return parts[0] * 3600 + parts[1] * 60 + parts[2]
+    return parts[0] * 60 + (parts[1] if len(parts) == 2 else 0)
+
+
+def time_limit(recipe: Recipe) -> str | None:
+    """--time: resources.max_duration, else slurm.time (refused together)."""
+    if recipe.resources.max_duration is not None:
+        return slurm_time(duration_seconds(recipe.resources.max_duration))
+    return recipe.slurm.time if recipe.slurm else None
+
+
+def deadline(recipe: Recipe) -> str | None:
+    """--deadline from resources.start_deadline. Slurm drops a job that cannot END before
+    its deadline (start > deadline - time limit), so the deadline is the start deadline plus
+    the time limit (a start deadline without a time limit is refused)."""
+    start, limit = recipe.resources.start_deadline, time_limit(recipe)
+    if start is None or limit is None:
+        return None
+    seconds = duration_seconds(start) + time_seconds(limit)
+    return f"now+{seconds // 60}minutes" if seconds % 60 == 0 else f"now+{seconds}"
+
+
+def _job_lines(recipe: Recipe) -> list[str]:
+    """Where the job runs, who pays and for how long (every component says it again: Slurm
+    does not carry every option over)."""
+    slurm = recipe.slurm
+    lines = [
+        f"--{field}={getattr(slurm, field)}"
+        for field in ("partition", "account", "qos")
+        if slurm and getattr(slurm, field) is not None
+    ]
+    limit = time_limit(recipe)
+    return lines + ([f"--time={limit}"] if limit else [])
+
+
 def directives(recipe: Recipe) -> list[str]:
     # here, not at the top: the checks module loads lint, whose storage checks import it
     from rlx.launchers.slurm.checks import RENDER_CHECKS
@@ -104,11 +156,9 @@ def directives(recipe: Recipe) -> list[str]:
     res, slurm = recipe.resources, recipe.slurm
     train = res.train_nodes
     lines = [f"--job-name={recipe.name}", *_node_lines(recipe, train, train.nodes)]
-    if slurm:
-        for field in ("partition", "account", "qos", "time"):
-            value = getattr(slurm, field)
-            if value is not None:
-                lines.append(f"--{field}={value}")
+    lines += _job_lines(recipe)
+    if deadline(recipe):
+        lines.append(f"--deadline={deadline(recipe)}")
     constraint = _constraint(recipe, train, slurm.constraint if slurm else None)
     if constraint:
         lines.append(f"--constraint={constraint}")
@@ -130,14 +180,9 @@ def directives(recipe: Recipe) -> list[str]:
         constraint = _constraint(recipe, rollout, None)
         if constraint:
             more.append(f"--constraint={constraint}")
-        if slurm:
-            more += [
-                f"--{field}={getattr(slurm, field)}"
-                for field in ("partition", "account", "qos", "time")
-                if getattr(slurm, field) is not None
-            ]
-            if slurm.exclusive:
-                more.append("--exclusive")
+        more += _job_lines(recipe)
+        if slurm and slurm.exclusive:
+            more.append("--exclusive")
         out += ["#SBATCH hetjob", *(f"#SBATCH {line}" for line in more)]
     return out
 
@@ -496,6 +541,8 @@ def render(recipe: Recipe, source: str) -> str:
         f"by hand as rlx launch does, put it on the shared filesystem and submit with "
         f"{WHEEL_ENV}=/shared/path/rlx-VERSION-py3-none-any.whl: each node whose rlx differs "
         "installs it in a virtualenv of its own in the job's log folder)",
+        f"The allocation ends with the job; a cluster kept with rlx launch --keep stays "
+        f"{kept_until(recipe)}.",
     ]
     lines = [
         "#!/bin/bash",

@@ -1,8 +1,9 @@
-"""dstack, for real: a `dstack server` on loopback with no backends, hence no fleets.
+"""dstack, for real: a `dstack server` on loopback with no backends, hence no offers.
 
-Runs are submitted through `rlx launch --backend dstack`, found on the server through its API,
-fail there for want of a fleet, and rlx says so in one line; `rlx status/logs/down` operate
-them. Needs the `dstack_server` fixture: run with `-p tests.support.dstack_server`.
+Runs are submitted through `rlx launch --backend dstack` (with the fleet the job brings when
+its recipe names none), found on the server through its API, fail there for want of a fleet
+or an offer, and rlx says so in one line; `rlx status/logs/down` operate them. Needs the
+`dstack_server` fixture: run with `-p tests.support.dstack_server`.
 """
 
 from __future__ import annotations
@@ -104,21 +105,30 @@ def test_gsm8k_is_refused_for_its_missing_volume(
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    "fleets,expected",
+    "fleets,expected,hint",
     [
-        (False, "dstack: no fleet can run this 2-node job; create a fleet with placement: cluster"),
-        (True, "dstack: fleet l4-cluster (under dstack.fleets) cannot run this 2-node job"),
+        # rlx applies the job's own fleet (nodes 0..2), in which no backend offers anything
+        (False, "dstack: no offer can run this 2-node job in its fleet nofleet", "dstack offer"),
+        (
+            True,
+            "dstack: fleet l4-cluster (under dstack.fleets) cannot run this 2-node job",
+            "placement: cluster",
+        ),
     ],
     ids=["no-fleet-named", "named-fleet"],
 )
 def test_distributed_run_without_a_fleet_is_reported(
-    project: Path, dstack_server: DstackServer, write_recipe, fleets: bool, expected: str
+    project: Path, dstack_server: DstackServer, write_recipe, fleets: bool, expected: str, hint: str
 ):
     name = "nofleet-named" if fleets else "nofleet"
     recipe = two_node_recipe(write_recipe, name, fleets=fleets)
     result = invoke("launch", str(recipe), "--backend", "dstack", "--name", name)
     assert result.exit_code == 1
-    line = assert_one_line_error(result.output, expected, "placement: cluster")
+    line = assert_one_line_error(result.output, expected, hint)
+    if not fleets:  # the job's own fleet is on the server, empty, its instances made on demand
+        fleet = dstack_server.client().client.fleets.get(dstack_server.project, name)
+        assert (fleet.spec.configuration.nodes.min, fleet.spec.configuration.nodes.max) == (0, 2)
+        assert fleet.spec.configuration.idle_duration == 60
     # the run was really submitted: the server lists it, as 2 jobs, and fails it
     assert name in listed(dstack_server)
     run = wait_finished(dstack_server, name)

@@ -19,6 +19,7 @@ import yaml
 
 from rlx.errors import RlxError
 from rlx.launchers import render
+from rlx.launchers.dstack.render import task_text
 from rlx.recipe import parse_recipe
 from rlx.recipe.model import Recipe
 
@@ -115,7 +116,7 @@ def test_dstack(hostile, tmp_path):
         render("dstack", recipe, "inject.yaml")
     single_line = value.replace("\n", " ")
     recipe = recipe.model_copy(update={"env": {"NASTY": single_line}})
-    conf = parse_run_configuration(yaml.safe_load(render("dstack", recipe, "inject.yaml")))
+    conf = parse_run_configuration(task_text(render("dstack", recipe, "inject.yaml")))
     # What dstack's server does to env values before the job starts.
     interpolate = VariablesInterpolator({"secrets": {}}).interpolate_or_error
     env = {k: interpolate(v) for k, v in conf.env.as_dict().items() if isinstance(v, str)}

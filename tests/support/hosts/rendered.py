@@ -167,7 +167,9 @@ class RenderedJob:
         )
         from dstack._internal.utils.interpolator import VariablesInterpolator
 
-        conf = parse_run_configuration(yaml.safe_load(rendered))
+        from rlx.launchers.dstack.render import task_text
+
+        conf = parse_run_configuration(task_text(rendered))  # the task (after its fleet)
         interpolate = VariablesInterpolator({"secrets": {}}).interpolate_or_error
         envs = {k: interpolate(v) for k, v in conf.env.items() if isinstance(v, str)}
         # Listed by name only: `dstack apply` takes the values from its environment.

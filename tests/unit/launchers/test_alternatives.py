@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from rlx.cli import app
 from rlx.launchers import render
+from rlx.launchers.dstack.render import task_text
 from rlx.lint import lint_file
 from rlx.recipe import load_recipe
 from tests.conftest import RECIPES, REPO
@@ -87,7 +88,7 @@ def test_dstack_reads_names_spot_policy_and_price():
     pytest.importorskip("dstack")
     from dstack._internal.core.models.configurations import parse_run_configuration
 
-    config = parse_run_configuration(yaml.safe_load(rendered(ALTERNATIVES, "dstack")))
+    config = parse_run_configuration(task_text(rendered(ALTERNATIVES, "dstack")))
     gpu = config.resources.gpu
     print("dstack gpu:", gpu, "spot_policy:", config.spot_policy, "max_price:", config.max_price)
     assert gpu.name == ["H100", "A100"]  # dstack's A100 with 80GB is SkyPilot's A100-80GB
@@ -104,7 +105,7 @@ def test_dstack_spells_a_sized_name_its_way():
     from dstack._internal.core.models.configurations import parse_run_configuration
 
     text = rendered(ALTERNATIVES, "dstack", accelerators="A100-80GB:8", spot=True, infra=None)
-    config = parse_run_configuration(yaml.safe_load(text))
+    config = parse_run_configuration(task_text(text))
     assert config.resources.gpu.name == ["A100"]
     assert config.resources.gpu.memory.min == config.resources.gpu.memory.max == 80
     assert config.spot_policy.value == "spot"

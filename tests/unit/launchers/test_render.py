@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from rlx.cli import app
 from rlx.launchers import render, renderable, spec
 from rlx.launchers.dstack.names import gpu_name
+from rlx.launchers.dstack.render import task_text
 from rlx.recipe import load_recipe
 from tests.conftest import RECIPES, REPO
 
@@ -23,13 +24,18 @@ GOLDEN = REPO / "tests" / "golden"
 RECIPE_FILES = sorted(RECIPES.glob("*.yaml"))
 # Test recipes (tests/recipes/) for what the shipped ones do not show, with the backends each
 # renders for: GPU alternatives with spot auto, a price cap and places (Slurm refuses those),
-# and a set of GPUs that Slurm asks for by node feature.
+# a set of GPUs that Slurm asks for by node feature, and limits on time and idleness.
 ALTERNATIVES = REPO / "tests" / "recipes" / "alternatives.yaml"
 ALTERNATIVES_SET = REPO / "tests" / "recipes" / "alternatives-set.yaml"
+# Limits on time and idleness: a run time limit, a start deadline, a kept cluster's idle limit.
+LIMITS = REPO / "tests" / "recipes" / "limits.yaml"
 TEST_CASES = [
     (ALTERNATIVES, "sky"),
     (ALTERNATIVES, "dstack"),
     *((ALTERNATIVES_SET, b) for b in ("sky", "dstack", "slurm")),
+    (LIMITS, "sky"),
+    (LIMITS, "dstack"),
+    (LIMITS, "slurm"),
 ]
 CASES = [(r, b) for r in RECIPE_FILES for b in renderable()] + TEST_CASES
 runner = CliRunner()
@@ -117,7 +123,7 @@ def test_dstack_accepts(recipe: Path):
     pytest.importorskip("dstack")
     from dstack._internal.core.models.configurations import parse_run_configuration
 
-    config = parse_run_configuration(yaml.safe_load(rendered(recipe, "dstack")))
+    config = parse_run_configuration(task_text(rendered(recipe, "dstack")))
     loaded = load_recipe(recipe).recipe
     assert config.nodes_num == loaded.resources.total_nodes
     assert str(config.stop_criteria.value) == "master-done"
@@ -178,7 +184,7 @@ def test_ray_token_is_a_secret_by_name():
     for recipe in RECIPE_FILES:
         *_, sky = yaml.safe_load_all(rendered(recipe, "sky"))  # a job group's last job
         assert sky["secrets"]["RLX_RAY_TOKEN"] is None
-        dstack = yaml.safe_load(rendered(recipe, "dstack"))
+        dstack = task_text(rendered(recipe, "dstack"))
         assert "RLX_RAY_TOKEN" in dstack["env"]
 
 
