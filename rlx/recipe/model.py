@@ -167,8 +167,8 @@ def _check_idle_minutes(value: Any) -> Any:
     if value == "none" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
         return value
     raise ValueError(
-        f"{value!r} is not an idle limit; write whole minutes, at least 1 (e.g. "
-        f"{IDLE_MINUTES}), or none to keep a kept cluster until `rlx down`"
+        f"{value!r} is not allowed; write whole minutes of idleness, at least 1 (e.g. "
+        f"{IDLE_MINUTES}), or 'none' to keep a kept cluster until `rlx down`"
     )
 
 
