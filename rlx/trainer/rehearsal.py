@@ -54,6 +54,7 @@ MOST_TRAIN_RANKS = 2
 MOST_TENSOR_PARALLEL = 2
 MOST_SAMPLES = 4  # rollout.n
 MOST_NEW_TOKENS = 16
+MOST_SAMPLING_ROUNDS = 2  # batch.filter_groups.max_rounds
 MOST_MINIBATCHES = 2
 MOST_VALIDATION_PROMPTS = 4
 # The stand-in model: vLLM's CPU attention takes heads of 64.
@@ -207,7 +208,14 @@ def _scale_work(recipe: Recipe, change: Any) -> None:
     assert trainer is not None
     rollout = trainer.rollout
     change("trainer.rollout.n", min(rollout.n, MOST_SAMPLES))
-    change("trainer.rollout.max_new_tokens", min(rollout.max_new_tokens, MOST_NEW_TOKENS))
+    new_tokens = min(rollout.max_new_tokens, MOST_NEW_TOKENS)
+    change("trainer.rollout.max_new_tokens", new_tokens)
+    buffer = trainer.algo.overlong.buffer
+    if buffer:  # the same share of the shorter responses
+        change("trainer.algo.overlong.buffer", buffer * new_tokens // rollout.max_new_tokens)
+    if trainer.batch.filter_groups is not None:  # a stand-in model varies seldom: 2 calls
+        rounds = trainer.batch.filter_groups.max_rounds
+        change("trainer.batch.filter_groups.max_rounds", min(rounds, MOST_SAMPLING_ROUNDS))
     environment = trainer.environment
     if environment is not None:
         turns = environment.max_turns * 2 * min(rollout.max_new_tokens, MOST_NEW_TOKENS)
