@@ -13,14 +13,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from rlx.lint.core import ERROR, WARNING, Check, Problem
+from rlx.lint.sources import PROBE_TOKENS, file_of_spec, missing_file
 from rlx.recipe import Recipe
 from rlx.recipe.model import TrainerSettings, episode_token_budget
 from rlx.trainer.episodes.env import builtin_environments, environment_spec_problem
 
 WHERE = ("trainer", "environment")
-# The engine's context holds one token more than a prompt and an episode: the probe request
-# that checks an engine at start-up generates one (rlx.trainer.actors.workers.max_model_len).
-PROBE_TOKENS = 1
 
 
 def environment_problems(
@@ -134,19 +132,12 @@ def _spec_problems(spec: str, base_dir: Path) -> Iterator[Problem]:
         return
     if spec in builtin_environments():
         return
-    target, _, name = spec.rpartition(":")
-    if not target.endswith(".py"):
+    located = file_of_spec(spec, base_dir)
+    if located is None:
         return  # a module: imported on the head only, like a reward's (its form is checked)
-    path = Path(target)
-    found = path if path.is_absolute() else base_dir / path
+    target, name, found = located
     if not found.is_file():
-        yield Problem(
-            field,
-            ERROR,
-            f"environment {spec!r}: file {target!r} does not exist in {base_dir} (relative "
-            "paths start in the folder the job runs in); fix the path, or write "
-            "'package.module:Class' for an installed module",
-        )
+        yield Problem(field, ERROR, missing_file("environment", spec, target, base_dir, "Class"))
         return
     problem = _class_problem(found, target, name)
     if problem is not None:

@@ -24,8 +24,9 @@ from rlx.recipe.model import TrainerSettings, episode_token_budget
 from rlx.recipe.specs import SYNTHETIC_PREFIX
 from rlx.storage import is_store_url, url_problem
 
-# The engine's context holds one token more than a prompt and a response: the probe request
-# that checks an engine at start-up generates one (rlx.lint.environment.PROBE_TOKENS).
+# The engine's context holds one token more than a prompt and its response or episode: the
+# probe request that checks an engine at start-up generates one
+# (rlx.trainer.actors.workers.max_model_len).
 PROBE_TOKENS = 1
 REWARD_SIGNATURE = "fn(prompt: str, response: str, answer: str | None) -> float"
 # A hub id as people write them: owner/name, no suffix (openai/gsm8k, HuggingFaceH4/MATH-500).
@@ -165,6 +166,26 @@ def _data_problems(
             yield Problem(where, ERROR, problem)
 
 
+def file_of_spec(spec: str, base_dir: Path) -> tuple[str, str, Path] | None:
+    """(file as written, name in it, where it is looked for) of a 'path/to/file.py:name'
+    spec (a reward function, an environment class); None for 'package.module:name'."""
+    target, _, name = spec.rpartition(":")
+    if not target.endswith(".py"):
+        return None
+    path = Path(target).expanduser()
+    return target, name, path if path.is_absolute() else base_dir / path
+
+
+def missing_file(kind: str, spec: str, target: str, base_dir: Path, what: str) -> str:
+    """The line for a spec whose file is not there: where it was looked for, and the way
+    to name an installed module instead."""
+    where = _looked_in(Path(target).expanduser(), base_dir)
+    return (
+        f"{kind} {spec!r}: file {target!r} does not exist{where}; fix the path, or write "
+        f"'package.module:{what}' for an installed module"
+    )
+
+
 def _looked_in(path: Path, base_dir: Path) -> str:
     """Where a missing relative path was looked for (nothing to add for an absolute one)."""
     if path.is_absolute():
@@ -274,18 +295,12 @@ def _reward_problems(spec: str, base_dir: Path, settings: TrainerSettings) -> It
         return  # the environment's reward replaces it; built-ins take the call
     if reward_spec_problem(spec) is not None:
         return  # check_trainer_specs says it
-    target, _, name = spec.rpartition(":")
-    if not target.endswith(".py"):
+    located = file_of_spec(spec, base_dir)
+    if located is None:
         return  # a module: installed on the nodes by setup:, imported on the head only
-    path = Path(target).expanduser()
-    found = path if path.is_absolute() else base_dir / path
+    target, name, found = located
     if not found.is_file():
-        yield Problem(
-            field,
-            ERROR,
-            f"reward {spec!r}: file {target!r} does not exist{_looked_in(path, base_dir)}; "
-            "fix the path, or write 'package.module:function' for an installed module",
-        )
+        yield Problem(field, ERROR, missing_file("reward", spec, target, base_dir, "function"))
         return
     problem = _function_problem(found, spec, target, name)
     if problem is not None:
