@@ -14,13 +14,17 @@ def test_a_host_test_is_a_unit_and_any_other_test_goes_with_its_module():
     assert unit_of(other) == "tests/integration/node/test_bootstrap.py"
 
 
-def test_each_rehearsal_is_a_unit_so_workers_share_them():
+def test_the_rehearsals_run_as_one_module_in_a_fresh_worker():
     from tests.support.schedule import SPLIT
 
     rehearsal = "tests/integration/trainer/test_rehearsal.py::test_a_shipped_gpu_recipe[ppo-7b]"
-    assert rehearsal.partition("::")[0] in SPLIT
-    assert unit_of(rehearsal) == rehearsal
+    assert unit_of(rehearsal) == "tests/integration/trainer/test_rehearsal.py"
     assert all((REPO / module).is_file() for module in SPLIT)
+    # A host test is a unit of its own whatever SPLIT holds.
+    assert (
+        unit_of("tests/hosts/test_slurm.py::test_requeue")
+        == "tests/hosts/test_slurm.py::test_requeue"
+    )
 
 
 def test_a_tests_seconds_are_its_setup_call_and_teardown():
