@@ -289,16 +289,7 @@ def _closest(word: str, options: list[str]) -> str | None:
 
 def _model_at(path: Path_) -> type[BaseModel] | None:
     """The model class that validates the mapping at `path` (None if not a model)."""
-    current: Any = Recipe
-    for part in path:
-        if isinstance(part, int):
-            current = _list_item(current)
-            continue
-        model = _as_model(current)
-        if model is None or part not in model.model_fields:
-            return None
-        current = model.model_fields[part].annotation
-    return _as_model(current)
+    return _as_model(_annotation_at(path))
 
 
 def _list_item(annotation: Any) -> Any:

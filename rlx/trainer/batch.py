@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 # The names of SequenceBatch.fields: per-token tensors computed along the step, each (B, R).
@@ -210,29 +211,60 @@ def concat_rollouts(batches: Sequence[RolloutBatch]) -> RolloutBatch:
         raise ValueError("concat_rollouts needs at least one batch")
     if len(batches) == 1:
         return batches[0]
-    first = batches[0]
-    responses, logprobs, finished, prompts, versions = [], [], [], [], []
-    for batch in batches:
-        if batch.n != first.n or batch.pad_token_id != first.pad_token_id:
+    return join_groups([(batch, g) for batch in batches for g in range(len(batch) // batch.n)])
+
+
+def _padded(tensor: torch.Tensor, width: int, value: float | bool) -> torch.Tensor:
+    return F.pad(tensor, (0, width - tensor.shape[1]), value=value)
+
+
+def join_groups(picks: Sequence[tuple[RolloutBatch, int]]) -> RolloutBatch:
+    """One rollout of the groups picked, in the order given: (batch, group index) each, the
+    batches alike in n and pad token. Every per-row field travels, episodes' included;
+    responses are right-padded to the longest."""
+    if not picks:
+        raise ValueError("join_groups needs at least one group")
+    first = picks[0][0]
+    n, pad = first.n, first.pad_token_id
+    width = max(batch.response_ids.shape[1] for batch, _ in picks)
+    with_loss_mask = any(batch.loss_mask is not None for batch, _ in picks)
+    with_token_rewards = any(batch.token_rewards is not None for batch, _ in picks)
+    with_episodes = any(batch.episodes is not None for batch, _ in picks)
+    parts: dict[str, list] = {k: [] for k in ("ids", "mask", "logp", "done", "ver", "lm", "tr")}
+    prompts: list[list[int]] = []
+    episodes: list = []
+    for batch, group in picks:
+        if batch.n != n or batch.pad_token_id != pad:
             raise ValueError("rollout batches disagree on n or on the pad token")
-        lengths = batch.response_lengths.tolist()
-        for row, length in enumerate(lengths):
-            responses.append(batch.response_ids[row, :length].tolist())
-            logprobs.append(batch.logprobs[row, :length].tolist())
-        finished.append(batch.finished)
-        versions.append(batch.row_versions)
-        prompts.extend(batch.prompt_ids)
-    ids, mask, values = pad_responses(responses, logprobs, first.pad_token_id)
+        rows = slice(group * n, (group + 1) * n)
+        parts["ids"].append(_padded(batch.response_ids[rows], width, pad))
+        parts["mask"].append(_padded(batch.response_mask[rows], width, False))
+        parts["logp"].append(_padded(batch.logprobs[rows], width, 0.0))
+        parts["done"].append(batch.finished[rows])
+        parts["ver"].append(batch.row_versions[rows])
+        if with_loss_mask:
+            loss_mask = batch.response_mask if batch.loss_mask is None else batch.loss_mask
+            parts["lm"].append(_padded(loss_mask[rows], width, False))
+        if with_token_rewards:
+            assert batch.token_rewards is not None, "a round without its episodes' rewards"
+            parts["tr"].append(_padded(batch.token_rewards[rows], width, 0.0))
+        if with_episodes:
+            assert batch.episodes is not None, "a round without its episodes"
+            episodes.extend(batch.episodes[rows])
+        prompts.extend(batch.prompt_ids[rows])
     return RolloutBatch(
         prompt_ids=prompts,
-        response_ids=ids,
-        response_mask=mask,
-        logprobs=values,
-        finished=torch.cat(finished),
-        n=first.n,
-        pad_token_id=first.pad_token_id,
-        weight_version=min(batch.weight_version for batch in batches),
-        versions=torch.cat(versions),
+        response_ids=torch.cat(parts["ids"]),
+        response_mask=torch.cat(parts["mask"]),
+        logprobs=torch.cat(parts["logp"]),
+        finished=torch.cat(parts["done"]),
+        n=n,
+        pad_token_id=pad,
+        weight_version=min(batch.weight_version for batch, _ in picks),
+        versions=torch.cat(parts["ver"]),
+        loss_mask=torch.cat(parts["lm"]) if with_loss_mask else None,
+        token_rewards=torch.cat(parts["tr"]) if with_token_rewards else None,
+        episodes=episodes if with_episodes else None,
     )
 
 

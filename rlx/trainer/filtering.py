@@ -19,9 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
-from rlx.trainer.batch import RolloutBatch
+from rlx.trainer.batch import RolloutBatch, join_groups
 
 # The seed offset of the later rounds' sampler: its epochs' permutations (seed + offset +
 # epoch) never meet the main sampler's (seed + epoch) in any run shorter than a million epochs.
@@ -43,60 +42,6 @@ def group_spread(
     high = torch.where(ok, grouped, -torch.inf).max(dim=1).values  # (P,)
     low = torch.where(ok, grouped, torch.inf).min(dim=1).values  # (P,)
     return (ok.sum(dim=1) >= 2) & (high - low > tolerance)  # (P,)
-
-
-def _padded(tensor: torch.Tensor, width: int, value: float | bool) -> torch.Tensor:
-    return F.pad(tensor, (0, width - tensor.shape[1]), value=value)
-
-
-def join_groups(picks: Sequence[tuple[RolloutBatch, int]]) -> RolloutBatch:
-    """One rollout of the groups picked, in the order given: (batch, group index) each, the
-    batches alike in n and pad token. Every per-row field travels, episodes' included;
-    responses are right-padded to the longest."""
-    if not picks:
-        raise ValueError("join_groups needs at least one group")
-    first = picks[0][0]
-    n, pad = first.n, first.pad_token_id
-    width = max(batch.response_ids.shape[1] for batch, _ in picks)
-    with_loss_mask = any(batch.loss_mask is not None for batch, _ in picks)
-    with_token_rewards = any(batch.token_rewards is not None for batch, _ in picks)
-    with_episodes = any(batch.episodes is not None for batch, _ in picks)
-    parts: dict[str, list] = {k: [] for k in ("ids", "mask", "logp", "done", "ver", "lm", "tr")}
-    prompts: list[list[int]] = []
-    episodes: list = []
-    for batch, group in picks:
-        if batch.n != n or batch.pad_token_id != pad:
-            raise ValueError("rollout batches disagree on n or on the pad token")
-        rows = slice(group * n, (group + 1) * n)
-        parts["ids"].append(_padded(batch.response_ids[rows], width, pad))
-        parts["mask"].append(_padded(batch.response_mask[rows], width, False))
-        parts["logp"].append(_padded(batch.logprobs[rows], width, 0.0))
-        parts["done"].append(batch.finished[rows])
-        parts["ver"].append(batch.row_versions[rows])
-        if with_loss_mask:
-            loss_mask = batch.response_mask if batch.loss_mask is None else batch.loss_mask
-            parts["lm"].append(_padded(loss_mask[rows], width, False))
-        if with_token_rewards:
-            assert batch.token_rewards is not None, "a round without its episodes' rewards"
-            parts["tr"].append(_padded(batch.token_rewards[rows], width, 0.0))
-        if with_episodes:
-            assert batch.episodes is not None, "a round without its episodes"
-            episodes.extend(batch.episodes[rows])
-        prompts.extend(batch.prompt_ids[rows])
-    return RolloutBatch(
-        prompt_ids=prompts,
-        response_ids=torch.cat(parts["ids"]),
-        response_mask=torch.cat(parts["mask"]),
-        logprobs=torch.cat(parts["logp"]),
-        finished=torch.cat(parts["done"]),
-        n=n,
-        pad_token_id=pad,
-        weight_version=min(batch.weight_version for batch, _ in picks),
-        versions=torch.cat(parts["ver"]),
-        loss_mask=torch.cat(parts["lm"]) if with_loss_mask else None,
-        token_rewards=torch.cat(parts["tr"]) if with_token_rewards else None,
-        episodes=episodes if with_episodes else None,
-    )
 
 
 @dataclass

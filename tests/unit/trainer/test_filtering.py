@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from rlx.trainer.batch import RolloutBatch
-from rlx.trainer.filtering import Round, group_spread, join_groups, pick_groups
+from rlx.trainer.batch import RolloutBatch, join_groups
+from rlx.trainer.filtering import Round, group_spread, pick_groups
 
 
 def test_a_group_varies_beyond_the_tolerance_counting_valid_rows_only() -> None:
