@@ -22,6 +22,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Nothing is fetched from the Hugging Face hub: a test that names a hub id serves it from a
 # cache it filled itself (tests/support/hub.py).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The GCS emulator speaks GCS's JSON API only. gcsfs reads this once, as it is first imported:
+# with its default ("true") it asks every new filesystem's bucket type over gRPC, which the
+# emulator never answers, and each such call waits out its 30 s deadline.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = REPO / "recipes"
