@@ -78,6 +78,18 @@ def store_of(url: str) -> Store | None:
     return None if match is None else BY_SCHEME.get(match["scheme"].lower())
 
 
+# Schemes read letter by letter whose first letter sounds a vowel ("an s3:// URL", "an
+# https:// URL"); the others take "a" ("a gs:// URL", "a file:// URL").
+_AN_SCHEMES = frozenset(
+    {"s3", "s3a", "az", "abfs", "abfss", "adl", "hf", "http", "https", "r2", "oci", "ftp", "sftp"}
+)
+
+
+def a_url(scheme: str) -> str:
+    """'a gs://' or 'an s3://': the article a scheme's URL takes, with it."""
+    return f"{'an' if scheme.lower() in _AN_SCHEMES else 'a'} {scheme}://"
+
+
 def url_problem(path: str) -> str | None:
     """What is wrong with a path field's value as a URL, worded to follow the value (None when
     it is not a URL, or a store URL rlx can use)."""
@@ -86,7 +98,7 @@ def url_problem(path: str) -> str | None:
         near = LOOKS_LIKE_URL.match(path)
         if near is not None:
             return (
-                f"looks like a {near['scheme']}:// URL with a slash missing; write "
+                f"looks like {a_url(near['scheme'])} URL with a slash missing; write "
                 f"{near['scheme']}://bucket/prefix (rlx never makes a folder named "
                 f"'{near['scheme']}:')"
             )
@@ -98,7 +110,7 @@ def url_problem(path: str) -> str | None:
             if scheme in ("r2", "minio", "cos", "oci")
             else ""
         )
-        return f"is a {scheme}:// URL, which rlx cannot store to; use {SUPPORTED}{hint}"
+        return f"is {a_url(scheme)} URL, which rlx cannot store to; use {SUPPORTED}{hint}"
     bucket = match["rest"].split("/", 1)[0]
     if not bucket:
         return f"names no bucket; write {scheme}://bucket/prefix"

@@ -49,6 +49,22 @@ def high_entropy(value: str) -> bool:
     return bits >= ENTROPY_BITS and any(c.isdigit() for c in value)
 
 
+# A git commit or a content hash (40 or 64 hex digits) under a name that says so is a pin,
+# not a key: GIT_COMMIT, MODEL_REVISION, DATA_SHA256.
+_HEX_DIGEST = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
+PIN_WORDS = {"SHA", "SHA1", "SHA256", "COMMIT", "REVISION", "REV", "HASH", "DIGEST", "CHECKSUM"}
+
+
+def names_a_pin(name: str, value: str) -> bool:
+    """Whether env NAME=VALUE is a commit or hash pinned by name, e.g. GIT_SHA=<40 hex>."""
+    words = set(name.upper().split("_"))
+    return (
+        bool(_HEX_DIGEST.fullmatch(value))
+        and bool(PIN_WORDS & words)
+        and not _secret_like_name(name)
+    )
+
+
 def _reserved_prefixes() -> tuple[str, ...]:
     """Prefixes of the variables the backends' software and rlx set on the nodes."""
     return (*(b.env_prefix for b in specs() if b.env_prefix), "RLX_")
@@ -79,7 +95,11 @@ def check_secrets_in_env(recipe: Recipe) -> Iterator[Problem]:
                 f"{name} is listed under secrets; remove its value "
                 "from env (secret values are read from your environment at launch)",
             )
-        elif SECRET_LIKE_VALUE.match(value) or KEY_SHAPES.search(value) or high_entropy(value):
+        elif (
+            SECRET_LIKE_VALUE.match(value)
+            or KEY_SHAPES.search(value)
+            or (high_entropy(value) and not names_a_pin(name, value))
+        ):
             yield Problem(
                 where,
                 ERROR,

@@ -18,6 +18,7 @@ from typing import Any
 from rlx.errors import RlxError
 from rlx.hub import cache_root, cached_file, is_hub_id
 from rlx.recipe.specs import TINY_HEAD_DIM, TINY_VOCAB, tiny_model
+from rlx.storage import is_store_url
 
 # tiny:<arch>-h<hidden>-l<layers>, as rlx.trainer.resolve builds them (rlx.trainer.model.tiny).
 # Architectures whose q/k/v projections carry a bias.
@@ -283,6 +284,12 @@ def find_shape(model: str, env: Mapping[str, str] | None = None) -> ModelShape:
     builtin = builtin_configs().get(normalise_name(model))
     if builtin is not None:
         return ModelShape.from_config(builtin, f"built-in table ({normalise_name(model)})")
+    if is_store_url(model):
+        raise PlanError(
+            f"{model}: a model in a store, whose config.json the plan does not read, under a "
+            "name not in the built-in table; to check its memory, plan a copy of the recipe "
+            "whose model.path is a local copy of that folder"
+        )
     near = nearest_builtin(model)
     raise PlanError(
         f"{model}: no config.json found (not a local folder, not in the Hugging Face cache "

@@ -10,6 +10,7 @@ One step:
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import time
 from collections.abc import Callable
@@ -734,8 +735,9 @@ class Trainer:
         except (RlxError, OSError, ValueError) as exc:
             # The run itself succeeded and its checkpoint is complete: say how to retry.
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            retry = f"rlx export {shlex.quote(str(latest))} OUT"
             print(
-                f"warning: no Hugging Face export ({first}); try `rlx export {latest} OUT`",
+                f"warning: no Hugging Face export ({first}); try `{retry}`",
                 file=self.err,
                 flush=True,
             )

@@ -31,7 +31,7 @@ def test_a_mistyped_checkpoint_url_is_said_alone(resources, write_recipe):
     # s3:/bucket is no folder on a node's disk: it is a URL with a slash missing.
     text = "name: job\n" + resources + TRAINER + '  checkpoint: {dir: "s3:/bucket/x"}\n'
     assert _lines(write_recipe, text, "trainer.checkpoint.dir") == [
-        "error: s3:/bucket/x looks like a s3:// URL with a slash missing; write "
+        "error: s3:/bucket/x looks like an s3:// URL with a slash missing; write "
         "s3://bucket/prefix (rlx never makes a folder named 's3:')"
     ]
 
@@ -89,7 +89,7 @@ def test_a_mistyped_model_url_is_not_sent_to_the_hub(write_recipe):
     # Not "memory not checked ... hf download s3:/bucket/model": the URL is the news.
     text = "name: job\ntrainer:\n  model: {path: 's3:/bucket/model'}\n  data: {train: x.jsonl}\n"
     assert _lines(write_recipe, text, "trainer.model.path") == [
-        "error: s3:/bucket/model looks like a s3:// URL with a slash missing; write "
+        "error: s3:/bucket/model looks like an s3:// URL with a slash missing; write "
         "s3://bucket/prefix (rlx never makes a folder named 's3:')"
     ]
 

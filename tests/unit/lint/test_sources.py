@@ -387,6 +387,18 @@ def test_a_wandb_key_in_env_is_one_line_and_not_echoed(job_dir):
     assert WANDB_KEY not in result.output
 
 
+@pytest.mark.parametrize("name", ["GIT_COMMIT", "MODEL_REVISION", "DATA_SHA256"])
+def test_a_commit_or_hash_named_so_is_a_pin_not_a_key(job_dir, name):
+    digest = WANDB_KEY if name != "DATA_SHA256" else WANDB_KEY + WANDB_KEY[:24]
+    path = _write(job_dir, _recipe({"data": {"train": SYNTHETIC}}, env={name: digest}))
+    assert _errors(path) == []
+
+
+def test_a_key_named_like_a_pin_and_a_secret_is_still_a_key(job_dir):
+    path = _write(job_dir, _recipe({"data": {"train": SYNTHETIC}}, env={"SHA_TOKEN": WANDB_KEY}))
+    assert len(_errors(path)) == 1
+
+
 INLINE = (
     "this value holds what looks like a credential; remove it, list a name under secrets "
     "(e.g. HF_TOKEN), export it before launch and refer to it by that name ($HF_TOKEN in "

@@ -165,6 +165,14 @@ def test_the_fetch_command_for_a_model_pastes_as_one_id(tmp_path: Path) -> None:
     assert "(hf download 'acme/my model' config.json)" in str(refusal.value)
 
 
+def test_a_model_in_a_store_gets_no_hub_advice(tmp_path: Path) -> None:
+    with pytest.raises(PlanError) as refusal:
+        find_shape("s3://acme-models/my-policy", {"HF_HOME": str(tmp_path / "none")})
+    said = str(refusal.value)
+    assert said.startswith("s3://acme-models/my-policy: a model in a store"), said
+    assert "hf download" not in said and "local copy of that folder" in said
+
+
 def test_shapes_know_the_models_positions() -> None:
     # What lint checks an episode against (the built tiny model's: the test below).
     assert find_shape("tiny:qwen2-h64-l2", {}).max_positions == 2048
