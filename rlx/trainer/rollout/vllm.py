@@ -79,6 +79,19 @@ def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.clone()
 
 
+def eager_everywhere() -> None:
+    """No torch.compile in this process or the engine processes it starts. An eager engine
+    (vLLM's CPU build, as rlx runs it) still carries a few integer ops under their own
+    torch.compile (the sampled token's rank, the vocabulary shard's mask): their first call in
+    a new process paid Dynamo's trace, Inductor's cache lookup and its C++ compiler probes,
+    about 6 s of CPU and more of start-up on a busy machine, for ops that take microseconds
+    eager and give the same integers."""
+    import torch._dynamo
+
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"  # read where torch.compile wraps a function
+    torch._dynamo.config.disable = True  # read at each call, for what is wrapped already
+
+
 class VLLMEngine(RolloutEngine):
     """Rollouts with vLLM. llm_options go to `vllm.LLM` (tensor_parallel_size,
     gpu_memory_utilization, max_model_len, enforce_eager, ...).
@@ -151,6 +164,8 @@ class VLLMEngine(RolloutEngine):
         adapter_config: dict[str, Any] | None = None,
         **llm_options: Any,
     ):
+        if llm_options.get("enforce_eager"):
+            eager_everywhere()
         vllm = _import_vllm()
         self._vllm = vllm
         options = {
