@@ -46,3 +46,42 @@ def close_and_check_gone(close: Callable[[], None], started: dict[int, psutil.Pr
             names.append(f"{proc.pid} {' '.join(proc.cmdline())[:120]}")
             proc.kill()
     assert not names, f"still running {END_BOUND_S:.0f} s after close(): {', '.join(names)}"
+
+
+# What every rank of a test's process group imports: loaded once, in multiprocessing's
+# fork server, whose forks then start with it instead of importing it again each (torch,
+# its distributed checkpointing, transformers and rlx's training worker: about 8 s of CPU a
+# process here).
+RANK_PRELOAD = ("rlx.trainer.actors.workers", "transformers")
+
+
+def fork_ranks(fn: Callable[..., None], args: tuple[object, ...], nprocs: int) -> None:
+    """fn(rank, *args) in `nprocs` fresh processes, as torch.multiprocessing.spawn runs it
+    (an error in a rank raises here), but forked from the fork server, which has
+    RANK_PRELOAD imported."""
+    import multiprocessing.forkserver as forkserver
+
+    import torch.multiprocessing as mp
+
+    forkserver.set_forkserver_preload(list(RANK_PRELOAD))  # read when the server first starts
+    mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
+
+
+def spawn_ranks(fn: Callable[..., None], world: int, *args: object) -> None:
+    """fn(rank, world, port, *args) in `world` processes (fork_ranks). A port found free can
+    be taken by another test's process before rank 0 listens on it (EADDRINUSE at start-up,
+    nothing written yet): then again on a fresh port, twice at most."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    for attempt in range(3):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        try:
+            fork_ranks(fn, (world, port, *args), world)
+            return
+        except mp.ProcessRaisedException as exc:
+            if "EADDRINUSE" not in str(exc) or attempt == 2:
+                raise

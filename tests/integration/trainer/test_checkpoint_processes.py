@@ -26,6 +26,7 @@ from rlx.trainer.checkpoint import (
 )
 from rlx.trainer.rollout.base import SamplingArgs
 from tests.conftest import REPO
+from tests.support.processes import spawn_ranks
 
 CRASHING_SAVE = textwrap.dedent(
     """
@@ -235,29 +236,6 @@ def _resume_at(rank: int, world: int, port: int, tmp: str, model: str, strategy:
     worker.close()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _spawn(fn: Any, world: int, *args: Any) -> None:
-    """fn(rank, world, port, *args) in `world` processes. A port found free can be taken by
-    another test's process before rank 0 listens on it (EADDRINUSE at start-up, nothing
-    written yet): then again on a fresh port, twice at most."""
-    import torch.multiprocessing as mp
-
-    for attempt in range(3):
-        try:
-            mp.spawn(fn, args=(world, _free_port(), *args), nprocs=world)
-            return
-        except mp.ProcessRaisedException as exc:
-            if "EADDRINUSE" not in str(exc) or attempt == 2:
-                raise
-
-
 @pytest.fixture(scope="module")
 def ppo_batch(tiny_model_dir: Path) -> Any:
     """12 samples (3 prompts x 4) with advantages and returns: splits over 2 and 3 ranks."""
@@ -286,14 +264,14 @@ def test_a_save_at_two_ranks_resumes_at_three_and_exports(
 
     torch.save(ppo_batch, tmp_path / "batch.pt")
     model = str(tiny_model_dir)
-    _spawn(_save_at, 2, str(tmp_path), model, strategy)
+    spawn_ranks(_save_at, 2, str(tmp_path), model, strategy)
     reference = torch.load(tmp_path / "reference.pt", weights_only=False)
     saved = Path(reference["saved"].path)
     assert read_marker(saved) is not None and reference["saved"].bytes > 0
     shards = sorted(p.name for p in (saved / "learner").glob("*.distcp"))
     assert shards == ["__0_0.distcp", "__1_0.distcp"]  # each rank wrote its own file
 
-    _spawn(_resume_at, 3, str(tmp_path), model, strategy)
+    spawn_ranks(_resume_at, 3, str(tmp_path), model, strategy)
     resumed = torch.load(tmp_path / "resumed.pt", weights_only=False)
     want, got = reference["state"], resumed["state"]
     for part in ("policy", "critic"):

@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from rlx.trainer.batch import (
     ADVANTAGES,
@@ -36,6 +35,7 @@ from tests.support.gradients import (
     gradient_of_update,
     record_gradients,
 )
+from tests.support.processes import fork_ranks
 from tests.support.recipes import make_recipe, small_trainer
 
 pytestmark = pytest.mark.timeout(300)
@@ -366,11 +366,10 @@ def run_ranks(
     world: int, strategy: str, model: Path, unsharded: dict, big: Path, ran: dict
 ) -> dict:
     if world not in ran:
-        mp.spawn(
+        fork_ranks(
             _rank,
-            args=(world, LAYOUTS[world], str(model), str(big), str(unsharded["dir"])),
-            nprocs=world,
-            join=True,
+            (world, LAYOUTS[world], str(model), str(big), str(unsharded["dir"])),
+            world,
         )
         ran[world] = True
     return torch.load(unsharded["dir"] / f"results-{strategy}-{world}.pt", weights_only=False)
@@ -557,10 +556,7 @@ def test_two_ddp_ranks_update_like_one(tmp_path, tiny_model_dir, advantage_batch
     single = Learner(conf, str(tiny_model_dir), None, torch.device("cpu"))
     want = gradient_of_update(single, advantage_batch)
     out = tmp_path / "ddp.pt"
-    mp.spawn(
-        _ddp_rank,
-        args=(2, str(tmp_path / "init"), str(tiny_model_dir), str(tmp_path), str(out)),
-        nprocs=2,
-        join=True,
+    fork_ranks(
+        _ddp_rank, (2, str(tmp_path / "init"), str(tiny_model_dir), str(tmp_path), str(out)), 2
     )
     assert_same_gradient(torch.load(out), want)
