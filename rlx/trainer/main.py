@@ -14,6 +14,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from rlx import sigterm
@@ -133,8 +134,14 @@ def resolve_inputs(job: TrainJob, env: Mapping[str, str], paths: RunPaths) -> An
         critic_path = resolve_model_path(critic.path, cache, settings.seed, "critic_model")
     tokenizer = load_tokenizer(policy_path, settings.model.trust_remote_code)
     check_context_at_start(settings, policy_path)
-    data_file = resolve_data_path(settings.data.train, paths.run_dir, settings.seed)
-    data = load_recipe_prompts(data_file, tokenizer, settings.data)
+    data_file = resolve_data_path(
+        settings.data.train,
+        paths.run_dir,
+        settings.seed,
+        config=settings.data.config,
+        split=settings.data.split,
+    )
+    data = load_recipe_prompts(data_file, tokenizer, settings.data, Path.cwd())
     if len(data) < settings.batch.prompts_per_step:
         raise RlxError(
             f"trainer.data.train: {data.source} has {len(data)} usable prompts, fewer than "
@@ -164,8 +171,6 @@ def check_sources_at_start(settings: Any) -> None:
     """Lint's rule for the prompt files and the reward file, in the folder the job runs in
     (a file gone since lint, a relative one lint left to be made): the first problem as one
     line."""
-    from pathlib import Path
-
     from rlx.lint.sources import source_problems
     from rlx.recipe.load import dotted
 
@@ -189,7 +194,6 @@ def check_context_at_start(settings: Any, policy_path: Any) -> None:
     """Lint's rules for the context window (trainer.environment's episode, or a prompt and
     its response), against the model as loaded: the first problem as one line."""
     import json
-    from pathlib import Path
 
     from rlx.lint.environment import environment_problems
     from rlx.lint.sources import context_problems

@@ -100,9 +100,9 @@ CASES: list[tuple[str, dict, str]] = [
     (
         "hub-id-as-path",
         {"data": {"train": "openai/gsm8k"}},
-        "trainer.data.train: 'openai/gsm8k' looks like a hub dataset id, and rlx reads a "
-        "local file here; download it first (e.g. `hf download openai/gsm8k --repo-type "
-        f"dataset --local-dir data/gsm8k`) and name {READABLE} in it",
+        "trainer.data.train: 'openai/gsm8k' looks like a hub dataset id, and a bare name is "
+        "read as a local file; write hf://openai/gsm8k for the hub's dataset (with "
+        f"data.config and data.split where it has several), or name {READABLE}",
     ),
     (
         "folder",
