@@ -52,7 +52,12 @@ class DatasetCache:
 
     @property
     def env(self) -> dict[str, str]:
-        return {"HF_HUB_CACHE": str(self.root), "HF_HUB_OFFLINE": "1"}
+        """Served from this cache only; the datasets library's own files beside it."""
+        return {
+            "HF_HUB_CACHE": str(self.root),
+            "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_CACHE": str(self.root.with_name(self.root.name + "-datasets")),
+        }
 
 
 def dataset_readme(splits: dict[str, dict[str, str]]) -> str:
