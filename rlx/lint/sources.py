@@ -113,7 +113,7 @@ def context_problems(settings: TrainerSettings, max_positions: int) -> list[Prob
 
 
 class _DataField(NamedTuple):
-    where: tuple[str, ...]
+    where: tuple[str | int, ...]
     spec: str
     config: str | None  # a hub dataset's part: its configuration and split
     split: str
@@ -131,6 +131,16 @@ def _data_fields(settings: TrainerSettings) -> list[_DataField]:
             ("data.config", "data.split"),
         )
     ]
+    for i, source in enumerate(data.mix):
+        fields.append(
+            _DataField(
+                ("trainer", "data", "mix", i, "train"),
+                source.train,
+                source.config,
+                source.split,
+                (f"data.mix[{i}].config", f"data.mix[{i}].split"),
+            )
+        )
     validation = settings.validation
     if validation is not None:
         fields.append(

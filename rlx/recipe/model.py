@@ -598,6 +598,18 @@ class ModelSettings(StrictModel):
     )
 
 
+class MixSource(StrictModel):
+    train: Str = Field(
+        description="Another prompt dataset, as data.train takes one (a file, synthetic:NAME, "
+        "hf://ORG/NAME[@REVISION]), in data.train's layout (prompt_key, answer_key)."
+    )
+    weight: float = Field(
+        1.0, gt=0, description="Its share of the training prompts, beside data.weight."
+    )
+    config: Str | None = Field(None, description="The configuration of an hf:// dataset.")
+    split: Str = Field("train", description="The split of an hf:// dataset.")
+
+
 class DataSettings(StrictModel):
     train: Str = Field(
         description="Prompt dataset: a .jsonl or .parquet file, 'synthetic:NAME' for a "
@@ -650,6 +662,15 @@ class DataSettings(StrictModel):
         description="What to do with longer prompts: drop them, keep the last tokens, or fail.",
     )
     shuffle: bool = Field(True, description="Shuffle prompts each epoch (seeded).")
+    mix: list[MixSource] = Field(
+        default_factory=list,
+        description="More datasets trained on beside data.train: the training set holds as "
+        "many prompts as they all do together, each source's share in proportion to its "
+        "weight (a source's rows drawn again, seeded, where its share is more than it holds).",
+    )
+    weight: float = Field(
+        1.0, gt=0, description="data.train's share when data.mix names more datasets."
+    )
 
 
 class RolloutSettings(StrictModel):

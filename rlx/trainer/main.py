@@ -113,7 +113,7 @@ def resolve_inputs(job: TrainJob, env: Mapping[str, str], paths: RunPaths) -> An
         resolve_reward_fn,
     )
     from rlx.trainer.rollout.probe import PROBE_TEXT, Probe
-    from rlx.trainer.tasks.data import load_recipe_prompts
+    from rlx.trainer.tasks.data import load_recipe_prompts, mix_datasets
     from rlx.trainer.tasks.validation import load_validation_set
 
     settings = job.settings
@@ -142,6 +142,21 @@ def resolve_inputs(job: TrainJob, env: Mapping[str, str], paths: RunPaths) -> An
         split=settings.data.split,
     )
     data = load_recipe_prompts(data_file, tokenizer, settings.data, Path.cwd())
+    if settings.data.mix:
+        parts = [(data, settings.data.weight)]
+        for i, source in enumerate(settings.data.mix):
+            found = resolve_data_path(
+                source.train,
+                paths.run_dir,
+                settings.seed,
+                field=f"data.mix[{i}].train",
+                config=source.config,
+                split=source.split,
+            )
+            parts.append(
+                (load_recipe_prompts(found, tokenizer, settings.data, Path.cwd()), source.weight)
+            )
+        data = mix_datasets(parts, settings.seed)
     if len(data) < settings.batch.prompts_per_step:
         raise RlxError(
             f"trainer.data.train: {data.source} has {len(data)} usable prompts, fewer than "

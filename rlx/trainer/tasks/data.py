@@ -498,6 +498,36 @@ def load_recipe_prompts(
     )
 
 
+def mix_datasets(parts: Sequence[tuple[PromptDataset, float]], seed: int) -> PromptDataset:
+    """One training set from several, weighed: as many prompts as they hold together, each
+    part's share in proportion to its weight. A part gives its rows in a seeded order, again
+    from the start where its share is larger than it is; rows keep their own index."""
+    import numpy as np
+
+    if len(parts) == 1:
+        return parts[0][0]
+    total = sum(len(data) for data, _ in parts)
+    weight = sum(w for _, w in parts)
+    wanted = [round(total * w / weight) for _, w in parts]
+    rng = np.random.default_rng(seed)
+    picked: list[tuple[PromptDataset, int]] = []
+    for (data, _), count in zip(parts, wanted, strict=True):
+        order = rng.permutation(len(data)).tolist()
+        picked += [(data, order[i % len(data)]) for i in range(count)]
+    shares = zip(parts, wanted, strict=True)
+    counts = ", ".join(f"{count} from {data.source}" for (data, _), count in shares)
+    return PromptDataset(
+        source=f"a mix of {len(parts)} datasets ({counts})",
+        prompts=[data.prompts[i] for data, i in picked],
+        prompt_token_ids=[data.prompt_token_ids[i] for data, i in picked],
+        answers=[data.answers[i] for data, i in picked],
+        row_indices=[data.row_indices[i] for data, i in picked],
+        n_filtered=sum(data.n_filtered for data, _ in parts),
+        n_truncated=sum(data.n_truncated for data, _ in parts),
+        columns=[data.columns[i] if data.columns else {} for data, i in picked],
+    )
+
+
 class PromptSampler:
     """Batches of row indices, epoch after epoch, deterministic and resumable.
 

@@ -543,3 +543,17 @@ def test_lint_leaves_a_dataset_its_cache_lacks_to_the_node(job_dir, monkeypatch)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     trainer = {"data": {**HUB_DATA, "train": "hf://rlx-tests/elsewhere"}}
     assert _errors(_write(job_dir, _recipe(trainer))) == []
+
+
+def test_a_mixed_in_datasets_problem_names_its_place(hub_job_dir, dataset_cache):
+    mixed = {"train": HUB, "weight": 2, "config": "plain", "split": "dev"}
+    trainer = {"data": {**HUB_DATA, "mix": [mixed]}}
+    line = (
+        f"trainer.data.mix[0].train: {HUB} (configuration plain) has no split 'dev'; its "
+        "splits: train, test; write data.mix[0].split: one of them"
+    )
+    path = _write(hub_job_dir, _recipe(trainer))
+    assert _errors(path) == [line]
+    with pytest.raises(RlxError) as refusal:
+        check_sources_at_start(load_recipe(path).recipe.trainer)
+    assert str(refusal.value) == line

@@ -143,3 +143,30 @@ def test_the_tokenizers_own_template_gets_the_variables(tiny_tokenizer) -> None:
     # Plain text without the template stays as it is, system prompt or not.
     plain = ChatFormat(for_strings=False, system_prompt="Ignored for text.")
     assert render_prompt(tokenizer, "Hi", chat=plain) == "Hi"
+
+
+# ----------------------------------------------------------------------------- mixing
+
+
+def test_a_mix_holds_each_source_in_proportion_to_its_weight(
+    served, tiny_tokenizer, tmp_path: Path
+) -> None:
+    from rlx.trainer.tasks.data import mix_datasets
+
+    data = _settings()
+    letters = load_recipe_prompts(
+        resolve_data_path(SPEC, tmp_path, 0, config="letters", split="train"),
+        tiny_tokenizer,
+        data,
+    )
+    rows = tmp_path / "few.jsonl"
+    rows.write_text('{"question": "Write digits.", "kind": "digits"}\n' * 16)
+    few = load_recipe_prompts(rows, tiny_tokenizer, data)
+    mixed = mix_datasets([(letters, 1.0), (few, 3.0)], seed=0)
+    # 80 prompts in all: a quarter from the 64 letters rows, three quarters from the 16
+    # rows drawn again and again.
+    assert len(mixed) == 80 and mixed.answers.count("digits") >= 60
+    assert mixed.prompts[20:] == [few.prompts[0]] * 60
+    assert len(set(mixed.prompts[:20])) > 1 and set(mixed.prompts[:20]) <= set(letters.prompts)
+    assert mixed == mix_datasets([(letters, 1.0), (few, 3.0)], seed=0)  # seeded
+    assert mix_datasets([(letters, 2.0)], seed=0) is letters
