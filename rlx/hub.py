@@ -1,4 +1,5 @@
-"""Models named by a Hugging Face hub id: where each node finds (or fetches) its snapshot.
+"""Models (and datasets) named by a Hugging Face hub id: where each node finds (or fetches)
+its snapshot.
 
 A recipe names its model the way people do, `Qwen/Qwen2.5-7B-Instruct`. The head resolves the
 id once, before any actor starts, to a snapshot folder in its hub cache: the commit it names
@@ -10,7 +11,9 @@ layout, HF_TOKEN (the recipe's secret, from the environment), HF_HUB_CACHE / HF_
 HF_HUB_OFFLINE=1 (nothing fetched; the cache must hold the snapshot).
 
 Only what a run reads is fetched: safetensors weights (every loader here reads them), the
-config, tokenizer and chat-template files. Nothing here imports torch.
+config, tokenizer and chat-template files. A dataset repository (trainer.data.train:
+hf://org/name) is fetched whole, on the head that reads it, the same way (dataset_snapshot).
+Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -61,9 +64,12 @@ def offline(env: Mapping[str, str] | None = None) -> bool:
     return env.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
 
 
-def repo_folder(repo_id: str, env: Mapping[str, str] | None = None) -> Path:
-    """The cache's folder of a model repository: models--<org>--<name>."""
-    return cache_root(env) / ("models--" + repo_id.replace("/", "--"))
+def repo_folder(
+    repo_id: str, env: Mapping[str, str] | None = None, repo_type: str = "model"
+) -> Path:
+    """The cache's folder of a repository: models--<org>--<name> (datasets--... for a
+    dataset)."""
+    return cache_root(env) / f"{repo_type}s--{repo_id.replace('/', '--')}"
 
 
 def cached_file(repo_id: str, name: str, env: Mapping[str, str] | None = None) -> Path | None:
@@ -138,20 +144,31 @@ def snapshot(
     return path
 
 
-def _download(repo_id: str, revision: str | None, field: str, env: Mapping[str, str]) -> Path:
+def _download(
+    repo_id: str,
+    revision: str | None,
+    field: str,
+    env: Mapping[str, str],
+    repo_type: str = "model",
+    local_only: bool = False,
+) -> Path:
     from huggingface_hub import errors as hub_errors
     from huggingface_hub import snapshot_download
 
     where = f"the Hugging Face cache {cache_root(env)}"
+    dataset = repo_type == "dataset"
+    fetch = f"hf download {shlex.quote(repo_id)}" + (" --repo-type dataset" if dataset else "")
     try:
         return Path(
             snapshot_download(
                 repo_id,
+                repo_type=repo_type,
                 revision=revision,
                 cache_dir=cache_root(env),
-                local_files_only=offline(env),
+                local_files_only=local_only or offline(env),
                 token=env.get("HF_TOKEN") or None,
-                allow_patterns=[*WEIGHT_PATTERNS, *SMALL_FILE_PATTERNS],
+                # A dataset's files are what it is: all of them; a model's, what a run reads.
+                allow_patterns=None if dataset else [*WEIGHT_PATTERNS, *SMALL_FILE_PATTERNS],
             )
         )
     except hub_errors.HFValidationError:
@@ -160,15 +177,16 @@ def _download(repo_id: str, revision: str | None, field: str, env: Mapping[str, 
             "/path, or a hub id such as Qwen/Qwen2.5-0.5B-Instruct"
         )
     except hub_errors.LocalEntryNotFoundError:
+        at = "" if revision is None else f" at revision {revision!r}"
         if offline(env):
             problem = (
-                f"is not in {where} and HF_HUB_OFFLINE=1 forbids fetching it; fetch it first "
-                f"(hf download {shlex.quote(repo_id)}) or unset HF_HUB_OFFLINE"
+                f"is not in {where}{at} and HF_HUB_OFFLINE=1 forbids fetching it; fetch it "
+                f"first ({fetch}) or unset HF_HUB_OFFLINE"
             )
         else:
             problem = (
-                f"is not in {where} and the hub could not be reached; check the network, or "
-                f"fetch it where there is one (hf download {shlex.quote(repo_id)})"
+                f"is not in {where}{at} and the hub could not be reached; check the network, "
+                f"or fetch it where there is one ({fetch})"
             )
     except hub_errors.GatedRepoError:
         problem = (
@@ -189,13 +207,14 @@ def _download(repo_id: str, revision: str | None, field: str, env: Mapping[str, 
 
 
 @contextlib.contextmanager
-def _node_lock(repo_id: str, env: Mapping[str, str]) -> Iterator[None]:
+def _node_lock(repo_id: str, env: Mapping[str, str], repo_type: str = "model") -> Iterator[None]:
     """One fetch of a repository per node at a time (the cache's own lock folder)."""
     from filelock import FileLock, Timeout
 
     locks = cache_root(env) / ".locks" / "rlx"
     locks.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(locks / (repo_id.replace("/", "--") + ".lock")))
+    kind = "" if repo_type == "model" else f"{repo_type}s--"
+    lock = FileLock(str(locks / (kind + repo_id.replace("/", "--") + ".lock")))
     try:
         lock.acquire(timeout=LOCK_WAIT_S)
     except Timeout:
@@ -209,20 +228,73 @@ def _node_lock(repo_id: str, env: Mapping[str, str]) -> Iterator[None]:
         lock.release()
 
 
+# --------------------------------------------------------------------------- datasets
+
+# The commit each dataset (cache, repository, revision as written) resolved to in this
+# process: the start-up check, the training set and the held-out set all read that one, even
+# when the branch moves on the hub meanwhile.
+_PINNED: dict[tuple[str, str, str | None], str] = {}
+
+
+def dataset_snapshot(
+    repo_id: str,
+    *,
+    revision: str | None = None,
+    field: str = "trainer.data.train",
+    env: Mapping[str, str] | None = None,
+    fetch: bool = True,
+) -> Path | None:
+    """The local snapshot folder of dataset repository `repo_id` at `revision` (the main
+    branch when None), fetched into this node's hub cache under the node's lock as a model
+    is, and pinned: later calls in this process get the same commit. fetch=False (lint)
+    reads the cache only and gives None when it does not hold the dataset, unless
+    HF_HUB_OFFLINE says that is final. A problem is one RlxError naming `field`."""
+    env = os.environ if env is None else env
+    key = (str(cache_root(env)), repo_id, revision)
+    folder = repo_folder(repo_id, env, "dataset")
+    pinned = _PINNED.get(key)
+    if pinned is not None and (folder / "snapshots" / pinned).is_dir():
+        return folder / "snapshots" / pinned
+    commit = revision if revision is not None and COMMIT.fullmatch(revision) else None
+    if commit is not None and (folder / "snapshots" / commit).is_dir():
+        _PINNED[key] = commit
+        return folder / "snapshots" / commit
+    if not fetch:
+        known = revision is None and (folder / "refs" / "main").is_file()
+        known = known or (revision is not None and (folder / "refs" / revision).is_file())
+        if not known and not offline(env):
+            return None  # the job's node may fetch it: not lint's to say
+        path = _download(repo_id, revision, field, env, "dataset", local_only=True)
+    else:
+        with _node_lock(repo_id, env, "dataset"):
+            path = _download(repo_id, revision, field, env, "dataset")
+    commit = commit_of(path)
+    if commit is not None:
+        _PINNED[key] = commit
+    return path
+
+
 # --------------------------------------------------------------------------- filling a cache
 
 
-def put_in_cache(folder: Path, repo_id: str, env: Mapping[str, str] | None = None) -> Path:
-    """Store a model folder in the hub cache under `repo_id`, in the cache's own layout
-    (blobs by content, a snapshot of links, refs/main), as if it had been fetched: what a
-    dress rehearsal (and a test) serves offline. The commit is derived from the content, so
-    the same files give the same snapshot. Returns the snapshot folder."""
+def put_in_cache(
+    folder: Path,
+    repo_id: str,
+    env: Mapping[str, str] | None = None,
+    repo_type: str = "model",
+    ref: str = "main",
+) -> Path:
+    """Store a model folder (or a dataset's, repo_type="dataset") in the hub cache under
+    `repo_id`, in the cache's own layout (blobs by content, a snapshot of links, refs/<ref>),
+    as if it had been fetched: what a dress rehearsal (and a test) serves offline. The commit
+    is derived from the content, so the same files give the same snapshot. Returns the
+    snapshot folder."""
     files = sorted(p for p in Path(folder).rglob("*") if p.is_file())
     digests = {p: _sha256(p) for p in files}
     commit = hashlib.sha1(
         "".join(f"{p.relative_to(folder)}:{digests[p]}\n" for p in files).encode()
     ).hexdigest()
-    repo = repo_folder(repo_id, env)
+    repo = repo_folder(repo_id, env, repo_type)
     target = repo / "snapshots" / commit
     for path in files:
         blob = repo / "blobs" / digests[path]
@@ -233,8 +305,8 @@ def put_in_cache(folder: Path, repo_id: str, env: Mapping[str, str] | None = Non
         link.parent.mkdir(parents=True, exist_ok=True)
         if not link.is_symlink():
             link.symlink_to(os.path.relpath(blob, link.parent))
-    (repo / "refs").mkdir(parents=True, exist_ok=True)
-    (repo / "refs" / "main").write_text(commit)
+    (repo / "refs" / ref).parent.mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / ref).write_text(commit)
     return target
 
 

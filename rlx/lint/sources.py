@@ -1,11 +1,14 @@
-"""Checks of what a run reads besides its model: the prompt files (trainer.data.train,
-trainer.validation.data), the reward function (trainer.reward.function) and the context
-window they fill with the model's positions.
+"""Checks of what a run reads besides its model: the prompt files or hub datasets
+(trainer.data.train, trainer.validation.data), the chat template file, the reward function
+(trainer.reward.function) and the context window they fill with the model's positions.
 
 source_problems() is the rule, one for lint and for the trainer's start-up: lint calls it
 with the folder the job will run in (check_sources), the trainer with the folder it runs in,
 before it reads any of them (rlx.trainer.main). Files are read, never run: a reward file's
-function is found in its source (ast); its module is imported on the head only.
+function is found in its source (ast); its module is imported on the head only. A hub
+dataset (hf://org/name) is looked up in the hub cache: by lint where this machine's cache
+holds it (or HF_HUB_OFFLINE says it never will), at start-up fetched first (rlx.hub), then
+its configuration, split and columns are checked the same way.
 """
 
 from __future__ import annotations
@@ -13,15 +16,15 @@ from __future__ import annotations
 import ast
 import json
 import re
-import shlex
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+from rlx.errors import RlxError
 from rlx.lint.core import ERROR, Check, Problem
 from rlx.recipe import Recipe
 from rlx.recipe.model import TrainerSettings, episode_token_budget
-from rlx.recipe.specs import SYNTHETIC_PREFIX
+from rlx.recipe.specs import HUB_DATA_PREFIX, SYNTHETIC_PREFIX
 from rlx.storage import is_store_url, url_problem
 
 # The engine's context holds one token more than a prompt and its response or episode: the
@@ -34,24 +37,28 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 def source_problems(
-    settings: TrainerSettings, base_dir: Path, *, local_missing: bool = True
+    settings: TrainerSettings, base_dir: Path, *, local_missing: bool = True, fetch: bool = True
 ) -> list[Problem]:
-    """What is wrong with the run's prompt files and reward function as found in base_dir
-    (the folder the job runs in: relative paths start there). local_missing: whether a
-    relative data path that is not there is a problem (at start-up it is; lint leaves it to
-    the data that is made before launch, as the shipped recipes' comments say)."""
-    problems = list(_data_problems(settings, base_dir, local_missing))
+    """What is wrong with the run's prompt files, chat template and reward function as
+    found in base_dir (the folder the job runs in: relative paths start there).
+    local_missing: whether a relative path that is not there is a problem (at start-up it
+    is; lint leaves it to the data that is made before launch, as the shipped recipes'
+    comments say). fetch: whether a hub dataset missing from the hub cache is fetched (at
+    start-up) or left unsaid (lint, unless HF_HUB_OFFLINE)."""
+    problems = list(_data_problems(settings, base_dir, local_missing, fetch))
+    problems.extend(_template_problems(settings, base_dir, local_missing))
     problems.extend(_reward_problems(settings.reward.function, base_dir, settings))
     return problems
 
 
 def check_sources(recipe: Recipe) -> Iterator[Problem]:
     """source_problems() as lint sees it: paths start in the folder `rlx launch` runs in,
-    and in the recipe's workdir under it when it sets one."""
+    and in the recipe's workdir under it when it sets one; hub datasets in this machine's
+    cache."""
     if recipe.trainer is None:
         return
     base_dir = Path.cwd() / (recipe.workdir or "")
-    yield from source_problems(recipe.trainer, base_dir, local_missing=False)
+    yield from source_problems(recipe.trainer, base_dir, local_missing=False, fetch=False)
 
 
 def check_context_window(recipe: Recipe) -> Iterator[Problem]:
@@ -105,38 +112,77 @@ def context_problems(settings: TrainerSettings, max_positions: int) -> list[Prob
 # ----------------------------------------------------------------------------- data
 
 
-def _data_fields(settings: TrainerSettings) -> list[tuple[tuple[str, ...], str]]:
-    fields = [(("trainer", "data", "train"), settings.data.train)]
-    if settings.validation is not None:
-        fields.append((("trainer", "validation", "data"), settings.validation.data))
+class _DataField(NamedTuple):
+    where: tuple[str | int, ...]
+    spec: str
+    config: str | None  # a hub dataset's part: its configuration and split
+    split: str
+    part_fields: tuple[str, str]  # the fields that choose them, as the messages name them
+
+
+def _data_fields(settings: TrainerSettings) -> list[_DataField]:
+    data = settings.data
+    fields = [
+        _DataField(
+            ("trainer", "data", "train"),
+            data.train,
+            data.config,
+            data.split,
+            ("data.config", "data.split"),
+        )
+    ]
+    for i, source in enumerate(data.mix):
+        fields.append(
+            _DataField(
+                ("trainer", "data", "mix", i, "train"),
+                source.train,
+                source.config,
+                source.split,
+                (f"data.mix[{i}].config", f"data.mix[{i}].split"),
+            )
+        )
+    validation = settings.validation
+    if validation is not None:
+        fields.append(
+            _DataField(
+                ("trainer", "validation", "data"),
+                validation.data,
+                validation.config or data.config,
+                validation.split,
+                ("validation.config" if validation.config else "data.config", "validation.split"),
+            )
+        )
     return fields
 
 
 def _data_problems(
-    settings: TrainerSettings, base_dir: Path, local_missing: bool
+    settings: TrainerSettings, base_dir: Path, local_missing: bool, fetch: bool
 ) -> Iterator[Problem]:
     from rlx.trainer.tasks.data import FORMATS
 
     data = settings.data
     suffixes = [s for group in FORMATS.values() for s in group]
     readable = f"a {', '.join(suffixes[:-1])} or {suffixes[-1]} file"
-    for where, spec in _data_fields(settings):
+    for field in _data_fields(settings):
+        where, spec = field.where, field.spec
         if spec.startswith(SYNTHETIC_PREFIX):
             continue  # check_trainer_specs checks the task's name
+        if spec.startswith(HUB_DATA_PREFIX):
+            problem = _hub_data_problem(field, data.prompt_key, data.answer_key, fetch)
+            if problem is not None:
+                yield Problem(where, ERROR, problem)
+            continue
         if is_store_url(spec) or url_problem(spec) is not None:
             continue  # rlx.lint.storage: a URL is read from no store, or is malformed
         path = Path(spec).expanduser()
         found = path if path.is_absolute() else base_dir / path
         if not found.exists() and not path.suffix and _HUB_ID.fullmatch(spec):
-            command = (
-                f"hf download {shlex.quote(spec)} --repo-type dataset "
-                f"--local-dir {shlex.quote(f'data/{path.name}')}"
-            )
             yield Problem(
                 where,
                 ERROR,
-                f"{spec!r} looks like a hub dataset id, and rlx reads a local file here; "
-                f"download it first (e.g. `{command}`) and name {readable} in it",
+                f"{spec!r} looks like a hub dataset id, and a bare name is read as a local "
+                f"file; write hf://{spec} for the hub's dataset (with data.config and "
+                f"data.split where it has several), or name {readable}",
             )
             continue
         if found.is_dir():  # before the suffix: a folder has none, and that is not the news
@@ -164,6 +210,56 @@ def _data_problems(
         problem = _columns_problem(found, spec, data.prompt_key, data.answer_key, data.format)
         if problem is not None:
             yield Problem(where, ERROR, problem)
+
+
+def _hub_data_problem(
+    field: _DataField, prompt_key: str, answer_key: str | None, fetch: bool
+) -> str | None:
+    """What is wrong with an hf:// dataset: its id (not resolvable: not in the cache offline,
+    not on the hub), its configuration and split, the prompt and answer columns of its first
+    row. Nothing when lint's cache does not hold it (the job's node fetches it)."""
+    from rlx.recipe.load import dotted
+    from rlx.trainer.tasks.data import hub_first_row, hub_part_problem, hub_source
+
+    named = dotted(field.where)
+    try:
+        source = hub_source(field.spec, field.config, field.split, field=named, fetch=fetch)
+    except RlxError as exc:
+        return str(exc).removeprefix(f"{named}: ")
+    if source is None:
+        return None
+    problem = hub_part_problem(source, field.part_fields)
+    if problem is not None:
+        return problem
+    try:
+        row = hub_first_row(source)
+    except Exception as exc:  # a file datasets cannot read: say so, not a traceback
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return f"{source}: the datasets library cannot read it: {first}"
+    if row is None:
+        return f"{source}: the split holds no rows; choose another with {field.part_fields[1]}"
+    return _row_columns_problem(row, str(source), prompt_key, answer_key)
+
+
+def _template_problems(
+    settings: TrainerSettings, base_dir: Path, local_missing: bool
+) -> Iterator[Problem]:
+    """A chat template given as a file must be there (Jinja text is taken as it is)."""
+    from rlx.trainer.tasks.data import is_template_text, template_file
+
+    value = settings.data.chat_template_override
+    if value is None or is_template_text(value):
+        return
+    path = Path(value).expanduser()
+    found = template_file(value, base_dir)
+    if found.is_file() or not (path.is_absolute() or local_missing):
+        return
+    yield Problem(
+        ("trainer", "data", "chat_template_override"),
+        ERROR,
+        f"{value} does not exist{_looked_in(path, base_dir)}; give a Jinja template file, or "
+        "the template itself (text with {{ or {%)",
+    )
 
 
 def file_of_spec(spec: str, base_dir: Path) -> tuple[str, str, Path] | None:
@@ -222,11 +318,17 @@ def _columns_problem(
     path: Path, spec: str, prompt_key: str, answer_key: str | None, data_format: str
 ) -> str | None:
     """The prompt and answer keys must be in the file's first row."""
-    from rlx.trainer.tasks.data import get_field
-
     row = _first_row(path, data_format)
     if row is None:
         return None
+    return _row_columns_problem(row, spec, prompt_key, answer_key)
+
+
+def _row_columns_problem(
+    row: Mapping[str, Any], spec: str, prompt_key: str, answer_key: str | None
+) -> str | None:
+    from rlx.trainer.tasks.data import get_field
+
     for field, key in (("prompt_key", prompt_key), ("answer_key", answer_key)):
         if key is None:
             continue

@@ -11,6 +11,7 @@ from rlx.launchers.dstack import per_node
 from rlx.lint.core import ERROR, WARNING, Check, Problem
 from rlx.recipe import Recipe
 from rlx.recipe.model import is_bucket
+from rlx.recipe.specs import HUB_DATA_PREFIX
 from rlx.storage import is_store_url, missing_extra, store_of, url_problem
 
 
@@ -147,7 +148,8 @@ def check_volumes_for_backends(recipe: Recipe) -> Iterator[Problem]:
             )
 
 
-# The fields that hold a place: a local path, a hub id (models), or a store URL.
+# The fields that hold a place: a local path, a hub id (models), or a store URL (the prompt
+# file: a local path or a URL, an hf:// dataset being rlx.lint.sources's).
 def _path_fields(recipe: Recipe) -> list[tuple[tuple, str]]:
     trainer = recipe.trainer
     if trainer is None:
@@ -155,8 +157,9 @@ def _path_fields(recipe: Recipe) -> list[tuple[tuple, str]]:
     fields: list[tuple[tuple, str]] = [
         (("trainer", "logging", "dir"), trainer.logging.dir),
         (("trainer", "model", "path"), trainer.model.path),
-        (("trainer", "data", "train"), trainer.data.train),
     ]
+    if not trainer.data.train.startswith(HUB_DATA_PREFIX):  # a hub dataset: lint.sources
+        fields.append((("trainer", "data", "train"), trainer.data.train))
     if trainer.checkpoint.dir:
         fields.append((("trainer", "checkpoint", "dir"), trainer.checkpoint.dir))
     if trainer.checkpoint.resume not in ("auto", "never"):

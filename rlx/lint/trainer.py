@@ -313,7 +313,11 @@ def check_trainer_specs(recipe: Recipe) -> Iterator[Problem]:
         if problem:
             yield Problem(("trainer", field, "path"), ERROR, f"{spec!r} {problem}")
     data = trainer.data.train
-    datasets = [(("trainer", "data", "train"), data)]
+    datasets: list[tuple[tuple[str | int, ...], str]] = [(("trainer", "data", "train"), data)]
+    datasets += [
+        (("trainer", "data", "mix", i, "train"), source.train)
+        for i, source in enumerate(trainer.data.mix)
+    ]
     if trainer.validation is not None:
         datasets.append((("trainer", "validation", "data"), trainer.validation.data))
     for where, spec in datasets:

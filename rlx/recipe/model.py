@@ -598,22 +598,63 @@ class ModelSettings(StrictModel):
     )
 
 
+class MixSource(StrictModel):
+    train: Str = Field(
+        description="Another prompt dataset, as data.train takes one (a file, synthetic:NAME, "
+        "hf://ORG/NAME[@REVISION]), in data.train's layout (prompt_key, answer_key)."
+    )
+    weight: float = Field(
+        1.0, gt=0, description="Its share of the training prompts, beside data.weight."
+    )
+    config: Str | None = Field(None, description="The configuration of an hf:// dataset.")
+    split: Str = Field("train", description="The split of an hf:// dataset.")
+
+
 class DataSettings(StrictModel):
     train: Str = Field(
-        description="Prompt dataset: a .jsonl or .parquet file, or 'synthetic:NAME' for a "
-        "generated task."
+        description="Prompt dataset: a .jsonl or .parquet file, 'synthetic:NAME' for a "
+        "generated task, or a Hugging Face dataset repository hf://ORG/NAME[@REVISION] (read "
+        "with the datasets library at the commit the run resolves at start; data.config and "
+        "data.split choose its part)."
     )
+    config: Str | None = Field(
+        None,
+        description="The configuration (subset) of an hf:// dataset, e.g. main for "
+        "openai/gsm8k; unset: its only or default one.",
+    )
+    split: Str = Field("train", description="The split of an hf:// dataset to train on.")
     format: Literal["auto", "jsonl", "parquet"] = Field(
         "auto", description="File format; 'auto' goes by the file suffix."
     )
-    prompt_key: Str = Field("prompt", description="Field with the prompt (text or chat messages).")
+    prompt_key: Str = Field(
+        "prompt",
+        description="Field with the prompt: text, or a column of chat messages (a list of "
+        "{role, content}).",
+    )
     answer_key: Str | None = Field(
         "answer",
         description="Field with the reference answer given to the reward (dotted for nested "
         "fields, e.g. reward_model.ground_truth).",
     )
     chat_template: bool = Field(
-        True, description="Render prompts with the tokenizer's chat template."
+        True,
+        description="Render text prompts with the chat template (as one user message); "
+        "chat-message prompts always are.",
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra variables for the chat template (tokenizer.apply_chat_template), "
+        "e.g. {enable_thinking: false} for Qwen3.",
+    )
+    system_prompt: Str | None = Field(
+        None,
+        description="A system message put before each prompt's messages (a prompt whose "
+        "messages start with a system message keeps its own).",
+    )
+    chat_template_override: Str | None = Field(
+        None,
+        description="A Jinja chat template used instead of the tokenizer's: the template "
+        "itself, or a file (relative paths start in the folder the job runs in).",
     )
     max_prompt_length: int = Field(512, ge=1, description="Longest prompt in tokens.")
     truncate: Literal["error", "filter", "left"] = Field(
@@ -621,6 +662,15 @@ class DataSettings(StrictModel):
         description="What to do with longer prompts: drop them, keep the last tokens, or fail.",
     )
     shuffle: bool = Field(True, description="Shuffle prompts each epoch (seeded).")
+    mix: list[MixSource] = Field(
+        default_factory=list,
+        description="More datasets trained on beside data.train: the training set holds as "
+        "many prompts as they all do together, each source's share in proportion to its "
+        "weight (a source's rows drawn again, seeded, where its share is more than it holds).",
+    )
+    weight: float = Field(
+        1.0, gt=0, description="data.train's share when data.mix names more datasets."
+    )
 
 
 class RolloutSettings(StrictModel):
@@ -985,8 +1035,13 @@ class ValidationSettings(StrictModel):
     data: Str = Field(
         description="Held-out prompts: a .jsonl or .parquet file in the training data's "
         "layout, or 'synthetic:NAME' (that task's held-out phrasings). Prompts that also "
-        "appear in the training data are dropped, so the set stays disjoint from it."
+        "appear in the training data are dropped, so the set stays disjoint from it. Or an "
+        "hf://ORG/NAME[@REVISION] dataset (validation.split chooses its part)."
     )
+    config: Str | None = Field(
+        None, description="The configuration of an hf:// dataset; unset: data.config."
+    )
+    split: Str = Field("test", description="The split of an hf:// dataset to validate on.")
     every: int = Field(
         10, ge=1, description="Validate every this many steps, at step 0 and at the last step."
     )

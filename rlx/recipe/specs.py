@@ -7,6 +7,8 @@
   transformers' 0.02: at 0.02 a frozen random head can hardly move the output, so LoRA
   adapters on a tiny base learn only with a stronger one (tiny:qwen2-h64-l2-e0.1).
 - `synthetic:<task>`: a prompt file generated locally, e.g. synthetic:letters_or_digits.
+- `hf://<org>/<name>[@<revision>]`: a dataset repository on the Hugging Face hub (a branch,
+  tag or commit after @; the main branch without one), e.g. hf://openai/gsm8k.
 
 One grammar for lint, the planner and the trainer: each asks the functions here, and each
 problem is worded once. Light: no torch, no transformers.
@@ -29,6 +31,10 @@ TINY_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
 TINY_VOCAB = 256 + len(TINY_SPECIAL_TOKENS)
 
 SYNTHETIC_PREFIX = "synthetic:"
+HUB_DATA_PREFIX = "hf://"
+HUB_DATA_SPEC = re.compile(
+    r"hf://(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<revision>[^\s@]+))?"
+)
 # Synthetic task -> the function that writes its rows ("module:function", imported when used).
 SYNTHETIC_TASKS = {
     "letters_or_digits": "rlx.trainer.tasks.synthetic:write_synthetic_dataset",
@@ -102,3 +108,30 @@ def is_local_path(path: str) -> bool:
     """A path the recipe means as a file or folder on the machine (absolute, relative with
     ./ or ../, or under ~), not a hub id or another scheme's name."""
     return path.startswith(("/", "./", "../", "~")) or path in (".", "..")
+
+
+@dataclass(frozen=True)
+class HubData:
+    """What an `hf://` data spec names: a dataset repository and the revision asked for."""
+
+    repo_id: str
+    revision: str | None  # None: the main branch, as the hub has it when the run starts
+
+
+def hub_data(spec: str) -> HubData | None:
+    """The dataset repository an `hf://org/name[@revision]` spec names; None for anything
+    else, an `hf://` spec that is malformed included (hub_data_problem says what is wrong)."""
+    match = HUB_DATA_SPEC.fullmatch(spec)
+    if match is None:
+        return None
+    return HubData(match["repo"], match["revision"])
+
+
+def hub_data_problem(spec: str) -> str | None:
+    """What is wrong with an `hf://` data spec, worded to follow it (None when it is fine)."""
+    if hub_data(spec) is not None:
+        return None
+    return (
+        "is not a hub dataset id; write hf://org/name or hf://org/name@revision (a branch, "
+        "tag or commit), e.g. hf://openai/gsm8k"
+    )

@@ -14,6 +14,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from rlx import sigterm
@@ -112,7 +113,7 @@ def resolve_inputs(job: TrainJob, env: Mapping[str, str], paths: RunPaths) -> An
         resolve_reward_fn,
     )
     from rlx.trainer.rollout.probe import PROBE_TEXT, Probe
-    from rlx.trainer.tasks.data import load_recipe_prompts
+    from rlx.trainer.tasks.data import load_recipe_prompts, mix_datasets
     from rlx.trainer.tasks.validation import load_validation_set
 
     settings = job.settings
@@ -133,8 +134,29 @@ def resolve_inputs(job: TrainJob, env: Mapping[str, str], paths: RunPaths) -> An
         critic_path = resolve_model_path(critic.path, cache, settings.seed, "critic_model")
     tokenizer = load_tokenizer(policy_path, settings.model.trust_remote_code)
     check_context_at_start(settings, policy_path)
-    data_file = resolve_data_path(settings.data.train, paths.run_dir, settings.seed)
-    data = load_recipe_prompts(data_file, tokenizer, settings.data)
+    data_file = resolve_data_path(
+        settings.data.train,
+        paths.run_dir,
+        settings.seed,
+        config=settings.data.config,
+        split=settings.data.split,
+    )
+    data = load_recipe_prompts(data_file, tokenizer, settings.data, Path.cwd())
+    if settings.data.mix:
+        parts = [(data, settings.data.weight)]
+        for i, source in enumerate(settings.data.mix):
+            found = resolve_data_path(
+                source.train,
+                paths.run_dir,
+                settings.seed,
+                field=f"data.mix[{i}].train",
+                config=source.config,
+                split=source.split,
+            )
+            parts.append(
+                (load_recipe_prompts(found, tokenizer, settings.data, Path.cwd()), source.weight)
+            )
+        data = mix_datasets(parts, settings.seed)
     if len(data) < settings.batch.prompts_per_step:
         raise RlxError(
             f"trainer.data.train: {data.source} has {len(data)} usable prompts, fewer than "
@@ -164,8 +186,6 @@ def check_sources_at_start(settings: Any) -> None:
     """Lint's rule for the prompt files and the reward file, in the folder the job runs in
     (a file gone since lint, a relative one lint left to be made): the first problem as one
     line."""
-    from pathlib import Path
-
     from rlx.lint.sources import source_problems
     from rlx.recipe.load import dotted
 
@@ -189,7 +209,6 @@ def check_context_at_start(settings: Any, policy_path: Any) -> None:
     """Lint's rules for the context window (trainer.environment's episode, or a prompt and
     its response), against the model as loaded: the first problem as one line."""
     import json
-    from pathlib import Path
 
     from rlx.lint.environment import environment_problems
     from rlx.lint.sources import context_problems

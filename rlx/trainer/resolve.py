@@ -19,6 +19,7 @@ from rlx.errors import RlxError
 from rlx.hub import is_hub_id
 from rlx.recipe.model import TrainerSettings
 from rlx.recipe.specs import (
+    HUB_DATA_PREFIX,
     SYNTHETIC_PREFIX,
     SYNTHETIC_TASKS,
     TINY_PREFIX,
@@ -32,6 +33,7 @@ from rlx.runs import RunPaths
 from rlx.storage import check_url, is_store_url, join
 from rlx.trainer.checkpoint import resolve_run_id
 from rlx.trainer.checkpoint.remote import staging_root
+from rlx.trainer.tasks.data import HubSource, hub_source
 from rlx.trainer.tasks.rewards import RewardFn, resolve_reward
 
 SYNTHETIC_ROWS = 1024
@@ -71,8 +73,9 @@ def check_path_fields(settings: TrainerSettings) -> None:
         "logging.dir": settings.logging.dir,
         "model.path": settings.model.path,
         "critic_model.path": settings.critic_model and settings.critic_model.path,
-        "data.train": settings.data.train,
     }
+    if not settings.data.train.startswith(HUB_DATA_PREFIX):  # a hub dataset, not a store
+        fields["data.train"] = settings.data.train
     if settings.checkpoint.resume not in ("auto", "never"):
         fields["checkpoint.resume"] = settings.checkpoint.resume
     for field, value in fields.items():
@@ -217,10 +220,22 @@ def load_tokenizer(path: str, trust_remote_code: bool) -> Any:
 
 
 def resolve_data_path(
-    spec: str, run_dir: Path, seed: int, field: str = "data.train", held_out: bool = False
-) -> Path:
-    """The prompt file: as given, or `synthetic:NAME` generated into the run folder (the
-    same name and seed give the same rows; held_out: the task's held-out rows)."""
+    spec: str,
+    run_dir: Path,
+    seed: int,
+    field: str = "data.train",
+    held_out: bool = False,
+    config: str | None = None,
+    split: str = "train",
+) -> Path | HubSource:
+    """The prompt file: as given, `synthetic:NAME` generated into the run folder (the
+    same name and seed give the same rows; held_out: the task's held-out rows), or an
+    `hf://` dataset's split (config, split) in this node's hub cache at the commit this
+    process resolved (fetched once, under the node's lock, as models are)."""
+    if spec.startswith(HUB_DATA_PREFIX):
+        source = hub_source(spec, config, split, field=f"trainer.{field}")
+        assert source is not None  # fetch=True: found or RlxError
+        return source
     if spec.startswith(SYNTHETIC_PREFIX):
         problem = synthetic_task_problem(spec)
         if problem is not None:

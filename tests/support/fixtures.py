@@ -100,3 +100,13 @@ def hub_cache(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
     from tests.support.hub import fill_hub_cache
 
     return fill_hub_cache(tmp_path_factory.mktemp("hub"), tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def dataset_cache(tmp_path_factory: pytest.TempPathFactory):
+    """The quickstart's task as a dataset repository served offline by id
+    (tests.support.hub.DATASET_ID)."""
+    from tests.support.hub import fill_dataset_cache, write_dataset_repo
+
+    files = write_dataset_repo(tmp_path_factory.mktemp("dataset-repo"))
+    return fill_dataset_cache(tmp_path_factory.mktemp("dataset-hub"), files)

@@ -7,6 +7,14 @@ verl's layout, which `rlx` reads as is:
     reward_model: {"ground_truth": str, "style": str}
 
 Select the answer with the dotted key `reward_model.ground_truth`.
+
+A dataset repository on the Hugging Face hub (hf://org/name[@revision], rlx.hub fetches its
+snapshot) is read with the datasets library, one configuration's split (HubSource), streamed
+from the snapshot's files: nothing is written beside them.
+
+How a prompt becomes text is a ChatFormat (chat template on or off, its extra variables, a
+system prompt, a template of one's own): the recipe's trainer.data gives one
+(ChatFormat.of_settings), and anything else that renders prompts builds its own.
 """
 
 from __future__ import annotations
@@ -86,8 +94,114 @@ def _read_parquet(path: Path) -> list[dict[str, Any]]:
     return table.to_pylist()
 
 
-def read_rows(path: str | Path, data_format: str | None = None) -> list[dict[str, Any]]:
-    """All rows of a jsonl or parquet file as dicts (structs become nested dicts)."""
+@dataclass(frozen=True)
+class HubSource:
+    """One split of one configuration of a dataset repository's snapshot (a folder in the
+    hub cache, rlx.hub.dataset_snapshot)."""
+
+    repo_id: str
+    folder: Path
+    config: str | None
+    split: str
+
+    def __str__(self) -> str:
+        commit = self.folder.name[:12]
+        config = f", config {self.config}" if self.config else ""
+        return f"hf://{self.repo_id}@{commit} (split {self.split}{config})"
+
+
+def hub_source(
+    spec: str,
+    config: str | None,
+    split: str,
+    *,
+    field: str = "trainer.data.train",
+    fetch: bool = True,
+    env: Mapping[str, str] | None = None,
+) -> HubSource | None:
+    """The split an `hf://org/name[@revision]` spec names, its snapshot in this node's hub
+    cache at the commit this process pinned (rlx.hub.dataset_snapshot: fetched when
+    `fetch`; without, None when the cache does not hold it). RlxError: one line naming
+    `field` when the id cannot be resolved."""
+    from rlx.hub import dataset_snapshot
+    from rlx.recipe.specs import hub_data, hub_data_problem
+
+    named = hub_data(spec)
+    if named is None:
+        raise DataError(f"{field}: {spec} {hub_data_problem(spec)}")
+    folder = dataset_snapshot(
+        named.repo_id, revision=named.revision, field=field, env=env, fetch=fetch
+    )
+    return None if folder is None else HubSource(named.repo_id, folder, config, split)
+
+
+def hub_part_problem(
+    source: HubSource, fields: tuple[str, str] = ("data.config", "data.split")
+) -> str | None:
+    """Whether the snapshot has the configuration and split asked for: what is there and
+    what to write (in `fields`, the recipe's config and split fields) when not (None when
+    it has them)."""
+    import datasets
+
+    config_field, split_field = fields
+
+    spec = f"hf://{source.repo_id}"
+    try:
+        configs = datasets.get_dataset_config_names(str(source.folder))
+    except Exception as exc:  # not a layout datasets can read
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return f"{spec}: the datasets library cannot read its snapshot {source.folder}: {first}"
+    if source.config is None and len(configs) > 1 and "default" not in configs:
+        return (
+            f"{spec} has configurations {', '.join(configs)} and none is the default; "
+            f"choose one with {config_field}"
+        )
+    if source.config is not None and source.config not in configs:
+        return (
+            f"{spec} has no configuration {source.config!r}; its configurations: "
+            f"{', '.join(configs)}; write {config_field}: one of them"
+        )
+    config = source.config or ("default" if "default" in configs else configs[0])
+    splits = datasets.get_dataset_split_names(str(source.folder), config)
+    if source.split not in splits:
+        return (
+            f"{spec} (configuration {config}) has no split {source.split!r}; its splits: "
+            f"{', '.join(splits)}; write {split_field}: one of them"
+        )
+    return None
+
+
+def _hub_stream(source: HubSource) -> Iterator[dict[str, Any]]:
+    import datasets
+
+    problem = hub_part_problem(source)
+    if problem is not None:
+        raise DataError(problem)
+    datasets.logging.disable_progress_bar()
+    stream = datasets.load_dataset(
+        str(source.folder), source.config, split=source.split, streaming=True
+    )
+    return iter(stream)
+
+
+def hub_first_row(source: HubSource) -> dict[str, Any] | None:
+    """The split's first row (for the columns lint and the start-up check look for)."""
+    return next(_hub_stream(source), None)
+
+
+def read_hub_rows(source: HubSource) -> list[dict[str, Any]]:
+    """Every row of the split as dicts."""
+    rows = list(_hub_stream(source))
+    if not rows:
+        raise DataError(f"{source}: the split holds no rows")
+    return rows
+
+
+def read_rows(path: str | Path | HubSource, data_format: str | None = None) -> list[dict[str, Any]]:
+    """All rows of a jsonl or parquet file (or of a hub dataset's split) as dicts (structs
+    become nested dicts)."""
+    if isinstance(path, HubSource):
+        return read_hub_rows(path)
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data file {str(path)!r} does not exist")
@@ -172,12 +286,71 @@ def _answer_text(value: Any) -> str | None:
     return str(value)
 
 
+@dataclass(frozen=True)
+class ChatFormat:
+    """How prompts become the text the policy reads.
+
+    for_strings: text prompts go through the chat template too (as one user message);
+    chat messages always do. kwargs: extra variables the template reads
+    (enable_thinking=False). system_prompt: a system message put first, unless the
+    prompt's messages begin with their own. template: Jinja text used instead of the
+    tokenizer's template (template_text reads one given as a file)."""
+
+    for_strings: bool = False
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    system_prompt: str | None = None
+    template: str | None = None
+
+    @classmethod
+    def of_settings(cls, data: DataSettings, base_dir: Path | None = None) -> ChatFormat:
+        """The format a recipe's trainer.data asks for (a template file found from
+        base_dir, the folder the job runs in, when relative)."""
+        template = data.chat_template_override
+        return cls(
+            for_strings=data.chat_template,
+            kwargs=dict(data.chat_template_kwargs),
+            system_prompt=data.system_prompt,
+            template=None if template is None else template_text(template, base_dir),
+        )
+
+
+def is_template_text(value: str) -> bool:
+    """Whether a template override is Jinja text rather than a file's name."""
+    return "{{" in value or "{%" in value
+
+
+def template_file(value: str, base_dir: Path | None = None) -> Path:
+    path = Path(value).expanduser()
+    return path if path.is_absolute() or base_dir is None else base_dir / path
+
+
+def template_text(value: str, base_dir: Path | None = None) -> str:
+    """A template override as Jinja text: as written, or its file's content."""
+    if is_template_text(value):
+        return value
+    path = template_file(value, base_dir)
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise DataError(
+            f"chat template {value!r}: cannot read {path} ({exc.strerror or exc}); give a "
+            "Jinja file, or the template itself"
+        ) from None
+
+
 def render_prompt(
-    tokenizer: PreTrainedTokenizerBase, value: Any, *, chat_template_for_strings: bool
+    tokenizer: PreTrainedTokenizerBase,
+    value: Any,
+    *,
+    chat_template_for_strings: bool | None = None,
+    chat: ChatFormat | None = None,
 ) -> str:
     """The text a prompt value stands for: chat messages go through the chat template
-    (with the generation prompt); plain strings only when asked to."""
-    if isinstance(value, str) and not chat_template_for_strings:
+    (with the generation prompt); plain strings only when asked to. `chat` says how
+    (chat_template_for_strings alone: the tokenizer's template, nothing added)."""
+    if chat is None:
+        chat = ChatFormat(for_strings=bool(chat_template_for_strings))
+    if isinstance(value, str) and not chat.for_strings:
         return value
     if isinstance(value, str):
         messages = [{"role": "user", "content": value}]
@@ -188,12 +361,21 @@ def render_prompt(
             "a prompt must be a string or a list of {'role', 'content'} messages, "
             f"got {type(value).__name__}: {str(value)[:80]!r}"
         )
-    if not getattr(tokenizer, "chat_template", None):
+    if chat.system_prompt is not None and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": chat.system_prompt})
+    if chat.template is None and not getattr(tokenizer, "chat_template", None):
         raise DataError(
             "the tokenizer has no chat template, so chat-message prompts cannot be rendered; "
-            "use a tokenizer with one, or plain string prompts without the chat template"
+            "use a tokenizer with one, give data.chat_template_override, or plain string "
+            "prompts without the chat template"
         )
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(
+        messages,
+        chat_template=chat.template,
+        tokenize=False,
+        add_generation_prompt=True,
+        **chat.kwargs,
+    )
 
 
 def _check_limit(overlong: str, max_prompt_length: int | None) -> None:
@@ -206,13 +388,13 @@ def _check_limit(overlong: str, max_prompt_length: int | None) -> None:
 
 
 def _tokenized_prompt(
-    value: Any, tokenizer: PreTrainedTokenizerBase, chat_template_for_strings: bool, where: str
+    value: Any, tokenizer: PreTrainedTokenizerBase, chat: ChatFormat, where: str
 ) -> tuple[str, list[int]]:
     """A row's prompt as the model reads it (rendered through the chat template where it
     takes one) and its token ids."""
-    templated = not isinstance(value, str) or chat_template_for_strings
+    templated = not isinstance(value, str) or chat.for_strings
     try:
-        text = render_prompt(tokenizer, value, chat_template_for_strings=chat_template_for_strings)
+        text = render_prompt(tokenizer, value, chat=chat)
     except DataError as exc:
         raise DataError(f"{where}: {exc}") from exc
     # The template already wrote any BOS it wants; plain text gets the tokenizer's own.
@@ -220,7 +402,7 @@ def _tokenized_prompt(
 
 
 def load_prompt_dataset(
-    path: str | Path,
+    path: str | Path | HubSource,
     tokenizer: PreTrainedTokenizerBase,
     *,
     prompt_key: str = "prompt",
@@ -229,14 +411,19 @@ def load_prompt_dataset(
     overlong: str = "filter",
     chat_template_for_strings: bool = False,
     data_format: str | None = None,
+    chat: ChatFormat | None = None,
 ) -> PromptDataset:
-    """Read prompts (and answers) from a jsonl or parquet file and tokenize them.
+    """Read prompts (and answers) from a jsonl or parquet file (or a hub dataset's split)
+    and tokenize them. chat: how prompts are rendered (default: the tokenizer's template,
+    for text prompts when chat_template_for_strings).
 
     overlong: what to do with prompts longer than max_prompt_length tokens: "filter" drops
     them, "truncate" keeps their last max_prompt_length tokens (the end, where the
     generation prompt is), "error" raises. The counts are on the result and logged.
     """
     _check_limit(overlong, max_prompt_length)
+    if chat is None:
+        chat = ChatFormat(for_strings=chat_template_for_strings)
     source = str(path)
     rows = read_rows(path, data_format)
     prompts: list[str] = []
@@ -251,7 +438,7 @@ def load_prompt_dataset(
             answer = _answer_text(get_field(row, answer_key)) if answer_key else None
         except KeyError as exc:
             raise DataError(f"{where}: {exc.args[0]}") from exc
-        text, ids = _tokenized_prompt(value, tokenizer, chat_template_for_strings, where)
+        text, ids = _tokenized_prompt(value, tokenizer, chat, where)
         if max_prompt_length is not None and len(ids) > max_prompt_length:
             if overlong == "error":
                 raise DataError(
@@ -292,10 +479,13 @@ def load_prompt_dataset(
 # Sampling
 
 
-def load_recipe_prompts(path: Path, tokenizer: Any, data: DataSettings) -> PromptDataset:
-    """A prompt file read and tokenized as the recipe's `trainer.data` says (keys, length
-    limit and overlong policy, chat template, format): the training set and the held-out
-    set alike."""
+def load_recipe_prompts(
+    path: Path | HubSource, tokenizer: Any, data: DataSettings, base_dir: Path | None = None
+) -> PromptDataset:
+    """A prompt file (or hub dataset split) read and tokenized as the recipe's
+    `trainer.data` says (keys, length limit and overlong policy, chat format, file format):
+    the training set and the held-out set alike. base_dir: where a relative template file
+    is (the folder the job runs in; None: this process's)."""
     return load_prompt_dataset(
         path,
         tokenizer,
@@ -303,8 +493,38 @@ def load_recipe_prompts(path: Path, tokenizer: Any, data: DataSettings) -> Promp
         answer_key=data.answer_key,
         max_prompt_length=data.max_prompt_length,
         overlong={"left": "truncate"}.get(data.truncate, data.truncate),
-        chat_template_for_strings=data.chat_template,
         data_format=None if data.format == "auto" else data.format,
+        chat=ChatFormat.of_settings(data, base_dir),
+    )
+
+
+def mix_datasets(parts: Sequence[tuple[PromptDataset, float]], seed: int) -> PromptDataset:
+    """One training set from several, weighed: as many prompts as they hold together, each
+    part's share in proportion to its weight. A part gives its rows in a seeded order, again
+    from the start where its share is larger than it is; rows keep their own index."""
+    import numpy as np
+
+    if len(parts) == 1:
+        return parts[0][0]
+    total = sum(len(data) for data, _ in parts)
+    weight = sum(w for _, w in parts)
+    wanted = [round(total * w / weight) for _, w in parts]
+    rng = np.random.default_rng(seed)
+    picked: list[tuple[PromptDataset, int]] = []
+    for (data, _), count in zip(parts, wanted, strict=True):
+        order = rng.permutation(len(data)).tolist()
+        picked += [(data, order[i % len(data)]) for i in range(count)]
+    shares = zip(parts, wanted, strict=True)
+    counts = ", ".join(f"{count} from {data.source}" for (data, _), count in shares)
+    return PromptDataset(
+        source=f"a mix of {len(parts)} datasets ({counts})",
+        prompts=[data.prompts[i] for data, i in picked],
+        prompt_token_ids=[data.prompt_token_ids[i] for data, i in picked],
+        answers=[data.answers[i] for data, i in picked],
+        row_indices=[data.row_indices[i] for data, i in picked],
+        n_filtered=sum(data.n_filtered for data, _ in parts),
+        n_truncated=sum(data.n_truncated for data, _ in parts),
+        columns=[data.columns[i] if data.columns else {} for data, i in picked],
     )
 
 

@@ -39,9 +39,15 @@ def load_validation_set(
     if validation is None:
         return None
     path = resolve_data_path(
-        validation.data, run_dir, settings.seed, field="validation.data", held_out=True
+        validation.data,
+        run_dir,
+        settings.seed,
+        field="validation.data",
+        held_out=True,
+        config=validation.config or settings.data.config,
+        split=validation.split,
     )
-    data = load_recipe_prompts(path, tokenizer, settings.data)
+    data = load_recipe_prompts(path, tokenizer, settings.data, Path.cwd())
     seen = {tuple(ids) for ids in train.prompt_token_ids}
     keep = [i for i, ids in enumerate(data.prompt_token_ids) if tuple(ids) not in seen]
     overlap = len(data) - len(keep)

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from tests.support.cli import assert_one_line_error, run_rlx
+from tests.support.hub import ANSWER_COLUMN, DATASET_ID, PROMPT_COLUMN
 from tests.support.recipes import recipe_dict, write_recipe
 
 pytestmark = pytest.mark.timeout(300)
@@ -64,3 +65,34 @@ def test_a_recipe_without_a_trainer(tmp_path: Path) -> None:
     path = tmp_path / "cmd.yaml"
     path.write_text("name: only-command\ncommand: [echo hi]\n")
     assert_one_line_error(run_rlx(["train", str(path)], tmp_path), "has no 'trainer:' section")
+
+
+def test_the_quickstart_trains_from_a_dataset_id(tmp_path: Path, dataset_cache) -> None:
+    # The quickstart's task, its prompts read by id from an offline hub cache: a named
+    # configuration and split, columns of the repository's own names, held-out prompts
+    # from its test split, all at the commit main named at start.
+    spec = f"hf://{DATASET_ID}"
+    recipe = write_recipe(
+        tmp_path,
+        data={
+            "train": spec,
+            "config": "letters",
+            "prompt_key": PROMPT_COLUMN,
+            "answer_key": ANSWER_COLUMN,
+            "system_prompt": "Answer with characters only.",
+            "max_prompt_length": 128,
+        },
+        rollout={"n": 4, "max_new_tokens": 8},
+        steps=2,
+        validation={"data": spec, "every": 2, "n": 1, "max_prompts": 4},
+    )
+    result = run_rlx(["train", str(recipe)], tmp_path, **dataset_cache.env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = tmp_path / "runs" / "trainer-test"
+    record = json.loads((run / "result.json").read_text())
+    assert record["state"] == "SUCCEEDED", record
+    log = (run / "train.log").read_text()
+    held_out = f"{spec}@{dataset_cache.commit[:12]} (split test, config letters)"
+    assert f"validation: 4 held-out prompts from {held_out}" in log
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any("val/pass@1" in step for step in steps)

@@ -100,9 +100,9 @@ CASES: list[tuple[str, dict, str]] = [
     (
         "hub-id-as-path",
         {"data": {"train": "openai/gsm8k"}},
-        "trainer.data.train: 'openai/gsm8k' looks like a hub dataset id, and rlx reads a "
-        "local file here; download it first (e.g. `hf download openai/gsm8k --repo-type "
-        f"dataset --local-dir data/gsm8k`) and name {READABLE} in it",
+        "trainer.data.train: 'openai/gsm8k' looks like a hub dataset id, and a bare name is "
+        "read as a local file; write hf://openai/gsm8k for the hub's dataset (with "
+        f"data.config and data.split where it has several), or name {READABLE}",
     ),
     (
         "folder",
@@ -450,3 +450,122 @@ def test_rlx_lint_on_a_bad_recipe_is_one_line_and_exit_1(job_dir):
     said = [line for line in result.stdout.splitlines() if ": error: " in line]
     written = path.read_text().splitlines().index("    train: rows.csv") + 1
     assert said == [f"{path}:{written}: error: {CASES[1][2]}"]
+
+
+# ------------------------------------------------------------------------ hub datasets
+
+HUB = "hf://rlx-tests/letters-or-digits"
+HUB_DATA = {"train": HUB, "config": "letters", "prompt_key": "question", "answer_key": "kind"}
+
+# (case, trainer section, the one line lint and start-up give; {cache}: the hub cache)
+HUB_CASES: list[tuple[str, dict, str]] = [
+    (
+        "missing-id",
+        {"data": {**HUB_DATA, "train": "hf://rlx-tests/nothing"}},
+        "trainer.data.train: rlx-tests/nothing is not in the Hugging Face cache {cache} and "
+        "HF_HUB_OFFLINE=1 forbids fetching it; fetch it first (hf download rlx-tests/nothing "
+        "--repo-type dataset) or unset HF_HUB_OFFLINE",
+    ),
+    (
+        "missing-revision",
+        {"data": {**HUB_DATA, "train": f"{HUB}@v9"}},
+        "trainer.data.train: rlx-tests/letters-or-digits is not in the Hugging Face cache "
+        "{cache} at revision 'v9' and HF_HUB_OFFLINE=1 forbids fetching it; fetch it first "
+        "(hf download rlx-tests/letters-or-digits --repo-type dataset) or unset HF_HUB_OFFLINE",
+    ),
+    (
+        "malformed-id",
+        {"data": {**HUB_DATA, "train": "hf://letters"}},
+        "trainer.data.train: hf://letters is not a hub dataset id; write hf://org/name or "
+        "hf://org/name@revision (a branch, tag or commit), e.g. hf://openai/gsm8k",
+    ),
+    (
+        "missing-config",
+        {"data": {**HUB_DATA, "config": "words"}},
+        f"trainer.data.train: {HUB} has no configuration 'words'; its configurations: "
+        "letters, plain; write data.config: one of them",
+    ),
+    (
+        "config-needed",
+        {"data": {**HUB_DATA, "config": None}},
+        f"trainer.data.train: {HUB} has configurations letters, plain and none is the "
+        "default; choose one with data.config",
+    ),
+    (
+        "missing-split",
+        {"data": HUB_DATA, "validation": {"data": HUB, "split": "validation"}},
+        f"trainer.validation.data: {HUB} (configuration letters) has no split 'validation'; "
+        "its splits: train, test; write validation.split: one of them",
+    ),
+    (
+        "missing-column",
+        {"data": {**HUB_DATA, "prompt_key": "prompt"}},
+        f"trainer.data.train: {HUB}@{{commit}} (split train, config letters) has no 'prompt' "
+        "in its first row (data.prompt_key); its columns: question, kind; write "
+        "data.prompt_key: one of them (dotted for nested fields)",
+    ),
+    (
+        "template-file-missing",
+        {"data": {**HUB_DATA, "chat_template_override": "/nowhere/chat.jinja"}},
+        "trainer.data.chat_template_override: /nowhere/chat.jinja does not exist; give a "
+        "Jinja template file, or the template itself (text with {{{{ or {{%)",
+    ),
+]
+
+
+@pytest.fixture
+def hub_job_dir(job_dir: Path, dataset_cache, monkeypatch: pytest.MonkeyPatch) -> Path:
+    for name, value in dataset_cache.env.items():
+        monkeypatch.setenv(name, value)
+    return job_dir
+
+
+def _hub_line(line: str, cache) -> str:
+    return line.format(cache=cache.root, commit=cache.commit[:12])
+
+
+@pytest.mark.parametrize("case,trainer,line", HUB_CASES, ids=[c[0] for c in HUB_CASES])
+def test_lint_says_a_hub_datasets_problem_in_one_line(
+    case, trainer, line, hub_job_dir, dataset_cache
+):
+    path = _write(hub_job_dir, _recipe(trainer))
+    assert _errors(path) == [_hub_line(line, dataset_cache)]
+
+
+@pytest.mark.parametrize("case,trainer,line", HUB_CASES, ids=[c[0] for c in HUB_CASES])
+def test_start_up_says_lints_line_for_a_hub_dataset(
+    case, trainer, line, hub_job_dir, dataset_cache
+):
+    settings = load_recipe(_write(hub_job_dir, _recipe(trainer))).recipe.trainer
+    with pytest.raises(RlxError) as refusal:
+        check_sources_at_start(settings)
+    assert str(refusal.value) == _hub_line(line, dataset_cache)
+
+
+def test_a_hub_dataset_as_it_should_be_passes_both(hub_job_dir):
+    trainer = {"data": HUB_DATA, "validation": {"data": HUB}}
+    path = _write(hub_job_dir, _recipe(trainer))
+    assert _errors(path) == []
+    check_sources_at_start(load_recipe(path).recipe.trainer)
+
+
+def test_lint_leaves_a_dataset_its_cache_lacks_to_the_node(job_dir, monkeypatch):
+    # Online, a dataset this machine has never fetched is the job's node's to fetch.
+    monkeypatch.setenv("HF_HUB_CACHE", str(job_dir / "empty-hub"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    trainer = {"data": {**HUB_DATA, "train": "hf://rlx-tests/elsewhere"}}
+    assert _errors(_write(job_dir, _recipe(trainer))) == []
+
+
+def test_a_mixed_in_datasets_problem_names_its_place(hub_job_dir, dataset_cache):
+    mixed = {"train": HUB, "weight": 2, "config": "plain", "split": "dev"}
+    trainer = {"data": {**HUB_DATA, "mix": [mixed]}}
+    line = (
+        f"trainer.data.mix[0].train: {HUB} (configuration plain) has no split 'dev'; its "
+        "splits: train, test; write data.mix[0].split: one of them"
+    )
+    path = _write(hub_job_dir, _recipe(trainer))
+    assert _errors(path) == [line]
+    with pytest.raises(RlxError) as refusal:
+        check_sources_at_start(load_recipe(path).recipe.trainer)
+    assert str(refusal.value) == line
