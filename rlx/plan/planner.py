@@ -43,7 +43,7 @@ from rlx.plan.budget import (
 )
 from rlx.plan.shapes import ModelShape, PlanError, find_shape
 from rlx.plan.sizing import Sizes, auto_fields, choose_sizes
-from rlx.plan.strategy import choose_strategy
+from rlx.plan.strategy import StrategyChoice, choose_strategy
 from rlx.recipe.model import Recipe, Resources, TrainerSettings, episode_token_budget
 from rlx.storage import is_store_url
 
@@ -70,6 +70,8 @@ class MemoryPlan:
     sizes: Sizes | None = None  # what `auto` chose, when the recipe leaves a size to it
     problems: list[str] = field(default_factory=list)  # does not fit: what to change
     warnings: list[str] = field(default_factory=list)  # fits, but tightly
+    # the choice behind strategy and strategy_reason, for the trainer's start-up
+    strategy_choice: StrategyChoice | None = field(default=None, repr=False, compare=False)
 
     @property
     def fits(self) -> bool:
@@ -151,6 +153,7 @@ def plan_recipe(
         accelerator=_accelerator_line(resources),
         strategy=strategy,
         strategy_reason=choice.reason,
+        strategy_choice=choice,
         train_ranks=layout.train_ranks,
         gpus=[],
         hosts=[],
