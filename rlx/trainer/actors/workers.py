@@ -39,6 +39,7 @@ from rlx.trainer.checkpoint.training import (
     LoadReport,
     load_learner_state,
 )
+from rlx.trainer.job import runs_ahead
 from rlx.trainer.learn.learner import Learner, UpdateStats, needs_old_logprobs
 from rlx.trainer.learn.models import autocast
 from rlx.trainer.model import cpu_linear
@@ -78,6 +79,12 @@ class WorkerSpec:
     # How the training ranks share the models (rlx.plan.strategy.choose_strategy, decided
     # once for the run); None: the recipe's explicit setting (a worker built on its own).
     strategy: str | None = None
+    # Whether rollouts run ahead of the update (TrainJob.ahead); None: the recipe's, likewise.
+    ahead: bool | None = None
+
+    @property
+    def rollouts_ahead(self) -> bool:
+        return runs_ahead(self.settings) if self.ahead is None else self.ahead
 
 
 def on_this_node(spec: WorkerSpec) -> WorkerSpec:
@@ -251,6 +258,7 @@ class TrainWorker:
             rank=spec.rank,
             world_size=spec.world_size,
             strategy=spec.strategy,  # type: ignore[arg-type]
+            ahead=spec.rollouts_ahead,
         )
         if spec.colocated and self.engine is None:
             self.engine = self._colocated_engine(
@@ -312,7 +320,7 @@ class TrainWorker:
         learner = self._learner()
         started = time.perf_counter()
         if prepare:
-            old_logprobs = needs_old_logprobs(self.spec.settings)
+            old_logprobs = needs_old_logprobs(self.spec.settings, self.spec.rollouts_ahead)
             batch = batch.with_fields(**learner.prepare(batch, old_logprobs=old_logprobs))
         prepared = time.perf_counter()
         stats = learner.update(batch, step)
