@@ -264,10 +264,11 @@ class TrainWorker:
             self.engine = self._colocated_engine(
                 self.learner.policy, self.learner.collective, notes
             )
-        notes.append(self.learner.packing_note)
+        planner = self.learner.planner  # how the update's passes are planned
+        notes.append(planner.note)
         if self.device.type == "cpu":
             notes.append(cpu_linear.describe())
-        return notes, self.learner.attention_weight if self.learner.packing else None
+        return notes, planner.attention_weight if planner.packing else None
 
     def _colocated_engine(self, policy: Any, collective: Any, notes: list[str]) -> ColocatedEngine:
         spec = self.spec

@@ -286,18 +286,6 @@ class Learner:
         return planner
 
     # What the worker reports at start-up (actors/workers.py): the planner's decision.
-    @property
-    def packing(self) -> bool:
-        return self.planner.packing
-
-    @property
-    def packing_note(self) -> str:
-        return self.planner.note
-
-    @property
-    def attention_weight(self) -> float:
-        return self.planner.attention_weight
-
     def _all_ranks(self, flag: bool) -> bool:
         return sharding.all_ranks(flag, self.device)
 
