@@ -44,7 +44,7 @@ from rlx.trainer.learn.learner import Learner, UpdateStats, needs_old_logprobs
 from rlx.trainer.learn.models import autocast
 from rlx.trainer.model import cpu_linear
 from rlx.trainer.rollout import engine_class, engine_for_job
-from rlx.trainer.rollout.base import RolloutEngine, SamplingArgs
+from rlx.trainer.rollout.base import EngineSite, RolloutEngine, SamplingArgs
 from rlx.trainer.rollout.colocated import ColocatedEngine, make_colocated_engine
 from rlx.trainer.rollout.probe import EngineReport, Probe
 from rlx.trainer.seeding import derive_seed
@@ -272,9 +272,8 @@ class TrainWorker:
 
     def _colocated_engine(self, policy: Any, collective: Any, notes: list[str]) -> ColocatedEngine:
         spec = self.spec
-        options = engine_class(spec.engine_kind).options_from(
-            spec.settings, spec.policy_path, use_gpu=spec.use_gpu, in_process=True
-        )
+        site = EngineSite(spec.policy_path, spec.use_gpu, in_process=True)
+        options = engine_class(spec.engine_kind).options_from(spec.settings, site)
         return make_colocated_engine(
             spec.engine_kind,
             policy,
