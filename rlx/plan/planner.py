@@ -145,8 +145,7 @@ def plan_recipe(
     gpu = resources.gpus_per_node > 0
     capacity, rollout_capacity = _gpu_capacities(resources, env)
     layout = layout_of(recipe)
-    choice = choose_strategy(recipe, env)
-    strategy = choice.strategy
+    strategy = (choice := choose_strategy(recipe, env)).strategy
     plan = MemoryPlan(
         recipe=recipe.name,
         model=f"{trainer.model.path}: {shape.describe()}",

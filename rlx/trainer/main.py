@@ -31,6 +31,11 @@ from rlx.trainer.startup import StartPlan
 if TYPE_CHECKING:
     from rlx.trainer.device import StartSizes
 
+STAND_IN_LINE = (
+    "GPUs are stand-ins (a dress rehearsal): the job is placed on them as on GPUs and computes "
+    "on CPU"
+)
+
 # --------------------------------------------------------------------------- Ray
 
 
@@ -286,16 +291,14 @@ def planned_gpu_gib(job: TrainJob) -> float | None:
     return job.plan.gpu_peak_gib() if job.on_gpus else None
 
 
-def sized_start(
-    recipe: Recipe, env: Mapping[str, str]
-) -> tuple[StartSizes | None, Exception | None, StartPlan]:
-    """start_sizes, and the start-up plan of what it gives (of the recipe as it is where it
-    fails, whose error then comes where the run records it)."""
+def sized_start(recipe: Recipe, env: Mapping[str, str]) -> tuple[StartSizes | Exception, StartPlan]:
+    """start_sizes (or its error, raised where the run records it), and the start-up plan of
+    the recipe it gives (of the recipe as it is where it fails)."""
     try:
         started = start_sizes(recipe, env)
     except Exception as exc:
-        return None, exc, StartPlan(recipe, env)
-    return started, None, StartPlan(started.recipe, {**env, **started.env})
+        return exc, StartPlan(recipe, env)
+    return started, StartPlan(started.recipe, {**env, **started.env})
 
 
 def _cluster_memory(cluster: Any, own: Any) -> Any:
@@ -323,9 +326,8 @@ def run_training(
         TrainJob.of(recipe)  # refuses it: nothing to train, so no run folder
     assert settings is not None
     paths = run_paths(recipe.name, settings, env)
-    # The accelerator alternative this job got, the sizes auto chose for it and their plan,
-    # made once here (a failure is recorded below, in the run's folder).
-    started, unsized, plan = sized_start(recipe, env)
+    # The alternative this job got, its sizes and their plan, made once (a failure: below).
+    started, plan = sized_start(recipe, env)
     # Every place the run writes, tried before anything loads: a fault costs seconds here.
     probe_locations(recipe, plan.checkpoint_sizes())
     paths.run_dir.mkdir(parents=True, exist_ok=True)
@@ -338,9 +340,8 @@ def run_training(
         if paths.run_url is not None:
             print(f"run folder mirrored to {paths.run_url}", file=out, flush=True)
         try:
-            if unsized is not None:
-                raise unsized
-            assert started is not None
+            if isinstance(started, Exception):
+                raise started
             env.update(started.env)
             print(started.line(), file=out, flush=True)
             result.accelerator = started.to_json()
@@ -348,12 +349,7 @@ def run_training(
             stand_in = env.get(STAND_IN_GPUS_ENV) == "1"
             job = TrainJob.of(started.recipe, stand_in_gpus=stand_in, plan=plan)
             if job.recipe.resources.total_gpus and not job.on_gpus:
-                print(
-                    "GPUs are stand-ins (a dress rehearsal): the job is placed on them as on "
-                    "GPUs and computes on CPU",
-                    file=out,
-                    flush=True,
-                )
+                print(STAND_IN_LINE, file=out, flush=True)
             with training_session(job, env, paths, out, err, stop) as trainer:
                 result.plan_gpu_gib = planned_gpu_gib(job)  # the model is cached now
                 result.last_step = trainer.run()
