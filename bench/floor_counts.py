@@ -1,6 +1,7 @@
 """Counts that show the trainer's floor plan, for any checkout: functions over 60 lines, the
-largest class, the places that read a model's attention implementation, and the switches on
-the rollout engine's kind outside rlx/trainer/rollout/.
+largest class, the places that read a model's attention implementation, the switches on
+the rollout engine's kind outside rlx/trainer/rollout/, and the planner runs per start-up
+(bench/planner_runs.py, run against the checkout).
 
     python bench/floor_counts.py [CHECKOUT]   (default: this one)
 
@@ -10,6 +11,8 @@ included; a nested function counts once, inside its parent and on its own."""
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -115,6 +118,12 @@ def main(argv: list[str]) -> int:
     print(f"engine-kind switches outside rlx/trainer/rollout/: {len(switches)}")
     for place in switches:
         print(f"  {place}")
+    runs = Path(__file__).resolve().parent / "planner_runs.py"
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    counted = subprocess.run(
+        [sys.executable, str(runs), str(root)], env=env, capture_output=True, text=True
+    )
+    print(counted.stdout.strip() or f"planner runs per start-up: not counted ({counted.stderr})")
     return 0
 
 

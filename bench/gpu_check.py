@@ -453,6 +453,7 @@ def learner_part(case: Case) -> Callable[[Check], dict[str, Any]]:
 
 
 def part_learner(check: Check, case: Case) -> dict[str, Any]:
+    from rlx.trainer.job import runs_ahead
     from rlx.trainer.learn.learner import Learner, merge_update_stats, needs_old_logprobs
 
     accelerator = accelerator_of(check)
@@ -482,7 +483,7 @@ def part_learner(check: Check, case: Case) -> dict[str, Any]:
     out["load_s"] = round(time.perf_counter() - started, 2)
     config = learner.policy.config
     params = matmul_params(learner.policy)
-    old = needs_old_logprobs(settings)
+    old = needs_old_logprobs(settings, runs_ahead(settings))
     passes = int(learner.reference_scorer is not None) + int(old)
     trained = 2 if lora else 4
     seconds, prepare_s, tokens, flops, losses = [], [], [], [], []
@@ -567,13 +568,14 @@ def part_fsdp_dcp(check: Check) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
     from rlx.trainer.checkpoint.training import load_learner_state, save_learner_state
+    from rlx.trainer.job import runs_ahead
     from rlx.trainer.learn.learner import Learner, merge_update_stats, needs_old_logprobs
 
     case = CASES[0]
     folder = write_model(check, case.model, "bfloat16")
     recipe = trainer_recipe(check, case, folder, accelerator_of(check))
     settings = recipe.trainer
-    old = needs_old_logprobs(settings)
+    old = needs_old_logprobs(settings, runs_ahead(settings))
     out: dict[str, Any] = {"backend": "nccl" if check.cuda else "gloo", "model": case.model}
 
     def step(learner: Learner, seed: int) -> dict[str, float]:

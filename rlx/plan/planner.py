@@ -43,7 +43,7 @@ from rlx.plan.budget import (
 )
 from rlx.plan.shapes import ModelShape, PlanError, find_shape
 from rlx.plan.sizing import Sizes, auto_fields, choose_sizes
-from rlx.plan.strategy import choose_strategy
+from rlx.plan.strategy import StrategyChoice, choose_strategy
 from rlx.recipe.model import Recipe, Resources, TrainerSettings, episode_token_budget
 from rlx.storage import is_store_url
 
@@ -70,6 +70,8 @@ class MemoryPlan:
     sizes: Sizes | None = None  # what `auto` chose, when the recipe leaves a size to it
     problems: list[str] = field(default_factory=list)  # does not fit: what to change
     warnings: list[str] = field(default_factory=list)  # fits, but tightly
+    # the choice behind strategy and strategy_reason, for the trainer's start-up
+    strategy_choice: StrategyChoice | None = field(default=None, repr=False, compare=False)
 
     @property
     def fits(self) -> bool:
@@ -143,14 +145,14 @@ def plan_recipe(
     gpu = resources.gpus_per_node > 0
     capacity, rollout_capacity = _gpu_capacities(resources, env)
     layout = layout_of(recipe)
-    choice = choose_strategy(recipe, env)
-    strategy = choice.strategy
+    strategy = (choice := choose_strategy(recipe, env)).strategy
     plan = MemoryPlan(
         recipe=recipe.name,
         model=f"{trainer.model.path}: {shape.describe()}",
         accelerator=_accelerator_line(resources),
         strategy=strategy,
         strategy_reason=choice.reason,
+        strategy_choice=choice,
         train_ranks=layout.train_ranks,
         gpus=[],
         hosts=[],

@@ -3,18 +3,21 @@
 TrainJob.of runs the start-up checks lint runs (rlx.lint.STARTUP_CHECKS) and then holds what
 every part of the trainer asks of the recipe: its trainer section (present), the actors it
 places (rlx.plan.actors), the rollout engine it runs (rlx.trainer.rollout.choose_engine), the
-dtype that engine runs in and whether rollouts run ahead of the update, each decided here once.
+dtype that engine runs in and whether rollouts run ahead of the update, each decided here once,
+and the start-up plan of the recipe (rlx.trainer.startup), made once and read from here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from rlx.errors import RlxError
 from rlx.lint import refuse_at_startup
 from rlx.plan.actors import ActorPlan, plan_actors
 from rlx.recipe.model import Recipe, Resources, TrainerSettings
 from rlx.trainer.rollout import choose_engine, samples_with_own_kernels
+from rlx.trainer.startup import StartPlan
 
 # Set by a dress rehearsal (rlx rehearse): the GPUs Ray's nodes declare are stand-ins, so the
 # job is placed exactly as on GPUs and computes on CPU.
@@ -32,12 +35,22 @@ class TrainJob:
     # Rollouts run ahead of the update (rollout.max_staleness > 0): a step trains on samples
     # up to max_staleness versions old, and a push queues behind the engines' rollouts.
     ahead: bool
+    # The memory plan of the recipe as it runs, made once at start-up (rlx.trainer.startup).
+    plan: StartPlan = field(repr=False, compare=False)
 
     @classmethod
-    def of(cls, recipe: Recipe, *, stand_in_gpus: bool = False) -> TrainJob:
+    def of(
+        cls,
+        recipe: Recipe,
+        *,
+        stand_in_gpus: bool = False,
+        plan: StartPlan | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> TrainJob:
         """The job of a recipe the start-up checks pass; RlxError (field: what to change)
         for one they refuse. stand_in_gpus: the recipe's GPUs are placed but not computed
-        on (a dress rehearsal)."""
+        on (a dress rehearsal). plan: the start-up plan already begun for this recipe (a new
+        one with `env` otherwise)."""
         settings = recipe.trainer
         if settings is None:  # fine for lint when a command runs instead; not for rlx train
             raise RlxError(
@@ -56,6 +69,7 @@ class TrainJob:
             on_gpus,
             engine_dtype=engine_dtype_name(settings, on_gpus),
             ahead=runs_ahead(settings),
+            plan=plan if plan is not None else StartPlan(recipe, env),
         )
 
     @property

@@ -173,8 +173,8 @@ class Trainer:
                 settings.algorithm, settings.algo.norm_adv_by_std, settings.algo.baseline
             )
         )
-        self.old_logprobs = needs_old_logprobs(settings)
-        self.engine_logprobs = sends_engine_logprobs(settings)
+        self.old_logprobs = needs_old_logprobs(settings, self.job.ahead)
+        self.engine_logprobs = sends_engine_logprobs(settings, self.job.ahead)
         self.needs_prepare, self.prepare_first = prepared_forwards(settings, self.old_logprobs)
         ckpt = inputs.paths.checkpoint_root
         self.manager = (

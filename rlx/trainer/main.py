@@ -27,9 +27,15 @@ from rlx.trainer.job import STAND_IN_GPUS_ENV, TrainJob
 from rlx.trainer.report.console import Stopped, StopRequest, console_to_log, handle_signals
 from rlx.trainer.report.record import finish, summary_lines
 from rlx.trainer.resolve import run_paths
+from rlx.trainer.startup import StartPlan
 
 if TYPE_CHECKING:
     from rlx.trainer.device import StartSizes
+
+STAND_IN_LINE = (
+    "GPUs are stand-ins (a dress rehearsal): the job is placed on them as on GPUs and computes "
+    "on CPU"
+)
 
 # --------------------------------------------------------------------------- Ray
 
@@ -243,7 +249,6 @@ def training_session(
     stop: StopRequest | None = None,
 ) -> Iterator[Any]:
     """A Trainer whose actors are up (and torn down again on exit)."""
-    from rlx.plan.strategy import choose_strategy
     from rlx.trainer.actors.cluster import Cluster
     from rlx.trainer.actors.placement import alive_nodes, check_resources
     from rlx.trainer.actors.probes import probe_nodes
@@ -254,7 +259,7 @@ def training_session(
     inputs, policy_path, critic_path = resolve_inputs(job, env, paths)
     check_engine_installed(job)
     # Once the model is in this node's cache, its config plans DDP against FSDP.
-    strategy = choose_strategy(job.recipe, env)
+    strategy = job.plan.strategy()
     stop = stop or StopRequest()
     with contextlib.ExitStack() as stack:
         stack.callback(stop.stay)  # last: Ray's teardown is over
@@ -268,7 +273,7 @@ def training_session(
         stop = stack.enter_context(handle_signals(stop))
         nodes = alive_nodes()
         check_resources(job.recipe, nodes, where)
-        probe_nodes(locations(job.recipe, env), nodes)  # before any model loads
+        probe_nodes(locations(job.recipe, job.plan.checkpoint_sizes()), nodes)  # before loads
         cluster = Cluster.start(job, nodes, policy_path, critic_path, strategy)
         stack.callback(cluster.shutdown)
         # A private Ray's processes are this process's children; a joined cluster's workers
@@ -294,24 +299,25 @@ def trainer_for(
     (tests, benchmarks): the job narrowed and the run's folders found as `rlx train` does."""
     started = start_sizes(recipe, env)
     env = {**env, **started.env}
-    job = TrainJob.of(started.recipe, stand_in_gpus=env.get(STAND_IN_GPUS_ENV) == "1")
+    job = TrainJob.of(started.recipe, stand_in_gpus=env.get(STAND_IN_GPUS_ENV) == "1", env=env)
     paths = run_paths(job.name, job.settings, env)
     return training_session(job, env, paths, out, out if err is None else err)
 
 
-def planned_gpu_gib(job: TrainJob, env: Mapping[str, str]) -> float | None:
+def planned_gpu_gib(job: TrainJob) -> float | None:
     """What `rlx plan` gives one training GPU at its peak, for the run's summary beside what
     the GPUs measured (None on CPU, or where the plan cannot say)."""
-    from rlx.plan.planner import plan_recipe
-    from rlx.plan.shapes import PlanError
+    return job.plan.gpu_peak_gib() if job.on_gpus else None
 
-    if not job.on_gpus:
-        return None
+
+def sized_start(recipe: Recipe, env: Mapping[str, str]) -> tuple[StartSizes | Exception, StartPlan]:
+    """start_sizes (or its error, raised where the run records it), and the start-up plan of
+    the recipe it gives (of the recipe as it is where it fails)."""
     try:
-        plan = plan_recipe(job.recipe, env, advise=False)
-    except (PlanError, RlxError):
-        return None
-    return plan.gpus[0].peak / 2**30 if plan.gpus else None
+        started = start_sizes(recipe, env)
+    except Exception as exc:
+        return exc, StartPlan(recipe, env)
+    return started, StartPlan(started.recipe, {**env, **started.env})
 
 
 def _cluster_memory(cluster: Any, own: Any) -> Any:
@@ -339,8 +345,10 @@ def run_training(
         TrainJob.of(recipe)  # refuses it: nothing to train, so no run folder
     assert settings is not None
     paths = run_paths(recipe.name, settings, env)
+    # The alternative this job got, its sizes and their plan, made once (a failure: below).
+    started, plan = sized_start(recipe, env)
     # Every place the run writes, tried before anything loads: a fault costs seconds here.
-    probe_locations(recipe, env)
+    probe_locations(recipe, plan.checkpoint_sizes())
     paths.run_dir.mkdir(parents=True, exist_ok=True)
     pull_run(paths)  # logging.dir in a store: continue what an earlier attempt left there
     result = _running(paths, settings.steps)
@@ -351,23 +359,18 @@ def run_training(
         if paths.run_url is not None:
             print(f"run folder mirrored to {paths.run_url}", file=out, flush=True)
         try:
-            # The accelerator alternative this job got, and the sizes auto chose for it.
-            started = start_sizes(recipe, env)
+            if isinstance(started, Exception):
+                raise started
             env.update(started.env)
             print(started.line(), file=out, flush=True)
             result.accelerator = started.to_json()
             # The recipe narrowed once, by the checks lint runs too; a refusal is recorded.
             stand_in = env.get(STAND_IN_GPUS_ENV) == "1"
-            job = TrainJob.of(started.recipe, stand_in_gpus=stand_in)
+            job = TrainJob.of(started.recipe, stand_in_gpus=stand_in, plan=plan)
             if job.recipe.resources.total_gpus and not job.on_gpus:
-                print(
-                    "GPUs are stand-ins (a dress rehearsal): the job is placed on them as on "
-                    "GPUs and computes on CPU",
-                    file=out,
-                    flush=True,
-                )
+                print(STAND_IN_LINE, file=out, flush=True)
             with training_session(job, env, paths, out, err, stop) as trainer:
-                result.plan_gpu_gib = planned_gpu_gib(job, env)  # the model is cached now
+                result.plan_gpu_gib = planned_gpu_gib(job)  # the model is cached now
                 result.last_step = trainer.run()
                 result.checkpoint_bytes = trainer.checkpoint_bytes
                 result.model = None if trainer.exported is None else str(trainer.exported)

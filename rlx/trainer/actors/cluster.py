@@ -171,6 +171,7 @@ class Cluster:
                 num_threads=thread_override(),
                 engine_kind=job.engine,
                 engine_dtype=job.engine_dtype,
+                ahead=job.ahead,
                 colocated=settings.layout == "colocated",
                 use_gpu=job.on_gpus,
                 strategy=strategy.strategy,

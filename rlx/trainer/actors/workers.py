@@ -39,11 +39,12 @@ from rlx.trainer.checkpoint.training import (
     LoadReport,
     load_learner_state,
 )
+from rlx.trainer.job import runs_ahead
 from rlx.trainer.learn.learner import Learner, UpdateStats, needs_old_logprobs
 from rlx.trainer.learn.models import autocast
 from rlx.trainer.model import cpu_linear
 from rlx.trainer.rollout import engine_class, engine_for_job
-from rlx.trainer.rollout.base import RolloutEngine, SamplingArgs
+from rlx.trainer.rollout.base import EngineSite, RolloutEngine, SamplingArgs
 from rlx.trainer.rollout.colocated import ColocatedEngine, make_colocated_engine
 from rlx.trainer.rollout.probe import EngineReport, Probe
 from rlx.trainer.seeding import derive_seed
@@ -78,6 +79,12 @@ class WorkerSpec:
     # How the training ranks share the models (rlx.plan.strategy.choose_strategy, decided
     # once for the run); None: the recipe's explicit setting (a worker built on its own).
     strategy: str | None = None
+    # Whether rollouts run ahead of the update (TrainJob.ahead); None: the recipe's, likewise.
+    ahead: bool | None = None
+
+    @property
+    def rollouts_ahead(self) -> bool:
+        return runs_ahead(self.settings) if self.ahead is None else self.ahead
 
 
 def on_this_node(spec: WorkerSpec) -> WorkerSpec:
@@ -251,21 +258,22 @@ class TrainWorker:
             rank=spec.rank,
             world_size=spec.world_size,
             strategy=spec.strategy,  # type: ignore[arg-type]
+            ahead=spec.rollouts_ahead,
         )
         if spec.colocated and self.engine is None:
             self.engine = self._colocated_engine(
                 self.learner.policy, self.learner.collective, notes
             )
-        notes.append(self.learner.packing_note)
+        planner = self.learner.planner  # how the update's passes are planned
+        notes.append(planner.note)
         if self.device.type == "cpu":
             notes.append(cpu_linear.describe())
-        return notes, self.learner.attention_weight if self.learner.packing else None
+        return notes, planner.attention_weight if planner.packing else None
 
     def _colocated_engine(self, policy: Any, collective: Any, notes: list[str]) -> ColocatedEngine:
         spec = self.spec
-        options = engine_class(spec.engine_kind).options_from(
-            spec.settings, spec.policy_path, use_gpu=spec.use_gpu, in_process=True
-        )
+        site = EngineSite(spec.policy_path, spec.use_gpu, in_process=True)
+        options = engine_class(spec.engine_kind).options_from(spec.settings, site)
         return make_colocated_engine(
             spec.engine_kind,
             policy,
@@ -312,7 +320,7 @@ class TrainWorker:
         learner = self._learner()
         started = time.perf_counter()
         if prepare:
-            old_logprobs = needs_old_logprobs(self.spec.settings)
+            old_logprobs = needs_old_logprobs(self.spec.settings, self.spec.rollouts_ahead)
             batch = batch.with_fields(**learner.prepare(batch, old_logprobs=old_logprobs))
         prepared = time.perf_counter()
         stats = learner.update(batch, step)

@@ -10,7 +10,12 @@ from typing import Any
 
 from rlx.trainer.background import Background
 from rlx.trainer.checkpoint.faults import SAVE_ERRORS, save_failure
-from rlx.trainer.checkpoint.protocol import Finished, PhaseHook, SavedCheckpoint, SaveRequest
+from rlx.trainer.checkpoint.protocol import (
+    Checkpoints,
+    Finished,
+    SavedCheckpoint,
+    SaveRequest,
+)
 from rlx.trainer.checkpoint.training import (
     EXPORT_INFO,
     HF_FILES,
@@ -24,14 +29,11 @@ from rlx.trainer.checkpoint.training import (
 
 class CheckpointBase:
     """The save as every training rank runs it, whichever manager holds the checkpoints.
-    Subclasses give the steps (protocol.Checkpoints) and say whether they finish in the
-    background."""
-
-    background: bool
-    run_dir: Any
+    Subclasses give the steps protocol.Checkpoints states (rank_folder, write_parts,
+    save_shard, commit_save, discard) and say whether they finish in the background."""
 
     def save_rank(
-        self,
+        self: Checkpoints,
         request: SaveRequest,
         rank: int,
         world_size: int,
@@ -86,30 +88,3 @@ class CheckpointBase:
                 self.discard(folder)
 
         return Background(finish) if self.background else Finished(finish())
-
-    # The steps, as protocol.Checkpoints states them.
-
-    def rank_folder(self, folder: Path, rank: int) -> Path:
-        raise NotImplementedError
-
-    def write_parts(
-        self, folder: Path, parts: Mapping[str, Any], _after_phase: PhaseHook | None = None
-    ) -> dict[str, dict[str, str]]:
-        raise NotImplementedError
-
-    def save_shard(self, folder: Path, step: int, rank: int, shard: str) -> None:
-        raise NotImplementedError
-
-    def commit_save(
-        self,
-        folder: Path,
-        step: int,
-        entries: Mapping[str, Mapping[str, str]],
-        world_size: int,
-        shard: str,
-        _after_phase: PhaseHook | None = None,
-    ) -> SavedCheckpoint:
-        raise NotImplementedError
-
-    def discard(self, folder: Path) -> None:
-        raise NotImplementedError

@@ -10,7 +10,7 @@ node stages on its own disk) in a task on that node before the actors start
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,13 +30,15 @@ class Location:
     needs: int = 0
 
 
-def locations(recipe: Recipe, env: Mapping[str, str]) -> list[Location]:
+def locations(recipe: Recipe, sizes: tuple[int, int]) -> list[Location]:
     """Where the recipe's run writes: checkpoint.dir, logging.dir (the run folder and the
     export in it) and, when either is in a store, this node's staging folder; local
-    checkpoint and staging folders with the room two checkpoints take (rlx plan's size)."""
+    checkpoint and staging folders with the room two checkpoints take. sizes: (a
+    checkpoint's bytes, the most one node stages of it) as rlx plan counts them, 0 where the
+    plan cannot say (rlx.trainer.startup.StartPlan.checkpoint_sizes)."""
     settings = recipe.trainer
     assert settings is not None
-    size, staged = checkpoint_sizes(recipe, env)
+    size, staged = sizes
     found = []
     ckpt = settings.checkpoint.dir
     if ckpt is not None:
@@ -50,19 +52,6 @@ def locations(recipe: Recipe, env: Mapping[str, str]) -> list[Location]:
     return found
 
 
-def checkpoint_sizes(recipe: Recipe, env: Mapping[str, str]) -> tuple[int, int]:
-    """(a checkpoint's bytes, the most one node stages of it) as rlx plan counts them; 0
-    where the plan cannot say (a model whose config is not on this node yet)."""
-    from rlx.plan.planner import plan_recipe
-    from rlx.plan.shapes import PlanError
-
-    try:
-        plan = plan_recipe(recipe, env, advise=False)
-    except (PlanError, RlxError, OSError, ValueError):
-        return 0, 0
-    return plan.checkpoint_bytes, plan.staging_bytes or plan.checkpoint_bytes
-
-
 def probe(places: Sequence[Location]) -> None:
     """Write and delete a small file in every place, and check local ones have room; the
     first problem as one RlxError."""
@@ -74,9 +63,9 @@ def probe(places: Sequence[Location]) -> None:
                 raise RlxError(problem)
 
 
-def probe_locations(recipe: Recipe, env: Mapping[str, str]) -> list[Location]:
+def probe_locations(recipe: Recipe, sizes: tuple[int, int]) -> list[Location]:
     """The head's probe, before anything starts; returns the places for probe_nodes."""
-    places = locations(recipe, env)
+    places = locations(recipe, sizes)
     probe(places)
     return places
 

@@ -42,6 +42,7 @@ from rlx.trainer.batch import (
     VALUES,
     SequenceBatch,
 )
+from rlx.trainer.job import runs_ahead
 from rlx.trainer.learn import sharding
 from rlx.trainer.learn.models import (
     autocast,
@@ -63,15 +64,15 @@ def minibatches_per_epoch(settings: TrainerSettings) -> int:
     return samples // (settings.batch.minibatch_size or samples)
 
 
-def needs_old_logprobs(settings: TrainerSettings) -> bool:
+def needs_old_logprobs(settings: TrainerSettings, ahead: bool) -> bool:
     """Old log-probs need their own forward only when the policy moves before some samples
     are used (several epochs or minibatches), when the KL penalty enters the reward, or when
-    samples may be older than the policy (max_staleness > 0: they are decoupled PPO's
+    samples may be older than the policy (ahead, TrainJob.ahead: they are decoupled PPO's
     proximal log-probs). Otherwise the update's own log-probs, detached, are exactly the old
     ones."""
     several_updates = settings.batch.ppo_epochs > 1 or minibatches_per_epoch(settings) > 1
     kl_in_reward = settings.algo.kl.coef > 0 and settings.algo.kl.mode == "reward"
-    return several_updates or kl_in_reward or settings.rollout.max_staleness > 0
+    return several_updates or kl_in_reward or ahead
 
 
 def correction_on(settings: TrainerSettings) -> bool:
@@ -80,14 +81,14 @@ def correction_on(settings: TrainerSettings) -> bool:
     return settings.algo.rollout_correction.on is not False
 
 
-def sends_engine_logprobs(settings: TrainerSettings) -> bool:
+def sends_engine_logprobs(settings: TrainerSettings, ahead: bool) -> bool:
     """Whether the engines' sampling log-probs travel to the learner (BEHAV_LOGP): where the
-    correction reads them, where samples may be stale, or where the engines run another dtype
-    than the model (the mismatch is then measured). Otherwise engine and learner agree to
-    float32 rounding and nothing extra is sent or computed."""
+    correction reads them, where samples may be stale (ahead, TrainJob.ahead), or where the
+    engines run another dtype than the model (the mismatch is then measured). Otherwise
+    engine and learner agree to float32 rounding and nothing extra is sent or computed."""
     rollout = settings.rollout
     other_dtype = rollout.dtype is not None and rollout.dtype != settings.model.dtype
-    return correction_on(settings) or rollout.max_staleness > 0 or other_dtype
+    return correction_on(settings) or ahead or other_dtype
 
 
 @dataclass
@@ -171,6 +172,7 @@ class Learner:
         rank: int = 0,
         world_size: int = 1,
         strategy: sharding.Strategy | None = None,
+        ahead: bool | None = None,
     ):
         self.settings = settings
         self.policy_path, self.critic_path = policy_path, critic_path
@@ -182,6 +184,8 @@ class Learner:
         # Decided once for the run (rlx.plan.strategy.choose_strategy) and handed in; a
         # Learner built on its own reads the recipe's explicit setting.
         self.strategy = strategy or sharding.resolve_strategy(settings.parallel, world_size)
+        # Whether samples may be older than the policy (TrainJob.ahead), likewise.
+        self.ahead = runs_ahead(settings) if ahead is None else ahead
         trained_shard, frozen_shard = self._shard_specs()
         self._load_policy(trained_shard)
         self._load_reference(frozen_shard)
@@ -282,18 +286,6 @@ class Learner:
         return planner
 
     # What the worker reports at start-up (actors/workers.py): the planner's decision.
-    @property
-    def packing(self) -> bool:
-        return self.planner.packing
-
-    @property
-    def packing_note(self) -> str:
-        return self.planner.note
-
-    @property
-    def attention_weight(self) -> float:
-        return self.planner.attention_weight
-
     def _all_ranks(self, flag: bool) -> bool:
         return sharding.all_ranks(flag, self.device)
 
@@ -639,7 +631,7 @@ class Learner:
         if not metrics:  # no token measured: no weight to report either (not a mean of 0)
             return weight, metrics
         metrics.update(weight_metrics)
-        if settings.rollout.max_staleness > 0:
+        if self.ahead:
             # The share the action changed (truncated_fraction or masked_fraction).
             changed = next(v for k, v in weight_metrics.items() if k.endswith("_fraction"))
             metrics[IS_WEIGHT] = weight_metrics["mismatch/weight_mean"]

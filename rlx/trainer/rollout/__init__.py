@@ -92,13 +92,9 @@ def engine_for_job(
 ) -> Any:
     """An engine of `kind` for a job (layout: split), built with the arguments its class
     makes from the settings (options_from)."""
+    from rlx.trainer.rollout.base import EngineSite
+
     engine = engine_class(kind)
-    options = engine.options_from(
-        settings,
-        model_path,
-        use_gpu=use_gpu,
-        device=device,
-        tensor_parallel=tensor_parallel,
-        join_ray=join_ray,
-    )
+    site = EngineSite(model_path, use_gpu, device, tensor_parallel, join_ray=join_ray)
+    options = engine.options_from(settings, site)
     return engine(model_path, dtype=dtype, **options)

@@ -52,6 +52,21 @@ class SamplingArgs:
         )
 
 
+@dataclass(frozen=True)
+class EngineSite:
+    """Where an engine of the job runs: what its class builds its arguments from, beside the
+    settings (RolloutEngine.options_from)."""
+
+    model_path: str
+    use_gpu: bool
+    device: str | None = None  # where an in-process engine computes
+    tensor_parallel: int = 1
+    in_process: bool = False  # the engine runs in a training worker's own process (colocated)
+    # Makes the calling process ready for an engine that spreads over Ray's nodes, called
+    # where the engine does.
+    join_ray: Callable[[], None] | None = None
+
+
 class RolloutEngine(abc.ABC):
     """What the trainer needs from a generator of rollouts. Besides generating and taking
     weights, an engine answers for its own lifecycle (the arguments it is built with, the
@@ -68,22 +83,9 @@ class RolloutEngine(abc.ABC):
     starts_before_learner: ClassVar[bool] = False
 
     @classmethod
-    def options_from(
-        cls,
-        settings: TrainerSettings,
-        model_path: str,
-        *,
-        use_gpu: bool,
-        device: str | None = None,
-        tensor_parallel: int = 1,
-        in_process: bool = False,
-        join_ray: Callable[[], None] | None = None,
-    ) -> dict[str, Any]:
+    def options_from(cls, settings: TrainerSettings, site: EngineSite) -> dict[str, Any]:
         """This engine's own arguments for an engine of the job, built from the settings
-        (the model path and dtype aside). device: where an in-process engine computes.
-        in_process: the engine runs in a training worker's own process (colocated).
-        join_ray: makes the calling process ready for an engine that spreads over Ray's
-        nodes, called where the engine does."""
+        and where it runs (the model path and dtype aside)."""
         return {}
 
     @classmethod  # noqa: B027 - most engines need nothing beyond rlx's own packages

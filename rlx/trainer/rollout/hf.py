@@ -14,7 +14,12 @@ from rlx.trainer.batch import RolloutBatch, pad_responses
 from rlx.trainer.model.cpu_linear import use_onednn
 from rlx.trainer.model.decode import LeanDecoder, grow_in_place
 from rlx.trainer.model.traits import traits, transformers_model
-from rlx.trainer.rollout.base import RolloutEngine, SamplingArgs, check_sampling_args
+from rlx.trainer.rollout.base import (
+    EngineSite,
+    RolloutEngine,
+    SamplingArgs,
+    check_sampling_args,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -178,20 +183,10 @@ class HFEngine(RolloutEngine):
         return None, f"rollouts: the HF engine decodes through transformers' forward ({reason})"
 
     @classmethod
-    def options_from(
-        cls,
-        settings: TrainerSettings,
-        model_path: str,
-        *,
-        use_gpu: bool,
-        device: str | None = None,
-        tensor_parallel: int = 1,
-        in_process: bool = False,
-        join_ray: Callable[[], None] | None = None,
-    ) -> dict[str, Any]:
+    def options_from(cls, settings: TrainerSettings, site: EngineSite) -> dict[str, Any]:
         """The engine's device, and a LoRA policy's adapters (the engine's model gets them
         too)."""
-        return {"device": device, "lora": settings.model.lora}
+        return {"device": site.device, "lora": settings.model.lora}
 
     def notes(self) -> list[str]:
         return [] if self.decode_note is None else [self.decode_note]

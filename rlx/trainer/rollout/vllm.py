@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,12 @@ import torch
 from rlx.errors import RlxError
 from rlx.recipe.model import TrainerSettings
 from rlx.trainer.batch import RolloutBatch, pad_responses
-from rlx.trainer.rollout.base import RolloutEngine, SamplingArgs, check_sampling_args
+from rlx.trainer.rollout.base import (
+    EngineSite,
+    RolloutEngine,
+    SamplingArgs,
+    check_sampling_args,
+)
 from rlx.trainer.weights import DEFAULT_BUCKET_BYTES, BucketLayout, GroupAddress, NamedTensors
 
 INSTALL_HINT = (
@@ -116,25 +121,19 @@ class VLLMEngine(RolloutEngine):
     starts_before_learner = True
 
     @classmethod
-    def options_from(
-        cls,
-        settings: TrainerSettings,
-        model_path: str,
-        *,
-        use_gpu: bool,
-        device: str | None = None,
-        tensor_parallel: int = 1,
-        in_process: bool = False,
-        join_ray: Callable[[], None] | None = None,
-    ) -> dict[str, Any]:
+    def options_from(cls, settings: TrainerSettings, site: EngineSite) -> dict[str, Any]:
         """vLLM's arguments (vllm_options.vllm_options); a tensor-parallel engine on GPUs runs
         under vLLM's Ray executor, for which join_ray makes this process ready."""
         from rlx.trainer.rollout.vllm_options import vllm_options
 
-        if tensor_parallel > 1 and use_gpu and join_ray is not None:
-            join_ray()
+        if site.tensor_parallel > 1 and site.use_gpu and site.join_ray is not None:
+            site.join_ray()
         return vllm_options(
-            settings, tensor_parallel, model_path, use_gpu=use_gpu, in_process=in_process
+            settings,
+            site.tensor_parallel,
+            site.model_path,
+            use_gpu=site.use_gpu,
+            in_process=site.in_process,
         )
 
     @classmethod

@@ -48,14 +48,15 @@ def test_agreeing_engine_sends_nothing(tmp_path: Path) -> None:
     settings = with_correction_decided(
         small_trainer(tmp_path, model={"dtype": "float32"}), "hf", False
     )
-    assert not sends_engine_logprobs(settings)  # the quickstart's numbers stay as they were
+    # the quickstart's numbers stay as they were
+    assert not sends_engine_logprobs(settings, ahead=False)
     other = small_trainer(
         tmp_path,
         model={"dtype": "float32"},
         rollout={"dtype": "bfloat16"},
         algo={"rollout_correction": {"on": False}},
     )
-    assert sends_engine_logprobs(other)  # measured, not corrected
+    assert sends_engine_logprobs(other, ahead=False)  # measured, not corrected
 
 
 def test_unset_bounds_are_the_decoupled_cap(tmp_path: Path) -> None:

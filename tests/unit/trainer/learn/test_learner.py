@@ -55,13 +55,14 @@ def test_micro_batches_do_not_change_the_update(
 
 
 def test_old_logprobs_are_recomputed_only_when_the_policy_moves_first(tmp_path) -> None:
-    assert not needs_old_logprobs(small_trainer(tmp_path))
-    assert needs_old_logprobs(small_trainer(tmp_path, batch={"ppo_epochs": 2}))
-    assert needs_old_logprobs(small_trainer(tmp_path, batch={"minibatch_size": 8}))
-    assert needs_old_logprobs(small_trainer(tmp_path, algo={"kl": {"coef": 0.1, "mode": "reward"}}))
-    assert not needs_old_logprobs(
-        small_trainer(tmp_path, algo={"kl": {"coef": 0.1, "mode": "loss"}})
-    )
+    assert not needs_old_logprobs(small_trainer(tmp_path), ahead=False)
+    assert needs_old_logprobs(small_trainer(tmp_path), ahead=True)
+    assert needs_old_logprobs(small_trainer(tmp_path, batch={"ppo_epochs": 2}), ahead=False)
+    assert needs_old_logprobs(small_trainer(tmp_path, batch={"minibatch_size": 8}), ahead=False)
+    kl_reward = small_trainer(tmp_path, algo={"kl": {"coef": 0.1, "mode": "reward"}})
+    assert needs_old_logprobs(kl_reward, ahead=False)
+    kl_loss = small_trainer(tmp_path, algo={"kl": {"coef": 0.1, "mode": "loss"}})
+    assert not needs_old_logprobs(kl_loss, ahead=False)
 
 
 def test_one_update_without_old_logprobs_has_ratio_one(tmp_path, tiny_model_dir, advantage_batch):
