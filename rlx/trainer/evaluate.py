@@ -170,6 +170,13 @@ def _resolve(spec: str, options: EvalOptions, scratch: Path) -> Target:
         raise RlxError(f"TARGET: {message}") from None
 
 
+def _steps(run: Path) -> str:
+    from rlx.checkpoints import step_of
+
+    steps = sorted(s for p in run.glob("step-*") if (s := step_of(p.name)) is not None)
+    return ", ".join(map(str, steps)) or "none"
+
+
 def _has_steps(folder: Path) -> bool:
     from rlx.checkpoints import step_of
 
@@ -231,6 +238,11 @@ def _recipe_target(path: Path, step: int | None, scratch: Path) -> Target:
         found = (
             join(str(run), step_name(step)) if isinstance(run, str) else str(run / step_name(step))
         )
+        if not isinstance(run, str) and not Path(found).is_dir():
+            raise RlxError(
+                f"{path}: no checkpoint of step {step} under {run} (checkpoint.dir is read from "
+                f"the folder you run in, as training reads it); steps there: {_steps(run)}"
+            )
     label = f"{path} at {Path(str(found)).name}"
     return Target(_exported(str(found), scratch), label, settings)
 
