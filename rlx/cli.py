@@ -600,6 +600,81 @@ def export(
     )
 
 
+class EvalEngine(str, Enum):
+    hf = "hf"
+    vllm = "vllm"
+
+
+@app.command(name="eval")
+@expected_errors
+def eval_command(
+    target: str = typer.Argument(
+        ...,
+        help="What to evaluate: a recipe (its newest checkpoint; --step N), a checkpoint's "
+        "step-NNNNNN folder or store prefix (LoRA too), an exported Hugging Face folder, or a "
+        "hub id (from the hub cache).",
+    ),
+    data: list[str] = typer.Option(
+        [],
+        "--data",
+        help="A prompt file (.jsonl or .parquet; repeat for several); default: "
+        "the recipe's validation data, else its training data.",
+    ),
+    reward: str | None = typer.Option(
+        None,
+        "--reward",
+        help="As a recipe's trainer.reward.function (default: the recipe's, else gsm8k).",
+    ),
+    n: int | None = typer.Option(
+        None, "--n", help="Samples per prompt (default: the recipe's validation.n, else 4)."
+    ),
+    temperature: float | None = typer.Option(
+        None, "--temperature", help="0 is greedy (default: the recipe's, else 1.0)."
+    ),
+    top_p: float | None = typer.Option(None, "--top-p", help="Nucleus mass (default 1.0)."),
+    max_new_tokens: int | None = typer.Option(
+        None, "--max-new-tokens", help="Longest response (default: the recipe's, else 256)."
+    ),
+    engine: EvalEngine = typer.Option(EvalEngine.hf, "--engine", help="Rollout engine."),
+    tp: int = typer.Option(1, "--tp", help="GPUs (or CPU workers) per vLLM engine."),
+    pass_threshold: float = typer.Option(
+        1.0, "--pass-threshold", help="A sample is correct when its reward is at least this."
+    ),
+    out: Path | None = typer.Option(
+        None, "--out", help="Write samples.jsonl and summary.json into this folder."
+    ),
+    seed: int | None = typer.Option(
+        None, "--seed", help="Sampling seed (default: the recipe's, else 0)."
+    ),
+    step: int | None = typer.Option(
+        None, "--step", help="A recipe's checkpoint of this step (0: the model it starts from)."
+    ),
+) -> None:
+    """Sample n responses per prompt here with rlx's own engines, score them with a reward,
+    and print pass@k (unbiased, k = 1, 2, 4, ... <= n), avg@n (mean reward), maj@n (where
+    the reward compares answers) and the mean response length, per data set."""
+    from rlx.trainer.evaluate import EvalOptions, evaluate, print_table
+
+    options = EvalOptions(
+        data=data,
+        reward=reward,
+        n=n,
+        temperature=temperature,
+        top_p=top_p,
+        max_new_tokens=max_new_tokens,
+        engine=engine.value,
+        tp=tp,
+        pass_threshold=pass_threshold,
+        out=out,
+        seed=seed,
+        step=step,
+    )
+    report = evaluate(target, options)
+    print_table(report)
+    if out is not None:
+        typer.echo(f"wrote {out}", err=True)
+
+
 class DataTask(str, Enum):
     gsm8k = "gsm8k"
 

@@ -96,15 +96,26 @@ def gsm8k_strict(prompt: str, response: str, answer: str | None) -> float:
     A response without `####`, or with no number after its last one, scores 0.
     """
     expected = _reference_number(answer, "gsm8k")
-    found = _after_last_marker(response)
-    return float(found is not None and normalize_number(found) == expected)
+    return float(gsm8k_answer(response) == expected)
 
 
 def gsm8k_flexible(prompt: str, response: str, answer: str | None) -> float:
     """1.0 if the last number anywhere in the response equals the answer, else 0."""
     expected = _reference_number(answer, "gsm8k_flexible")
+    return float(last_number_answer(response) == expected)
+
+
+def gsm8k_answer(response: str) -> str | None:
+    """The answer gsm8k reads from a response: the number after its last `####`, normalised
+    (None without one)."""
+    found = _after_last_marker(response)
+    return None if found is None else normalize_number(found)
+
+
+def last_number_answer(response: str) -> str | None:
+    """The answer gsm8k_flexible reads: the response's last number, normalised."""
     found = _ANY_NUMBER.findall(response)
-    return float(bool(found) and normalize_number(found[-1]) == expected)
+    return normalize_number(found[-1]) if found else None
 
 
 def _normalize_text(text: str) -> str:
@@ -135,6 +146,37 @@ def _warm_math_verify(parse: Any, verify: Any) -> None:
         _MATH_VERIFY_WARM.set()
 
 
+def _math_verify() -> tuple[Any, Any]:
+    try:
+        from math_verify import parse, verify
+    except ImportError as exc:
+        raise RewardSpecError(
+            'reward math_verify needs the math-verify package; pip install "rlx[train]"'
+        ) from exc
+    return parse, verify
+
+
+def _math_verify_limit() -> int | None:
+    """math-verify's timeouts are signal alarms, which work only in the main thread."""
+    return MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+
+
+def math_verify_answer(response: str) -> str | None:
+    """The final answer math_verify reads from a response, in sympy's canonical form (so
+    "\\frac{1}{2}" and "0.5" read alike), or None where it finds none."""
+    parse, verify = _math_verify()
+    _warm_math_verify(parse, verify)
+    found = parse(response, parsing_timeout=_math_verify_limit())
+    if not found:
+        return None
+    value = found[0]
+    if getattr(value, "is_number", False):  # 0.5 and 1/2 alike: the exact rational
+        import sympy
+
+        value = sympy.nsimplify(value, rational=True)
+    return str(value)
+
+
 def math_verify(prompt: str, response: str, answer: str | None) -> float:
     """1.0 if the response's final answer is mathematically equal to the reference, else 0,
     judged by Hugging Face's math-verify: it extracts the answer (\\boxed{} first, then
@@ -142,15 +184,9 @@ def math_verify(prompt: str, response: str, answer: str | None) -> float:
     A response with no extractable answer scores 0."""
     if answer is None:
         raise ValueError("math_verify needs a reference answer; the dataset gave none")
-    try:
-        from math_verify import parse, verify
-    except ImportError as exc:
-        raise RewardSpecError(
-            'reward math_verify needs the math-verify package; pip install "rlx[train]"'
-        ) from exc
+    parse, verify = _math_verify()
     _warm_math_verify(parse, verify)
-    # math-verify's timeouts are signal alarms, which work only in the main thread.
-    limit = MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    limit = _math_verify_limit()
     gold = parse(answer, parsing_timeout=limit) or parse(f"${answer}$", parsing_timeout=limit)
     if not gold:
         raise ValueError(f"math_verify: reference answer {answer!r} has no parsable answer")
@@ -164,6 +200,17 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "math_verify": math_verify,
     "math_exact": math_exact,
     "letters_or_digits": letters_or_digits_reward,
+}
+
+
+# The answer each built-in reward compares, read from a response as the reward reads it and
+# normalised as it normalises it: samples whose answers are equal here agree (maj@k votes
+# with them). Rewards not named here compare no answers.
+ANSWER_EXTRACTORS: dict[str, Callable[[str], str | None]] = {
+    "gsm8k": gsm8k_answer,
+    "gsm8k_flexible": last_number_answer,
+    "math_verify": math_verify_answer,
+    "math_exact": _normalize_text,
 }
 
 
