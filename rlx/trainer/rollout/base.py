@@ -81,6 +81,11 @@ class RolloutEngine(abc.ABC):
     # of the GPU from the memory still free, so it is built before the learner fills it
     # (otherwise after the learner, over or beside the policy module).
     starts_before_learner: ClassVar[bool] = False
+    # The engine splits one model over several GPUs (tensor parallel).
+    splits_over_gpus: ClassVar[bool] = False
+    # Prompts one generate call takes well when a caller holds many (an evaluation): an
+    # engine that schedules its own batches takes them all, one that pads takes a few.
+    prompts_per_call: ClassVar[int] = 8
 
     @classmethod
     def options_from(cls, settings: TrainerSettings, site: EngineSite) -> dict[str, Any]:

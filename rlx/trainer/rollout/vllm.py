@@ -119,6 +119,8 @@ class VLLMEngine(RolloutEngine):
     # vLLM's sleep mode allocates from a memory pool that expandable segments cannot serve.
     keeps_default_allocator = True
     starts_before_learner = True
+    splits_over_gpus = True
+    prompts_per_call = 256
 
     @classmethod
     def options_from(cls, settings: TrainerSettings, site: EngineSite) -> dict[str, Any]:
