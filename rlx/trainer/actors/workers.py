@@ -47,6 +47,7 @@ from rlx.trainer.rollout.base import RolloutEngine, SamplingArgs
 from rlx.trainer.rollout.colocated import ColocatedEngine, make_colocated_engine
 from rlx.trainer.rollout.probe import EngineReport, Probe
 from rlx.trainer.seeding import derive_seed
+from rlx.trainer.stall import process_group_timeout
 from rlx.trainer.weights import (
     BucketLayout,
     GroupAddress,
@@ -56,7 +57,6 @@ from rlx.trainer.weights import (
     dtype_named,
 )
 
-DIST_TIMEOUT = timedelta(minutes=30)
 GIB = 2**30
 
 
@@ -236,7 +236,8 @@ class TrainWorker:
                 init_method=f"tcp://{master_addr}:{master_port}",
                 rank=spec.rank,
                 world_size=spec.world_size,
-                timeout=DIST_TIMEOUT,
+                # A rank whose peer never comes raises after this (stall.py), not never.
+                timeout=timedelta(seconds=process_group_timeout(spec.settings.stall_timeout)),
             )
         # An engine that loads the policy's starting weights from its files (vLLM) starts
         # before the learner fills the GPU: it sizes its share (gpu_memory_utilization) from
