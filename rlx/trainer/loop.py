@@ -229,6 +229,7 @@ class Trainer:
         with self.clock.phase_of("resume"):
             start = self.resume()
         self.clock.step = start + 1
+        self.clock.phase = "head's own work"  # between the phases below
         self.cluster_report()
         self.logger = MetricsLogger(
             self.inputs.paths.run_dir,
@@ -354,14 +355,14 @@ class Trainer:
         timer.lap("generate")
         self.stop.check()  # a step stopped here is redone on resume, like any unsaved step
         batch = pack_rollout(rollout)
-        with self.clock.phase_of("reward"):
-            rewards = self.rewards(step, rows, rollout, batch)
+        rewards = self.rewards(step, rows, rollout, batch)
         timer.lap("reward")
         filtering: dict[str, float] = {}
         if self.backfill is not None:
-            rows, rollout, batch, rewards, filtering = self.filter_groups(
-                step, rows, rollout, batch, rewards
-            )
+            with self.clock.phase_of("generation"):  # more rounds, each scored
+                rows, rollout, batch, rewards, filtering = self.filter_groups(
+                    step, rows, rollout, batch, rewards
+                )
             timer.lap("generate")
         self.check_versions(step, rows, rollout.row_versions)
         mask = batch.response_mask  # (B, R) the tokens that train: the model's own
@@ -404,6 +405,12 @@ class Trainer:
     ) -> StepRewards:
         """The rollout scored: by the reward function (one outcome per response), or by the
         episodes' turns, whose trajectories are checked against what was sampled."""
+        with self.clock.phase_of("reward"):
+            return self._rewards(step, rows, rollout, batch)
+
+    def _rewards(
+        self, step: int, rows: list[int], rollout: Any, batch: SequenceBatch
+    ) -> StepRewards:
         inputs, n = self.inputs, self.settings.rollout.n
         mask = batch.response_mask  # (B, R) the tokens that train: the model's own
         episodes = rollout.episodes

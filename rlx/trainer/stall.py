@@ -25,10 +25,12 @@ so a worker blocked in a collective raises instead of waiting for ever.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 from rlx.errors import TRY_AGAIN, RlxError
@@ -39,6 +41,10 @@ STEP_MULTIPLE = 5.0  # later windows: this many times the slowest step so far
 # The signal that interrupts a reward call on the main thread when its window has passed
 # (SIGALRM is math-verify's own limit, SIGUSR1 the scheduler's warning).
 INTERRUPT = signal.SIGUSR2
+# Test hook: RLX_TEST_HANG_AT=<file>. While the file exists and holds a number n, an engine's
+# generate calls after its n-th block until the file is gone: an engine call that never
+# returns. Read by the workers, so it is set before their Ray starts.
+HANG_HOOK_ENV = "RLX_TEST_HANG_AT"
 
 T = TypeVar("T")
 
@@ -140,6 +146,31 @@ class StallClock:
         return Stalled(self.step, self.phase, self.window, unanswered, rule_text(self.setting))
 
 
+class CollectiveFailed(RlxError):
+    """A collective of the training ranks that failed or waited past its timeout: a peer
+    gone or stuck. Worth running again (exit 75)."""
+
+    exit_code = TRY_AGAIN
+
+
+# What gloo and NCCL say when a peer is gone or silent.
+_COLLECTIVE_WORDS = ("gloo", "nccl", "timed out", "connection closed by peer", "connection reset")
+
+
+def collective_failure(exc: BaseException, rank: int, where: str, phase: str, timeout: float):
+    """CollectiveFailed for a training rank's error that a collective raised (its peer, when
+    the backend names it, is in the first line), else None."""
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else type(exc).__name__
+    if not any(word in text.lower() for word in _COLLECTIVE_WORDS):
+        return None
+    return CollectiveFailed(
+        f"training rank {rank} on {where}, in the {phase}: a collective with the other "
+        f"training ranks failed or waited past {timeout:.0f} s: {first}; the run stops "
+        f"here, exit {TRY_AGAIN} so it is run again from its last checkpoint"
+    )
+
+
 class _Interrupted(BaseException):
     """Raised in the main thread by INTERRUPT: a BaseException, so that a reward's own
     `except Exception` does not swallow it."""
@@ -205,3 +236,15 @@ def _in_a_thread(fn: Callable[[], T], clock: StallClock, who: Callable[[], str])
     if failure:
         raise failure[0]
     return outcome[0]
+
+
+def hang_if_asked(calls: int) -> None:
+    """The test hook above, in an engine's generate: `calls` is this call's number (1..)."""
+    spec = os.environ.get(HANG_HOOK_ENV)
+    if not spec:
+        return
+    marker = Path(spec)
+    with contextlib.suppress(OSError, ValueError):
+        if calls > int(marker.read_text().strip()):
+            while marker.exists():
+                time.sleep(0.2)

@@ -6,13 +6,15 @@ each method moves tensors in and out and calls the Learner or an engine.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -47,7 +49,7 @@ from rlx.trainer.rollout.base import RolloutEngine, SamplingArgs
 from rlx.trainer.rollout.colocated import ColocatedEngine, make_colocated_engine
 from rlx.trainer.rollout.probe import EngineReport, Probe
 from rlx.trainer.seeding import derive_seed
-from rlx.trainer.stall import process_group_timeout
+from rlx.trainer.stall import collective_failure, hang_if_asked, process_group_timeout
 from rlx.trainer.weights import (
     BucketLayout,
     GroupAddress,
@@ -191,9 +193,42 @@ def _probe_ids(probe: Probe) -> tuple[list[int], list[int]]:
     return probe.prompt_ids, probe.response_ids
 
 
+Method = TypeVar("Method", bound=Callable[..., Any])
+
+
+def _collectives(phase: str) -> Callable[[Method], Method]:
+    """A TrainWorker method whose collectives (FSDP's, DDP's) may fail on a peer gone or
+    silent past the process group's timeout: that failure as one line naming this rank,
+    its node and the phase (stall.collective_failure), exit 75."""
+
+    def wrap(method: Method) -> Method:
+        @functools.wraps(method)
+        def run(self: TrainWorker, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(self, *args, **kwargs)
+            except RuntimeError as exc:
+                spec = self.spec
+                if spec.world_size < 2:
+                    raise
+                timeout = process_group_timeout(spec.settings.stall_timeout)
+                failed = collective_failure(exc, spec.rank, _node_ip(), phase, timeout)
+                if failed is None:
+                    raise
+                raise failed from None
+
+        return run  # type: ignore[return-value]
+
+    return wrap
+
+
+_GENERATE_CALLS = [0]  # this worker's generate calls, for the test hook (stall.py)
+
+
 def _generate(
     engine: RolloutEngine, prompt_ids: list[list[int]], sampling: SamplingArgs, seed: int
 ) -> RolloutBatch:
+    _GENERATE_CALLS[0] += 1
+    hang_if_asked(_GENERATE_CALLS[0])
     # no_grad, not inference_mode: a sharded policy's gathered weights must stay writable.
     with torch.no_grad():
         return engine.generate(prompt_ids, sampling, seed=seed)
@@ -285,6 +320,7 @@ class TrainWorker:
 
     # ------------------------------------------------------------------ the step
 
+    @_collectives("generation")
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingArgs, seed: int) -> Any:
         if self.engine is None:
             raise RuntimeError("this worker holds no engine (layout: split)")
@@ -297,11 +333,13 @@ class TrainWorker:
                 return None
             return _generate(engine, prompt_ids, sampling, seed)
 
+    @_collectives("forwards (prepare)")
     def prepare(self, batch: SequenceBatch, old_logprobs: bool) -> dict[str, torch.Tensor]:
         if self.engine is not None:
             self.engine.release(self.learner)
         return self._learner().prepare(batch, old_logprobs=old_logprobs)
 
+    @_collectives("update")
     def update(
         self, batch: SequenceBatch, step: int, prepare: bool, probe: Probe | None
     ) -> UpdateOutcome:

@@ -19,6 +19,7 @@ from rlx.trainer.stall import (
     StallClock,
     Stalled,
     bounded_call,
+    collective_failure,
     process_group_timeout,
     stall_window,
 )
@@ -166,3 +167,17 @@ def test_a_stall_timeout_not_above_zero_is_one_line(value: str):
     line = finding.format()
     assert line.startswith("<recipe>:6: error: trainer.stall_timeout: ")
     assert "more than 0" in line and "leave it unset" in line and "\n" not in line
+
+
+def test_a_collective_that_timed_out_is_one_line_naming_rank_node_and_phase():
+    exc = RuntimeError(
+        "[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 900000ms for recv "
+        "operation to complete\nmore"
+    )
+    failed = collective_failure(exc, 1, "10.0.0.2", "update", 900)
+    assert failed is not None and failed.exit_code == TRY_AGAIN
+    line = str(failed)
+    assert "\n" not in line
+    assert line.startswith("training rank 1 on 10.0.0.2, in the update: a collective with the")
+    assert "waited past 900 s: [../gloo/transport/tcp/unbound_buffer.cc:78] Timed out" in line
+    assert collective_failure(RuntimeError("CUDA out of memory"), 1, "x", "update", 9) is None
