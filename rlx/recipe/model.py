@@ -1133,6 +1133,27 @@ class TrainerSettings(StrictModel):
         default_factory=CheckpointSettings, description="Checkpointing and resume."
     )
     logging: LoggingSettings = Field(default_factory=LoggingSettings, description="Metrics.")
+    stall_timeout: float | None = Field(
+        None,
+        gt=0,
+        description="Seconds a step may take before the run counts as stalled: it stops with "
+        "one line naming the phase (generation, reward, the training ranks' update, a weight "
+        "push, a save) and the actors that did not answer, keeps its last complete "
+        "checkpoint and exits 75 so the job is run again. Also the timeout of the training "
+        "ranks' collectives and of every weight push. Unset: 5 x the slowest step so far, "
+        "at least 600 s, and 1800 s until the first step finishes (also the collectives' "
+        "timeout).",
+    )
+
+    @field_validator("stall_timeout", mode="before")
+    @classmethod
+    def _positive_stall_timeout(cls, value: Any) -> Any:
+        if isinstance(value, int | float) and not isinstance(value, bool) and value <= 0:
+            raise ValueError(
+                f"{value!r}: give the seconds a step may take before the run counts as "
+                "stalled (more than 0), or leave it unset for 5 x the slowest step so far"
+            )
+        return value
 
     @model_serializer(mode="wrap")
     def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -9,6 +9,7 @@ One step:
 
 from __future__ import annotations
 
+import functools
 import os
 import shlex
 import signal
@@ -78,9 +79,10 @@ from rlx.trainer.report.metrics import MetricsLogger, StepRecords
 from rlx.trainer.report.progress import Progress
 from rlx.trainer.rollout.base import SamplingArgs
 from rlx.trainer.rollout.probe import Probe
+from rlx.trainer.stall import StallClock, Stalled, bounded_call
 from rlx.trainer.tasks import validation
 from rlx.trainer.tasks.data import PromptDataset, PromptSampler
-from rlx.trainer.tasks.rewards import RewardFn, score
+from rlx.trainer.tasks.rewards import RewardFn, reward_name, score
 
 GIB = 2**30
 
@@ -188,6 +190,9 @@ class Trainer:
         self.newest_saved: int | None = None  # the newest complete checkpoint's step
         self.saves_retried = 0  # transient store errors the ranks retried in saves
         self.exported: Path | None = None  # the Hugging Face folder written at the end
+        # The stall watchdog (stall.py): every wait of a step ends with its window.
+        self.clock = StallClock(settings.stall_timeout)
+        cluster.clock = self.clock
 
     def say(self, message: str) -> None:
         print(message, file=self.out, flush=True)
@@ -210,9 +215,21 @@ class Trainer:
 
     def run(self) -> int:
         """Resume if there is something to resume, then train to the last step. Returns the
-        last step done."""
+        last step done. A step that stalls (stall.py) raises Stalled, exit 75, with the
+        step a retry resumes from."""
+        try:
+            return self._run()
+        except Stalled as stall:
+            raise stall.with_line(self.newest_saved, self.manager is not None) from None
+
+    def _run(self) -> int:
         settings = self.settings
-        start = self.resume()
+        self.clock = StallClock(settings.stall_timeout)  # the first window opens now
+        self.cluster.clock = self.clock
+        with self.clock.phase_of("resume"):
+            start = self.resume()
+        self.clock.step = start + 1
+        self.clock.phase = "head's own work"  # between the phases below
         self.cluster_report()
         self.logger = MetricsLogger(
             self.inputs.paths.run_dir,
@@ -229,7 +246,8 @@ class Trainer:
         self.validation_note()
         try:
             if start == 0 and validation.due(settings, 0):
-                self.logger.log(0, self.validate(0))
+                with self.clock.phase_of("validation"):
+                    self.logger.log(0, self.validate(0))
             with Progress(max(settings.steps - start, 0), "steps", stream=self.err) as bar:
                 for step in range(start + 1, settings.steps + 1):
                     done = step - 1  # steps done; the cadence saved multiples of `every`
@@ -247,7 +265,8 @@ class Trainer:
                     self.stop.check_between_steps()
                     metrics = self.step(step)
                     if validation.due(settings, step):
-                        metrics.update(self.validate(step))
+                        with self.clock.phase_of("validation"):
+                            metrics.update(self.validate(step))
                     if self.manager is not None:
                         metrics[CHECKPOINT_RETRIES] = float(self.store_retries())
                     self.logger.log(step, metrics)
@@ -257,8 +276,11 @@ class Trainer:
                     ):
                         self.save(step)
                     kill_after_step(os.environ.get(KILL_HOOK_ENV), step)
-            self.cluster.finish_pushes()  # the last push proven, like every other
-            self.finish_saves(final=True)
+                    self.clock.step_done(step)
+            with self.clock.phase_of("weight push"):
+                self.cluster.finish_pushes()  # the last push proven, like every other
+            with self.clock.phase_of("save"):
+                self.finish_saves(final=True)
         finally:
             self.logger.close()
             self.samples.close()
@@ -292,6 +314,7 @@ class Trainer:
             self.settings,
             step,
             self.episodes,
+            scorer=self.score,
         )
         return {**scores, "time/validate": time.perf_counter() - started}
 
@@ -326,8 +349,9 @@ class Trainer:
         """One step: generate (or take the rollout queued ahead), score, prepare the
         forwards the advantages read, advantages, update and push; its metrics."""
         timer = _Timer()
-        self.queue.fill(step)  # this step's rollout and, with max_staleness k, k more
-        rows, rollout = self.queue.take(step, show_progress=True)  # B = P * n
+        with self.clock.phase_of("generation"):
+            self.queue.fill(step)  # this step's rollout and, with max_staleness k, k more
+            rows, rollout = self.queue.take(step, show_progress=True)  # B = P * n
         timer.lap("generate")
         self.stop.check()  # a step stopped here is redone on resume, like any unsaved step
         batch = pack_rollout(rollout)
@@ -335,9 +359,10 @@ class Trainer:
         timer.lap("reward")
         filtering: dict[str, float] = {}
         if self.backfill is not None:
-            rows, rollout, batch, rewards, filtering = self.filter_groups(
-                step, rows, rollout, batch, rewards
-            )
+            with self.clock.phase_of("generation"):  # more rounds, each scored
+                rows, rollout, batch, rewards, filtering = self.filter_groups(
+                    step, rows, rollout, batch, rewards
+                )
             timer.lap("generate")
         self.check_versions(step, rows, rollout.row_versions)
         mask = batch.response_mask  # (B, R) the tokens that train: the model's own
@@ -345,7 +370,8 @@ class Trainer:
 
         extra = {}
         if self.needs_prepare and self.prepare_first:
-            extra = self.cluster.prepare(batch, self.old_logprobs)
+            with self.clock.phase_of("training ranks' forwards (prepare)"):
+                extra = self.cluster.prepare(batch, self.old_logprobs)
         timer.lap("prepare")
         batch, returns, kl_reward = self.with_advantages(batch, rollout, shaped, extra)
         update = self.update(batch, step, timer)
@@ -379,6 +405,12 @@ class Trainer:
     ) -> StepRewards:
         """The rollout scored: by the reward function (one outcome per response), or by the
         episodes' turns, whose trajectories are checked against what was sampled."""
+        with self.clock.phase_of("reward"):
+            return self._rewards(step, rows, rollout, batch)
+
+    def _rewards(
+        self, step: int, rows: list[int], rollout: Any, batch: SequenceBatch
+    ) -> StepRewards:
         inputs, n = self.inputs, self.settings.rollout.n
         mask = batch.response_mask  # (B, R) the tokens that train: the model's own
         episodes = rollout.episodes
@@ -388,7 +420,7 @@ class Trainer:
             )
             prompts = [inputs.data.prompts[i] for i in rows for _ in range(n)]
             answers = [inputs.data.answers[i] for i in rows for _ in range(n)]
-            scores = torch.tensor(score(inputs.reward_fn, prompts, responses, answers))  # (B,)
+            scores = torch.tensor(self.score(prompts, responses, answers))  # (B,)
             return StepRewards(outcome_token_rewards(scores, mask), scores)  # (B, R)
         # What trains is what was sampled, id for id, at every sampled position.
         checked = check_trajectories(batch, episodes, step)
@@ -397,6 +429,27 @@ class Trainer:
         scores = token_rewards.sum(dim=1)  # (B,) each episode's reward
         trains = torch.tensor([e.failure is None for e in episodes])  # (B,)
         return StepRewards(token_rewards, scores, trains, checked)
+
+    def score(
+        self, prompts: list[str], responses: list[str], answers: list[str | None]
+    ) -> list[float]:
+        """The reward function over the samples, here on the head, within the step's stall
+        window (stall.bounded_call): a call that does not return is named by its sample."""
+        fn = self.inputs.reward_fn
+        started = [0]
+
+        @functools.wraps(fn)
+        def counted(prompt: str, response: str, answer: str | None) -> float:
+            started[0] += 1
+            return fn(prompt, response, answer)
+
+        def who() -> str:
+            return (
+                f"reward function {reward_name(fn)} (sample {max(started[0] - 1, 0)} of "
+                f"{len(prompts)})"
+            )
+
+        return bounded_call(lambda: score(counted, prompts, responses, answers), self.clock, who)
 
     def filter_groups(
         self, step: int, rows: list[int], rollout: Any, batch: SequenceBatch, rewards: StepRewards
@@ -539,9 +592,10 @@ class Trainer:
     def update(self, batch: SequenceBatch, step: int, timer: _Timer) -> StepUpdate:
         """The ranks' update and the push to the engines, timed; its notes said."""
         prepare_in_update = self.needs_prepare and not self.prepare_first
-        update = self.cluster.update(
-            batch, step, prepare=prepare_in_update, probe=self.inputs.probe
-        )
+        with self.clock.phase_of("training ranks' update"):
+            update = self.cluster.update(
+                batch, step, prepare=prepare_in_update, probe=self.inputs.probe
+            )
         timer.lap("update")
         # The update call's time holds the ranks' forwards and the engines' refresh: count
         # them under their own names.
@@ -638,7 +692,12 @@ class Trainer:
     def save(self, step: int) -> Location | None:
         """Every rank writes its shard into one temporary folder picked here; rank 0 adds the
         small parts and commits it. Into object storage the upload goes on while training
-        does (remote.py): the next save, a stop and the run's end wait for it."""
+        does (remote.py): the next save, a stop and the run's end wait for it. A save that
+        stalls leaves its folder uncommitted: a resume never takes it for a checkpoint."""
+        with self.clock.phase_of("save"):
+            return self._save(step)
+
+    def _save(self, step: int) -> Location | None:
         assert self.manager is not None
         self.finish_saves()
         state = {

@@ -1,5 +1,5 @@
-"""What a weight push is made of, the group it travels over, and its two ends. Torch and
-background.py only.
+"""What a weight push is made of, the group it travels over, and its two ends. Torch,
+background.py and rlx.errors only.
 
 A push is a list of buckets. A bucket's layout (BucketLayout) places named tensors, in the
 engines' dtype, at aligned offsets of one flat byte buffer; every side computes the same
@@ -12,6 +12,10 @@ never through host memory. gloo on CPU: one copy on rank 0 (its own rows into th
 every receiver gets the bucket straight into a buffer of its own and loads the tensors as
 views of it. WeightSender is the sending side (training rank 0), receive_push the
 receiving side, for any engine.
+
+Every wait of a push is bounded by the group's timeout (GroupAddress.timeout_s, from
+trainer.stall_timeout): a peer that never comes fails the push with one line naming the
+bucket, this side's rank and the peer it waited for (PushFailed, exit 75).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 
 import torch
 
+from rlx.errors import TRY_AGAIN, RlxError
 from rlx.trainer.background import Background
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
@@ -153,6 +158,12 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
+class PushFailed(RlxError):
+    """A weight push that did not complete: a peer gone or silent past the timeout."""
+
+    exit_code = TRY_AGAIN
+
+
 @dataclass(frozen=True)
 class GroupAddress:
     """Where a weight group meets: rank 0's store (host, port) and the group's size."""
@@ -168,11 +179,19 @@ class WeightGroup:
     belongs to the training ranks or to an engine's tensor-parallel workers): NCCL between
     GPUs, gloo otherwise. Rank 0 (the sender) hosts the rendezvous store."""
 
-    def __init__(self, group: Any, rank: int, world_size: int, device: torch.device):
+    def __init__(
+        self,
+        group: Any,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        address: GroupAddress | None = None,
+    ):
         self.group = group
         self.rank = rank
         self.world_size = world_size
         self.device = device
+        self.address = address
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -192,17 +211,49 @@ class WeightGroup:
         )
         prefixed = dist.PrefixStore(GROUP_PREFIX, store)
         if device.type == "cuda":
-            group = dist.ProcessGroupNCCL(prefixed, rank, address.world_size)
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            group = dist.ProcessGroupNCCL(prefixed, rank, address.world_size, options)
         else:
             group = dist.ProcessGroupGloo(prefixed, rank, address.world_size, timeout)
-        joined = cls(group, rank, address.world_size, device)
+        joined = cls(group, rank, address.world_size, device, address)
         joined._store = store  # the store lives as long as the group
         joined.barrier()
         return joined
 
     def barrier(self) -> None:
         """Every member has reached this point (a one-byte broadcast, not counted)."""
-        self._broadcast(torch.zeros(1, dtype=torch.uint8, device=self.device)).wait()
+        work = self._broadcast(torch.zeros(1, dtype=torch.uint8, device=self.device))
+        self.wait(work, "joining the weight group")
+
+    def wait(self, work: Any, phase: str) -> None:
+        """work.wait(), a failure (a peer gone, or silent past the timeout) as PushFailed."""
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            raise PushFailed(self.failure_line(phase, exc)) from None
+
+    def failure_line(self, phase: str, exc: BaseException) -> str:
+        """One line: the phase, this side's rank, the peer it waited for, the bound."""
+        text = str(exc).strip()
+        first = text.splitlines()[0] if text else type(exc).__name__
+        address = self.address
+        where = "" if address is None else f", rendezvous {address.host}:{address.port}"
+        bound = "" if address is None else f" within {address.timeout_s:.0f} s"
+        if self.rank == 0:
+            side = (
+                f"training rank 0 (weight-group rank 0 of {self.world_size}{where}) could not "
+                f"reach the engines' processes (weight-group ranks 1-{self.world_size - 1})"
+            )
+        else:
+            side = (
+                f"engine process (weight-group rank {self.rank} of {self.world_size}) got "
+                f"nothing from training rank 0 (weight-group rank 0{where})"
+            )
+        return (
+            f"weight push, {phase}: {side}{bound}: {first}; the run stops here, exit "
+            f"{TRY_AGAIN} so it is run again from its last checkpoint"
+        )
 
     def _broadcast(self, buffer: torch.Tensor) -> Any:
         import torch.distributed as dist
@@ -242,7 +293,7 @@ def receive_push(
     loaded = 0
     for index, layout in enumerate(layouts):
         buffer = layout.empty(group.device)
-        group.broadcast(buffer).wait()
+        group.wait(group.broadcast(buffer), f"bucket {index + 1} of {len(layouts)}")
         if skip or index < drop:
             continue
         loaded += load(layout.views(buffer))
@@ -273,16 +324,18 @@ class WeightSender:
         if queued:
             return self._stage(layouts, fill)
         traffic = Traffic()
-        on_wire: tuple[Any, torch.Tensor] | None = None
-        for layout in layouts:
+        # (the work, its buffer: held until it is sent, the phase for a failure's line)
+        on_wire: tuple[Any, torch.Tensor, str] | None = None
+        for index, layout in enumerate(layouts):
             buffer = layout.empty(self.device)
             traffic.add(fill(layout, buffer))
             if on_wire is not None:
-                on_wire[0].wait()
-            on_wire = (self.group.broadcast(buffer), buffer)
+                self.group.wait(on_wire[0], on_wire[2])
+            phase = f"bucket {index + 1} of {len(layouts)}"
+            on_wire = (self.group.broadcast(buffer), buffer, phase)
             traffic.sent += buffer.numel() * (self.group.world_size - 1)
         if on_wire is not None:
-            on_wire[0].wait()
+            self.group.wait(on_wire[0], on_wire[2])
         return traffic
 
     def _stage(self, layouts: Sequence[BucketLayout], fill: FillBucket) -> Traffic:
@@ -301,8 +354,9 @@ class WeightSender:
 
     def _send_staged(self, staged: list[torch.Tensor]) -> None:
         """A queued push's buckets, in order, to the engines (a thread of its own)."""
-        for buffer in staged:
-            self.group.broadcast(buffer.to(self.device)).wait()
+        for index, buffer in enumerate(staged):
+            work = self.group.broadcast(buffer.to(self.device))
+            self.group.wait(work, f"bucket {index + 1} of {len(staged)}, queued")
 
     def finish(self) -> None:
         """Wait for a queued push's sending thread; raises what it raised."""

@@ -37,23 +37,30 @@ from rlx.trainer.report.progress import Progress
 from rlx.trainer.rollout.base import SamplingArgs
 from rlx.trainer.rollout.probe import EngineReport, Probe, check_engines
 from rlx.trainer.seeding import derive_seed
+from rlx.trainer.stall import StallClock, Stalled
 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 
 
-def gather(refs: Sequence[Any], what: str) -> list[Any]:
+def gather(
+    refs: Sequence[Any],
+    what: str,
+    *,
+    clock: StallClock | None = None,
+    labels: Sequence[str] | None = None,
+) -> list[Any]:
     """ray.get, with failures as one-line RlxErrors (see the module docstring).
 
     Results are taken as they come, so the first failure is raised at once: the ranks still
     alive may be blocked in a collective with the one that died (gloo waits for its peer up
-    to the process group's timeout), and waiting for all of them would hang the run."""
+    to the process group's timeout), and waiting for all of them would hang the run.
+
+    clock: wait no longer than its window's remaining time, then raise its Stalled naming
+    the calls that did not answer (labels, one per ref: "training rank 1 on 10.0.0.2")."""
     import ray
 
     try:
-        pending = list(refs)
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
-            ray.get(ready)  # raises now if that call failed
+        wait_for(refs, what, clock, labels)
         return ray.get(list(refs))
     except ray.exceptions.RayTaskError as exc:
         cause = getattr(exc, "cause", None)
@@ -69,6 +76,32 @@ def gather(refs: Sequence[Any], what: str) -> list[Any]:
             "resume it from its last checkpoint on nodes with more memory (rlx plan counts "
             "each node's)"
         ) from None
+
+
+def wait_for(
+    refs: Sequence[Any],
+    what: str,
+    clock: StallClock | None,
+    labels: Sequence[str] | None = None,
+    progress: Any = None,
+) -> None:
+    """Every ref done, the first failure raised as it comes (ray.get), within the clock's
+    window; progress.update(ref) as each is done, when given."""
+    import ray
+
+    pending = list(refs)
+    while pending:
+        timeout = None if clock is None else clock.remaining()
+        ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+        if not ready:
+            assert clock is not None
+            names = list(labels) if labels is not None else []
+            names += [f"{what} call {i}" for i in range(len(names), len(refs))]
+            label = dict(zip(refs, names, strict=True))
+            raise clock.overdue([label[ref] for ref in pending])
+        ray.get(ready)  # raises now if that call failed
+        if progress is not None:
+            progress(ready[0])
 
 
 def _actor_failure(exc: Exception) -> str:
@@ -135,6 +168,53 @@ class Cluster:
         # Packed passes: b/a of a sequence's cost a*L + b*L^2, to balance the ranks' shares.
         self.attention_weight: float | None = None
         self.last_tolerance = 0.0  # the probe tolerance of the last check
+        # The trainer's stall watchdog: every wait on the actors ends with its window.
+        self.clock: StallClock | None = None
+        self.unanswered: set[Any] = set()  # actors a stall found not answering
+
+    def _gather(self, refs: Sequence[Any], what: str) -> list[Any]:
+        """gather within the clock's window, the calls named by the actors they went to."""
+        try:
+            return gather(refs, what, clock=self.clock, labels=self.labels(what, len(refs)))
+        except Stalled:
+            self.note_unanswered(refs, self._handles_of(what, len(refs)))
+            raise
+
+    def note_unanswered(self, refs: Sequence[Any], handles: Sequence[Any]) -> None:
+        """The actors (handles, one per ref) whose call is still not done: shutdown kills
+        them without asking them to close (the request would wait behind the call)."""
+        import ray
+
+        if len(handles) != len(refs):
+            return
+        _, pending = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+        self.unanswered.update(h for h, ref in zip(handles, refs, strict=True) if ref in pending)
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """The stall clock's phase while the head waits here (nothing without a clock)."""
+        return contextlib.nullcontext() if self.clock is None else self.clock.phase_of(name)
+
+    def _handles_of(self, what: str, count: int) -> list[Any]:
+        if what == "training worker" and count <= len(self.train.handles):
+            return self.train.handles[:count]
+        if what == "rollout worker" and count <= len(self.rollout.handles):
+            return self.rollout.handles[:count]
+        if what == "worker":
+            return (self.train.handles + self.rollout.handles)[:count]
+        return []
+
+    def labels(self, what: str, count: int) -> list[str] | None:
+        """The actors `count` calls made in order to the workers `what` names went to
+        (every caller here calls rank 0 first, then 1, ...): "training rank 1 on 10.0.0.2"."""
+        train = [f"training rank {r} on {ip}" for r, ip in enumerate(self.train.ips)]
+        engines = [f"rollout worker {i} on {ip}" for i, ip in enumerate(self.rollout.ips)]
+        if what == "training worker" and count <= len(train):
+            return train[:count]
+        if what == "rollout worker" and count <= len(engines):
+            return engines[:count]
+        if what == "worker" and count <= len(train) + len(engines):
+            return (train + engines)[:count]
+        return None
 
     # ------------------------------------------------------------------ start and stop
 
@@ -191,31 +271,34 @@ class Cluster:
     def _setup_training(self) -> None:
         train = self.train.handles
         master_addr = self.train.ips[0]
-        master_port = gather([train[0].free_port.remote()], "training worker")[0]
-        reports = gather(
+        master_port = self._gather([train[0].free_port.remote()], "training worker")[0]
+        reports = self._gather(
             [w.setup.remote(master_addr, master_port) for w in train], "training worker"
         )
         # every rank says the same: once is enough
         self.notes, self.attention_weight = reports[0]
         if self.rollout.handles:  # the engines load at construction; wait for them here
-            said = gather([r.notes.remote() for r in self.rollout.handles], "rollout worker")
+            said = self._gather([r.notes.remote() for r in self.rollout.handles], "rollout worker")
             self.notes = [*self.notes, *said[0]]  # every engine says the same: once is enough
             self._open_weight_group()
 
     def _open_weight_group(self) -> None:
         """The weight group of split engines: training rank 0 (its rank 0, hosting the
         rendezvous) and every process that holds an engine's weights, in engine order."""
-        from rlx.trainer.actors.workers import DIST_TIMEOUT
+        from rlx.trainer.stall import process_group_timeout
         from rlx.trainer.weights import GroupAddress
 
         engines = self.rollout.handles
-        receivers = gather([r.weight_receivers.remote() for r in engines], "rollout worker")
-        port = gather([self.train.handles[0].free_port.remote()], "training worker")[0]
+        receivers = self._gather([r.weight_receivers.remote() for r in engines], "rollout worker")
+        port = self._gather([self.train.handles[0].free_port.remote()], "training worker")[0]
         address = GroupAddress(
-            self.train.ips[0], port, 1 + sum(receivers), DIST_TIMEOUT.total_seconds()
+            self.train.ips[0],
+            port,
+            1 + sum(receivers),
+            process_group_timeout(self.settings.stall_timeout),
         )
         firsts = [1 + sum(receivers[:index]) for index in range(len(engines))]
-        gather(
+        self._gather(
             [self.train.handles[0].open_weight_group.remote(address)]
             + [
                 r.join_weight_group.remote(address, f) for r, f in zip(engines, firsts, strict=True)
@@ -224,11 +307,19 @@ class Cluster:
         )
 
     def shutdown(self) -> None:
+        """Every actor asked to close (all at once, 30 s for them all), then killed; those a
+        stall found not answering are killed at once."""
         import ray
 
-        for handle in self.train.handles + self.rollout.handles:
-            with contextlib.suppress(Exception):  # a dead or stuck actor is killed below
-                ray.get(handle.close.remote(), timeout=30)
+        handles = self.train.handles + self.rollout.handles
+        closes = []
+        for handle in handles:
+            if handle not in self.unanswered:
+                with contextlib.suppress(Exception):
+                    closes.append(handle.close.remote())
+        with contextlib.suppress(Exception):  # a dead or stuck actor is killed below
+            ray.wait(closes, num_returns=len(closes), timeout=30)
+        for handle in handles:
             ray.kill(handle)
         for group in self._groups:
             ray.util.remove_placement_group(group)
@@ -255,7 +346,7 @@ class Cluster:
         import torch
 
         shares = self.share_rows(batch)
-        outs = gather(
+        outs = self._gather(
             [
                 w.prepare.remote(batch.select(rows), old_logprobs)
                 for w, rows in zip(self.train.handles, shares, strict=True)
@@ -273,7 +364,7 @@ class Cluster:
         costs the workers two calls (generate, update) however much it does."""
         colocated = not self.rollout.handles
         shards = self.shard(batch)
-        outcomes: list[UpdateOutcome] = gather(
+        outcomes: list[UpdateOutcome] = self._gather(
             [
                 w.update.remote(shard, step, prepare, probe if colocated else None)
                 for w, shard in zip(self.train.handles, shards, strict=True)
@@ -286,10 +377,11 @@ class Cluster:
         prepare_seconds = max(outcome.prepare_seconds for outcome in outcomes)
         if not colocated:
             started = time.perf_counter()
-            if self.job.ahead:
-                probe_diff = self.queue_weights(step, probe)
-            else:
-                probe_diff = self.sync_weights(step, probe)
+            with self.phase("weight push"):
+                if self.job.ahead:
+                    probe_diff = self.queue_weights(step, probe)
+                else:
+                    probe_diff = self.sync_weights(step, probe)
             seconds = time.perf_counter() - started
             return StepUpdate(metrics, probe_diff, prepare_seconds, seconds, notes)
         refreshed = [outcome.refresh for outcome in outcomes if outcome.refresh is not None]
@@ -301,11 +393,11 @@ class Cluster:
 
     def call_all(self, method: str, *args: Any) -> list[Any]:
         refs = [getattr(w, method).remote(*args) for w in self.train.handles]
-        return gather(refs, "training worker")
+        return self._gather(refs, "training worker")
 
     def worker_memory(self) -> list[tuple[str, int, int]]:
         refs = [h.host_memory.remote() for h in self.train.handles + self.rollout.handles]
-        return gather(refs, "worker")
+        return self._gather(refs, "worker")
 
     # ------------------------------------------------------------------ rollout engines
 
@@ -356,7 +448,8 @@ class Cluster:
                 idle.append(engine.generate.remote([], sampling, 0))
         what = "rollout worker" if self.rollout.handles else "training worker"
         rows_of = {index: len(ranges[index]) * sampling.n for index in refs}
-        return PendingRollout(refs, rows_of, idle, what)
+        names = self.labels(what, len(engines)) or [f"{what} {i}" for i in range(len(engines))]
+        return PendingRollout(refs, rows_of, idle, what, self, names)
 
     def sync_weights(self, version: int, probe: Probe, *, push: bool = True) -> float:
         """Bring every engine to the policy's weights `version` and prove it; returns the
@@ -364,7 +457,7 @@ class Cluster:
         push=False only checks (split engines fresh from the policy's own starting point)."""
         train = self.train.handles
         if not self.rollout.handles:
-            results = gather(
+            results = self._gather(
                 [w.refresh_engine.remote(version, probe) for w in train], "training worker"
             )
             return self._check_colocated(results, version, probe)
@@ -373,11 +466,11 @@ class Cluster:
         if push:
             with self._engine_calls:
                 sends, receives = self._push(version, probe, queued=False)
-            gather(sends, "training worker")
+            self._gather(sends, "training worker")
         else:
             receives = [r.report.remote(probe) for r in self.rollout.handles]
-        reports = gather(receives, "rollout worker")
-        policy_logprob = gather(policy_refs, "training worker")[0]
+        reports = self._gather(receives, "rollout worker")
+        policy_logprob = self._gather(policy_refs, "training worker")[0]
         return self._check(reports, version, policy_logprob, probe)
 
     def queue_weights(self, version: int, probe: Probe) -> float | None:
@@ -406,10 +499,10 @@ class Cluster:
         queued, self._queued = self._queued, None
         if queued is None:
             return None
-        gather(queued.sends, "training worker")
-        gather([self.train.handles[0].finish_weight_send.remote()], "training worker")
-        reports = gather(queued.receives, "rollout worker")
-        policy_logprob = gather(queued.policy_refs, "training worker")[0]
+        self._gather(queued.sends, "training worker")
+        self._gather([self.train.handles[0].finish_weight_send.remote()], "training worker")
+        reports = self._gather(queued.receives, "rollout worker")
+        policy_logprob = self._gather(queued.policy_refs, "training worker")[0]
         return self._check(reports, queued.version, policy_logprob, queued.probe)
 
     def _check(
@@ -425,7 +518,7 @@ class Cluster:
         given bucket size: the parameters' shapes do not change)."""
         layouts = self._layouts.get(self.bucket_bytes)
         if layouts is None:
-            layouts = gather(
+            layouts = self._gather(
                 [self.train.handles[0].weight_layouts.remote(self.engine_dtype, self.bucket_bytes)],
                 "training worker",
             )[0]
@@ -440,7 +533,7 @@ class Cluster:
                 self._push_bytes = sum(layout.nbytes for layout in self.push_layouts())
             else:
                 worker = self.train.handles[0]
-                self._push_bytes = gather(
+                self._push_bytes = self._gather(
                     [worker.push_bytes.remote(self.engine_dtype)], "training worker"
                 )[0]
         return self._push_bytes
@@ -482,17 +575,37 @@ class PendingRollout:
     rows_of: dict[int, int]  # engine index -> samples it makes
     idle: list[Any]  # calls of training workers without prompts (colocated, sharded)
     what: str
+    cluster: Cluster | None = None  # its stall clock bounds the wait, when it has one
+    names: list[str] | None = None  # engine index -> the actor, for a stall's line
 
     def collect(self, show_progress: bool = False) -> RolloutBatch:
         """Wait for every engine's samples; the batch in prompt order."""
         import ray
 
-        pending = list(self.refs.values())
+        order = sorted(self.refs)
+        refs = [self.refs[i] for i in order]
+        clock = None if self.cluster is None else self.cluster.clock
+        names = self.names or [f"{self.what} {i}" for i in range(max(order, default=-1) + 1)]
+        index_of = {ref: index for index, ref in self.refs.items()}
         with _maybe_progress(show_progress, sum(self.rows_of.values()), "rollout") as progress:
-            while pending:
-                done, pending = ray.wait(pending, num_returns=1)
-                progress.update(sum(self.rows_of[i] for i, r in self.refs.items() if r in done))
-        batches = gather([self.refs[i] for i in sorted(self.refs)], self.what)
+
+            def done(ref: Any) -> None:
+                progress.update(self.rows_of[index_of[ref]])
+
+            with contextlib.ExitStack() as stack:
+                if self.cluster is not None:
+                    stack.enter_context(self.cluster.phase("generation"))
+                try:
+                    wait_for(refs, self.what, clock, [names[i] for i in order], done)
+                    wait_for(self.idle, self.what, clock)
+                except Stalled:
+                    if self.cluster is not None:
+                        handles = self.cluster.engines
+                        self.cluster.note_unanswered(refs, [handles[i] for i in order])
+                    raise
+                except ray.exceptions.RayError:
+                    pass  # gather below makes the line
+        batches = gather(refs, self.what)
         gather(self.idle, self.what)
         return concat_rollouts(batches)
 

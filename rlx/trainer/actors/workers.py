@@ -6,13 +6,15 @@ each method moves tensors in and out and calls the Learner or an engine.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -48,6 +50,7 @@ from rlx.trainer.rollout.base import EngineSite, RolloutEngine, SamplingArgs
 from rlx.trainer.rollout.colocated import ColocatedEngine, make_colocated_engine
 from rlx.trainer.rollout.probe import EngineReport, Probe
 from rlx.trainer.seeding import derive_seed
+from rlx.trainer.stall import collective_failure, hang_if_asked, process_group_timeout
 from rlx.trainer.weights import (
     BucketLayout,
     GroupAddress,
@@ -57,7 +60,6 @@ from rlx.trainer.weights import (
     dtype_named,
 )
 
-DIST_TIMEOUT = timedelta(minutes=30)
 GIB = 2**30
 
 
@@ -198,9 +200,42 @@ def _probe_ids(probe: Probe) -> tuple[list[int], list[int]]:
     return probe.prompt_ids, probe.response_ids
 
 
+Method = TypeVar("Method", bound=Callable[..., Any])
+
+
+def _collectives(phase: str) -> Callable[[Method], Method]:
+    """A TrainWorker method whose collectives (FSDP's, DDP's) may fail on a peer gone or
+    silent past the process group's timeout: that failure as one line naming this rank,
+    its node and the phase (stall.collective_failure), exit 75."""
+
+    def wrap(method: Method) -> Method:
+        @functools.wraps(method)
+        def run(self: TrainWorker, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(self, *args, **kwargs)
+            except RuntimeError as exc:
+                spec = self.spec
+                if spec.world_size < 2:
+                    raise
+                timeout = process_group_timeout(spec.settings.stall_timeout)
+                failed = collective_failure(exc, spec.rank, _node_ip(), phase, timeout)
+                if failed is None:
+                    raise
+                raise failed from None
+
+        return run  # type: ignore[return-value]
+
+    return wrap
+
+
+_GENERATE_CALLS = [0]  # this worker's generate calls, for the test hook (stall.py)
+
+
 def _generate(
     engine: RolloutEngine, prompt_ids: list[list[int]], sampling: SamplingArgs, seed: int
 ) -> RolloutBatch:
+    _GENERATE_CALLS[0] += 1
+    hang_if_asked(_GENERATE_CALLS[0])
     # no_grad, not inference_mode: a sharded policy's gathered weights must stay writable.
     with torch.no_grad():
         return engine.generate(prompt_ids, sampling, seed=seed)
@@ -243,7 +278,8 @@ class TrainWorker:
                 init_method=f"tcp://{master_addr}:{master_port}",
                 rank=spec.rank,
                 world_size=spec.world_size,
-                timeout=DIST_TIMEOUT,
+                # A rank whose peer never comes raises after this (stall.py), not never.
+                timeout=timedelta(seconds=process_group_timeout(spec.settings.stall_timeout)),
             )
         # An engine that loads the policy's starting weights from its files (vLLM) starts
         # before the learner fills the GPU: it sizes its share (gpu_memory_utilization) from
@@ -292,6 +328,7 @@ class TrainWorker:
 
     # ------------------------------------------------------------------ the step
 
+    @_collectives("generation")
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingArgs, seed: int) -> Any:
         if self.engine is None:
             raise RuntimeError("this worker holds no engine (layout: split)")
@@ -304,11 +341,13 @@ class TrainWorker:
                 return None
             return _generate(engine, prompt_ids, sampling, seed)
 
+    @_collectives("forwards (prepare)")
     def prepare(self, batch: SequenceBatch, old_logprobs: bool) -> dict[str, torch.Tensor]:
         if self.engine is not None:
             self.engine.release(self.learner)
         return self._learner().prepare(batch, old_logprobs=old_logprobs)
 
+    @_collectives("update")
     def update(
         self, batch: SequenceBatch, step: int, prepare: bool, probe: Probe | None
     ) -> UpdateOutcome:

@@ -239,7 +239,7 @@ def resolve_reward(spec: str) -> RewardFn:
     return fn
 
 
-def _reward_name(fn: RewardFn) -> str:
+def reward_name(fn: RewardFn) -> str:
     module = getattr(fn, "__module__", None) or "?"
     return f"{module}:{getattr(fn, '__qualname__', repr(fn))}"
 
@@ -277,13 +277,13 @@ def score(
             value = fn(prompt, response, answer)
         except Exception as exc:
             raise RewardError(
-                f"reward {_reward_name(fn)} failed on sample {index}: {type(exc).__name__}: {exc}"
+                f"reward {reward_name(fn)} failed on sample {index}: {type(exc).__name__}: {exc}"
             ) from exc
         # numpy and torch scalars convert; text or None means a bug in the reward.
         number = None if isinstance(value, (str, bytes)) or value is None else _as_float(value)
         if number is None or not math.isfinite(number):
             raise RewardError(
-                f"reward {_reward_name(fn)} returned {value!r} for sample {index}; "
+                f"reward {reward_name(fn)} returned {value!r} for sample {index}; "
                 "it must return a finite float"
             )
         scores.append(number)

@@ -77,10 +77,12 @@ def validate(
     settings: TrainerSettings,
     step: int,
     episodes: Any = None,
+    scorer: Any = None,
 ) -> Mapping[str, float]:
     """val/pass@1 and val/reward_mean of the policy the engines hold now. With an
     environment (`episodes`, an EpisodeRunner) each sample is a whole episode, scored by
-    the environment; failed episodes are left out."""
+    the environment; failed episodes are left out. scorer(prompts, responses, answers):
+    how the samples are scored (the trainer's, within its stall window); else score()."""
     from rlx.trainer.rollout.base import SamplingArgs
     from rlx.trainer.tasks.rewards import score
 
@@ -104,7 +106,10 @@ def validate(
         n = sampling.n
         prompts = [p for p in data.prompts for _ in range(n)]
         answers = [a for a in data.answers for _ in range(n)]
-        scores = score(reward_fn, prompts, responses, answers)
+        if scorer is not None:
+            scores = scorer(prompts, responses, answers)
+        else:
+            scores = score(reward_fn, prompts, responses, answers)
         results[name] = sum(scores) / len(scores)
     return results
 

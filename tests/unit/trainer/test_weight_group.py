@@ -6,10 +6,18 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import torch
 
-from rlx.trainer.weights import BucketLayout, GroupAddress, WeightGroup, receive_push
+from rlx.errors import TRY_AGAIN
+from rlx.trainer.weights import (
+    BucketLayout,
+    GroupAddress,
+    PushFailed,
+    WeightGroup,
+    receive_push,
+)
 
 
 def free_port() -> int:
@@ -76,3 +84,37 @@ def test_a_push_reaches_every_receiver_whole() -> None:
         for name, tensor in weights.items():
             assert got[rank][name].dtype == torch.bfloat16
             assert torch.equal(got[rank][name], tensor.to(torch.bfloat16)), (rank, name)
+
+
+def test_a_push_whose_sender_never_sends_fails_within_the_timeout_in_one_line() -> None:
+    layouts = [BucketLayout.of([("w", (4,))], torch.float32)]
+    address = GroupAddress("127.0.0.1", free_port(), world_size=2, timeout_s=2)
+    joined = threading.Event()
+    failures: list[BaseException] = []
+
+    def sender() -> None:
+        group = WeightGroup.join(address, 0, torch.device("cpu"))
+        joined.set()
+        time.sleep(4)  # joined, then silent: a rank 0 stuck elsewhere
+        group.close()
+
+    def receiver() -> None:
+        group = WeightGroup.join(address, 1, torch.device("cpu"))
+        try:
+            receive_push(group, layouts, lambda views: len(views))
+        except BaseException as exc:
+            failures.append(exc)
+
+    threads = [threading.Thread(target=sender, daemon=True), threading.Thread(target=receiver)]
+    for thread in threads:
+        thread.start()
+    started = time.monotonic()
+    threads[1].join(timeout=30)
+    assert joined.is_set() and time.monotonic() - started < 15
+    (failure,) = failures
+    assert isinstance(failure, PushFailed) and failure.exit_code == TRY_AGAIN
+    line = str(failure)
+    assert "\n" not in line
+    assert line.startswith("weight push, bucket 1 of 1: engine process (weight-group rank 1 of 2)")
+    assert f"training rank 0 (weight-group rank 0, rendezvous 127.0.0.1:{address.port})" in line
+    assert "within 2 s" in line and "exit 75" in line
