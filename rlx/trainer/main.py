@@ -13,9 +13,9 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 from rlx import sigterm
 from rlx.errors import RlxError
@@ -28,6 +28,8 @@ from rlx.trainer.report.console import Stopped, StopRequest, console_to_log, han
 from rlx.trainer.report.record import finish, summary_lines
 from rlx.trainer.resolve import run_paths
 from rlx.trainer.startup import StartPlan
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from rlx.trainer.device import StartSizes
@@ -76,17 +78,53 @@ def connect_ray(job: TrainJob, env: Mapping[str, str]) -> tuple[bool, str]:
             raise RlxError(f"cannot join the Ray cluster at {address}: {first}") from None
         return False, f"at {address}"
     cpus = max(os.cpu_count() or 1, job.actors.bundles + 1)
+
     # Ray's daemons and workers outlive a SIGTERM to every process here (rlx.sigterm): this
     # process saves the step done and stops them itself (stop_private_ray).
+    def start() -> None:
+        try:
+            ray.init(
+                address="local",
+                num_cpus=cpus,
+                include_dashboard=False,
+                logging_level=logging.ERROR,
+                log_to_driver=True,
+            )
+        except BaseException:
+            ray.shutdown()  # whatever the late try set up in this process
+            raise
+
     with sigterm.held_by_children():
-        ray.init(
-            address="local",
-            num_cpus=cpus,
-            include_dashboard=False,
-            logging_level=logging.ERROR,
-            log_to_driver=True,
-        )
+        started_on_a_busy_machine(start, "the private Ray on this machine")
     return True, "on this machine"
+
+
+# Ray gives a node's raylet a fixed 30 s to register with the GCS; on a loaded machine a node
+# can miss it, and starts in time on another try.
+NODE_START_TRIES = 3
+RAYLET_LATE = "timed out during startup"
+
+
+def started_on_a_busy_machine(start: Callable[[], T], what: str) -> T:
+    """start(), again after a raylet that missed Ray's 30 s (what the late try started killed
+    first); RlxError naming `what` after NODE_START_TRIES such misses."""
+    import psutil
+
+    for _ in range(NODE_START_TRIES):
+        before = {proc.pid for proc in psutil.Process().children(recursive=True)}
+        try:
+            return start()
+        except Exception as exc:
+            if RAYLET_LATE not in str(exc):
+                raise
+            for proc in psutil.Process().children(recursive=True):
+                if proc.pid not in before:
+                    with contextlib.suppress(psutil.Error):
+                        proc.kill()
+    raise RlxError(
+        f"{what} did not start here: a raylet missed Ray's 30 s to register "
+        f"{NODE_START_TRIES} times; this machine is too busy, try again when it is quieter"
+    )
 
 
 def stop_private_ray() -> None:

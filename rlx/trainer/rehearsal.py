@@ -356,7 +356,9 @@ def ray_nodes(nodes: list[RayNode]) -> Iterator[str]:
             raise
         return cluster
 
-    cluster = _started_on_a_busy_machine(start)
+    from rlx.trainer.main import started_on_a_busy_machine
+
+    cluster = started_on_a_busy_machine(start, "the rehearsal's Ray nodes")
     try:
         yield cluster.address
     finally:
@@ -364,34 +366,6 @@ def ray_nodes(nodes: list[RayNode]) -> Iterator[str]:
 
         ray.shutdown()
         cluster.shutdown()
-
-
-# Ray gives a node's raylet a fixed 30 s to register with the GCS; on a loaded machine (a
-# rehearsal beside other work) a node can miss it, and starts in time on another try.
-NODE_START_TRIES = 3
-RAYLET_LATE = "timed out during startup"
-
-
-def _started_on_a_busy_machine(start: Any) -> Any:
-    """start(), again after a raylet that missed Ray's 30 s (what the try started killed
-    first); RlxError after NODE_START_TRIES such misses."""
-    import psutil
-
-    for _ in range(NODE_START_TRIES):
-        before = {proc.pid for proc in psutil.Process().children(recursive=True)}
-        try:
-            return start()
-        except Exception as exc:
-            if RAYLET_LATE not in str(exc):
-                raise
-            for proc in psutil.Process().children(recursive=True):
-                if proc.pid not in before:
-                    with contextlib.suppress(psutil.Error):
-                        proc.kill()
-    raise RlxError(
-        f"the rehearsal's Ray nodes did not start here: a raylet missed Ray's 30 s to register "
-        f"{NODE_START_TRIES} times; this machine is too busy, try again when it is quieter"
-    )
 
 
 def rehearse(
