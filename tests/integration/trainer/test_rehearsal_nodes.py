@@ -22,15 +22,3 @@ def test_nodes_whose_raylet_missed_rays_30_s_start_again_and_their_processes_go(
     assert started[2].poll() is None  # the try that worked keeps what it started
     started[2].kill()
     started[2].wait()
-
-
-def test_a_raylet_late_every_time_is_one_line() -> None:
-    import pytest
-
-    from rlx.errors import RlxError
-
-    def start() -> str:
-        raise Exception(f"The current node {RAYLET_LATE}. This could happen because ...")
-
-    with pytest.raises(RlxError, match="the private Ray did not start here: a raylet missed"):
-        started_on_a_busy_machine(start, "the private Ray")

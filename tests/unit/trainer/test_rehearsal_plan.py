@@ -78,7 +78,7 @@ def test_a_recipe_start_up_refuses_is_refused_before_it_is_scaled(tmp_path: Path
 
 
 def test_nodes_that_never_start_in_time_are_one_line_and_other_errors_pass_through() -> None:
-    from rlx.trainer.rehearsal import NODE_START_TRIES, RAYLET_LATE, _started_on_a_busy_machine
+    from rlx.trainer.main import NODE_START_TRIES, RAYLET_LATE, started_on_a_busy_machine
 
     calls = []
 
@@ -87,11 +87,11 @@ def test_nodes_that_never_start_in_time_are_one_line_and_other_errors_pass_throu
         raise Exception(f"The current node {RAYLET_LATE}.")
 
     with pytest.raises(RlxError, match="missed Ray's 30 s to register 3 times"):
-        _started_on_a_busy_machine(late)
+        started_on_a_busy_machine(late, "the rehearsal's Ray nodes")
     assert len(calls) == NODE_START_TRIES
 
     def broken() -> None:
         raise ValueError("num_gpus must be >= 0")
 
     with pytest.raises(ValueError, match="num_gpus"):
-        _started_on_a_busy_machine(broken)
+        started_on_a_busy_machine(broken, "the rehearsal's Ray nodes")
