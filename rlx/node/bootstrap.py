@@ -41,6 +41,9 @@ from rlx.recipe.model import Recipe
 # the trainer failing: worth a retry.
 CLUSTER_FAILURE = TRY_AGAIN
 RAY_START_TIMEOUT = 180.0
+# `ray start` on a node whose raylet missed Ray's fixed 30 s to register and died: how many
+# times in all, each within the join timeout.
+RAY_START_TRIES = 3
 POLL_SECONDS = 1.0
 # How long a failed head command waits for the GCS to say whether a node was lost (its
 # health checks declare a dead raylet within about 7 s; see raynode.FAST_FAILURE_ENV).
@@ -210,27 +213,51 @@ class Bootstrap:
             else f"{node.num_nodes} nodes: " + _group_sizes(node)
         )
         self.say(f"starting the Ray head on {node.head_ip}:{settings.port} ({sizes})")
-        argv = raynode.head_command(settings, node.head_ip, node.gpus_per_node, node.own_group)
-        start = raynode.RayStart(argv, self.ray_env, self.holds_on)
         # Import Ray's client while the GCS starts, so the workers hear of it at once.
         threading.Thread(target=raynode.preload, daemon=True).start()
+        for attempt in range(1, RAY_START_TRIES + 1):
+            try:
+                gcs, alive = self.start_head_ray()
+                break
+            except RlxError as e:
+                # Ray's CLI gave the head's raylet its fixed 30 s and the raylet is gone (a
+                # loaded machine): start the head again while the join timeout allows. The
+                # workers see the new head's attempt and join it.
+                if (
+                    raynode.RAYLET_SLOW not in str(e)
+                    or attempt == RAY_START_TRIES
+                    or self.clock() >= self.join_deadline
+                ):
+                    raise
+                raynode.stop_own_ray(self.address, settings.port)
+                self.slow_head_raylet = False
+                self.say(
+                    "the head's raylet did not register within Ray's 30 s and is gone; "
+                    f"starting Ray on the head again (try {attempt + 1} of {RAY_START_TRIES})"
+                )
+        gcs.put(raynode.STATE_KEY, b"running")
+        code = self.run_head_command(gcs, alive)
+        gcs.put(raynode.STATE_KEY, f"done:{code}".encode())
+        self.wait_for_acks(gcs)
+        return code
+
+    def start_head_ray(self) -> tuple[raynode.Gcs, set[str]]:
+        """`ray start --head`, then wait for every node; our GCS and the nodes alive."""
+        node, settings = self.node, self.recipe.ray
+        argv = raynode.head_command(settings, node.head_ip, node.gpus_per_node, node.own_group)
+        start = raynode.RayStart(argv, self.ray_env, self.holds_on)
         try:
             gcs = self.open_head_gcs(start)
             gcs.put(raynode.ATTEMPT_KEY, os.urandom(8).hex().encode())
             gcs.put(raynode.STATE_KEY, b"waiting")
             try:
-                alive = self.wait_for_nodes(gcs, start)
+                return gcs, self.wait_for_nodes(gcs, start)
             except ClusterError:
                 gcs.put(raynode.STATE_KEY, f"done:{CLUSTER_FAILURE}".encode())
                 self.wait_for_acks(gcs)
                 raise
         finally:
             start.stop()
-        gcs.put(raynode.STATE_KEY, b"running")
-        code = self.run_head_command(gcs, alive)
-        gcs.put(raynode.STATE_KEY, f"done:{code}".encode())
-        self.wait_for_acks(gcs)
-        return code
 
     def head_started(self, start: raynode.RayStart) -> bool:
         """True once the head's `ray start` has finished well; raises if it failed. A
@@ -492,8 +519,14 @@ class Bootstrap:
         threading.Thread(target=raynode.preload, daemon=True).start()
         while True:
             gcs, attempt = self.wait_for_head(self.join_deadline)
+            if not self.wait_for_head_node(gcs, attempt):
+                self.say("the head restarted before its node registered; waiting for it again")
+                continue
             self.say(f"joining the head at {self.address}")
-            self.start_worker_ray(gcs)
+            if not self.start_worker_ray(gcs):
+                self.say("the head's node left the cluster while this node joined; joining again")
+                raynode.stop_own_ray(self.address, settings.port)
+                continue
             outcome = self.follow_head(gcs, attempt)
             if outcome is not None:
                 return outcome
@@ -502,20 +535,23 @@ class Bootstrap:
             raynode.stop_own_ray(self.address, settings.port)
             self.say("the head restarted before the job began; joining again")
 
-    def start_worker_ray(self, gcs: raynode.Gcs) -> None:
+    def start_worker_ray(self, gcs: raynode.Gcs) -> bool:
         """`ray start` on this worker. Ray's CLI gives a raylet a fixed 30 s to register
         with the GCS and then fails, though the raylet goes on starting; on a loaded node
         (or with a busy GCS) that is not enough. The join timeout is ours to keep: wait
-        for the raylet until then, and start once more if it died."""
+        for the raylet until then, and start again if it died (RAY_START_TRIES in all).
+        False when the head's own node is missing from its GCS: wait for the head again."""
         node, settings = self.node, self.recipe.ray
         argv = raynode.worker_command(
             settings, node.head_ip, node.own_ip, node.gpus_per_node, node.own_group
         )
-        for attempt in (1, 2):
+        for attempt in range(1, RAY_START_TRIES + 1):
             try:
                 raynode.run_ray_start(argv, self.ray_env, RAY_START_TIMEOUT, self.holds_on)
-                return
+                return True
             except RlxError as e:
+                if raynode.HEAD_NODE_MISSING in str(e) and self.clock() < self.join_deadline:
+                    return False
                 if raynode.RAYLET_SLOW not in str(e) or self.clock() >= self.join_deadline:
                     raise
                 self.say(
@@ -523,11 +559,34 @@ class Bootstrap:
                     f"for it until the join timeout ({self.recipe.ray.join_timeout} s)"
                 )
                 if self.wait_for_own_raylet(gcs):
-                    return
-                if attempt == 2 or self.clock() >= self.join_deadline:
+                    return True
+                if attempt == RAY_START_TRIES or self.clock() >= self.join_deadline:
                     raise
                 raynode.stop_own_ray(self.address, settings.port)
-                self.say("this node's raylet is gone; starting Ray again")
+                self.say(
+                    "this node's raylet is gone; starting Ray again "
+                    f"(try {attempt + 1} of {RAY_START_TRIES})"
+                )
+        raise AssertionError("unreachable")
+
+    def wait_for_head_node(self, gcs: raynode.Gcs, attempt: bytes) -> bool:
+        """Wait until the head's own node is alive in its GCS: a worker's `ray start` reads
+        it at once and fails when it is not there yet (the head's raylet may still be
+        registering on a loaded machine). False if the head restarted meanwhile."""
+        head_ip = self.node.head_ip
+        for delay in raynode.backoff(cap=JOIN_POLL_SECONDS):
+            with contextlib.suppress(Exception):  # a GCS hiccup: the next poll decides
+                if any(s.alive and s.ip == head_ip for s in gcs.nodes()):
+                    return True
+                if gcs.get(raynode.ATTEMPT_KEY) != attempt:
+                    return False
+            if self.clock() >= self.join_deadline:
+                raise ClusterError(
+                    f"the head ({self.node.describe(0)}) did not register its own node within "
+                    f"{self.recipe.ray.join_timeout} s; check the head node's log"
+                )
+            time.sleep(delay)
+        raise AssertionError("unreachable")
 
     def wait_for_own_raylet(self, gcs: raynode.Gcs) -> bool:
         """True once this node is alive in the GCS; False if its raylet exits first or the

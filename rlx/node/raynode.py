@@ -126,6 +126,8 @@ def _shared_flags(settings: RaySettings, gpus: int, group: str | None) -> list[s
 # What `ray start` says when a raylet did not register with the GCS within its fixed 30 s
 # (ray/_private/node.py), though the raylet may still be starting.
 RAYLET_SLOW = "timed out during startup"
+# What a worker's `ray start` says when the head's own node is not in the GCS (yet).
+HEAD_NODE_MISSING = "No node info found for head node"
 
 
 def _ray_start_error(argv: list[str], code: int, output: str) -> RlxError:

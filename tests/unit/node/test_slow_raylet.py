@@ -148,3 +148,104 @@ def test_the_head_fails_if_its_slow_raylet_is_gone(worker, monkeypatch):
         boot.head_started(Start(SLOW))  # type: ignore[arg-type]
     with pytest.raises(RlxError, match="port in use"):
         boot.head_started(Start(RlxError("port in use")))  # type: ignore[arg-type]
+
+
+def test_ray_still_says_the_head_node_is_missing():
+    """The text is Ray's (ray/_private/utils.py): if a Ray upgrade rewords it, this fails."""
+    spec = importlib.util.find_spec("ray")
+    assert spec is not None and spec.origin is not None
+    source = (Path(spec.origin).parent / "_private" / "utils.py").read_text()
+    assert raynode.HEAD_NODE_MISSING in source
+
+
+def test_a_worker_whose_raylet_dies_every_time_tries_three_times_in_all(worker, monkeypatch):
+    boot, _clock = worker
+    calls = starts(monkeypatch, [SLOW, SLOW, SLOW])
+    monkeypatch.setattr(raynode, "raylet_alive", lambda _a, _p: False)
+    monkeypatch.setattr(raynode, "stop_own_ray", lambda _a, _p: 0)
+    with pytest.raises(RlxError, match="timed out during startup"):
+        boot.start_worker_ray(Gcs(joins_at=None))  # type: ignore[arg-type]
+    assert len(calls) == bootstrap.RAY_START_TRIES == 3
+    assert "(try 3 of 3)" in boot.out.getvalue()
+
+
+def test_a_worker_that_finds_no_head_node_goes_back_to_waiting(worker, monkeypatch):
+    boot, _clock = worker
+    missing = RlxError(f"`ray start` failed (exit 1):\n  Exception: {raynode.HEAD_NODE_MISSING}")
+    calls = starts(monkeypatch, [missing])
+    assert boot.start_worker_ray(Gcs(joins_at=None)) is False  # type: ignore[arg-type]
+    assert len(calls) == 1
+
+
+class HeadGcs:
+    """A head whose own node registers at the `head_at`-th call of nodes(); its attempt key
+    changes to b"new" at the `restart_at`-th."""
+
+    def __init__(self, head_at: int | None, restart_at: int | None = None) -> None:
+        self.calls = 0
+        self.head_at, self.restart_at = head_at, restart_at
+
+    def nodes(self) -> list[raynode.NodeState]:
+        self.calls += 1
+        listed = self.head_at is not None and self.calls >= self.head_at
+        return [raynode.NodeState(HEAD, True, 0.0)] if listed else []
+
+    def get(self, _key: bytes) -> bytes:
+        restarted = self.restart_at is not None and self.calls >= self.restart_at
+        return b"new" if restarted else b"old"
+
+
+def test_a_worker_joins_only_once_the_head_node_is_listed(worker):
+    boot, _clock = worker
+    gcs = HeadGcs(head_at=4)
+    assert boot.wait_for_head_node(gcs, b"old") is True  # type: ignore[arg-type]
+    assert gcs.calls == 4
+    assert boot.wait_for_head_node(HeadGcs(None, restart_at=2), b"old") is False  # type: ignore[arg-type]
+
+
+def test_a_head_node_that_never_registers_is_named_at_the_join_timeout(worker):
+    boot, clock = worker
+
+    class Late(HeadGcs):
+        def nodes(self) -> list[raynode.NodeState]:
+            clock.now += 10
+            return super().nodes()
+
+    with pytest.raises(bootstrap.ClusterError, match="did not register its own node within 60 s"):
+        boot.wait_for_head_node(Late(None), b"old")  # type: ignore[arg-type]
+
+
+def test_the_head_starts_ray_again_when_its_raylet_died(worker, monkeypatch):
+    boot, _clock = worker
+    tries: list[int] = []
+
+    def start_head_ray():
+        tries.append(1)
+        if len(tries) < 3:
+            raise SLOW
+        raise bootstrap.ClusterError("stop here")  # the third try got as far as the nodes
+
+    monkeypatch.setattr(boot, "start_head_ray", start_head_ray)
+    monkeypatch.setattr(raynode, "stop_own_ray", lambda _a, _p: 0)
+    monkeypatch.setattr(raynode, "preload", lambda: None)
+    with pytest.raises(bootstrap.ClusterError, match="stop here"):
+        boot.run_head()
+    assert len(tries) == 3
+    out = boot.out.getvalue()
+    assert "starting Ray on the head again (try 2 of 3)" in out and "(try 3 of 3)" in out
+
+
+def test_the_head_gives_up_after_its_last_try(worker, monkeypatch):
+    boot, _clock = worker
+    tries: list[int] = []
+
+    def start_head_ray():
+        tries.append(1)
+        raise SLOW
+
+    monkeypatch.setattr(boot, "start_head_ray", start_head_ray)
+    monkeypatch.setattr(raynode, "stop_own_ray", lambda _a, _p: 0)
+    monkeypatch.setattr(raynode, "preload", lambda: None)
+    with pytest.raises(RlxError, match="timed out during startup"):
+        boot.run_head()
+    assert len(tries) == bootstrap.RAY_START_TRIES
