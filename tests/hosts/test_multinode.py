@@ -179,84 +179,93 @@ def test_a_lost_worker_fails_the_job_fast(make_job) -> None:
     assert_nothing_left(job.hosts)
 
 
-@pytest.mark.parametrize("first", ["failed", "killed"])
-@pytest.mark.timeout(1800)  # two attempts whose waits may each stretch while they advance
-def test_a_retried_job_starts_clean(make_job, first: str) -> None:
-    """The run block runs twice on the same hosts: after a failed attempt (every node joined
+@pytest.mark.timeout(2400)  # three attempts whose waits may each stretch while they advance
+def test_a_retried_job_starts_clean(make_job) -> None:
+    """The run block runs three times on the same hosts: a failed attempt (every node joined
     and the trainer ran, from the head, on all three; its exit code is every node's and the
-    job's), and after one killed outright (its Ray daemons left running). The retry forms
-    one fresh cluster, and its trainer's success is the job's."""
+    job's), then one killed outright (its Ray daemons left running), then one that succeeds.
+    Each retry forms one fresh cluster, and the last trainer's success is the job's."""
     job = make_job()
-    if first == "failed":
-        job.control(exit=3)
-        first_run = job.start()
-        codes = job.wait_all(first_run)
-        logs = job.all_logs(first_run)
-        assert codes == {0: 3, 1: 3, 2: 3}, logs
-        if job.backend == "slurm":
-            assert first_run.job_exit_code == 3, logs
-        probe = job.probe(1)
-        # The trainer started once all three nodes were ALIVE, each from its own address.
-        assert alive_ips(probe) == sorted(h.ip for h in job.hosts), probe
-        assert len(probe["nodes"]) == 3, probe
-        assert probe["hostname"] == "node1"
-        assert probe["env"]["RAY_ADDRESS"] == f"{job.hosts[0].ip}:{RAY_PORT}"
-        assert probe["env"]["RLX_NUM_NODES"] == "3"
-        assert probe["env"]["RAY_AUTH_MODE"] == "token" and probe["token_set"], probe
-        assert "all 3 nodes joined" in job.log(first_run, 0), logs
-        for rank in (1, 2):
-            assert "the head finished with exit code 3; leaving" in job.log(first_run, rank), logs
-        assert_nothing_left(job.hosts)
-    else:
-        job.control(hold=True)
-        first_run = job.start()
-        poll(
-            lambda: (job.out / "holding-1").exists(),
-            RUN_TIMEOUT,
-            "the first trainer",
-            progress=lambda: job.all_logs(first_run),
-        )
-        # A worker's node is ALIVE a moment before its `ray start` exits; killed before
-        # then, the daemons would go down with it, which is not the case under test.
-        poll(
-            lambda: not any(ray_start_running(h) for h in job.hosts),
-            RUN_TIMEOUT,
-            "every `ray start` to finish",
-        )
-        job.kill_attempt(first_run)
-        if job.backend == "slurm":
-            # Slurm signals each task's process group, which the daemons `ray start` leaves
-            # behind belong to: they go down with the job.
-            assert_nothing_left(job.hosts)
-        else:
-            # Killed outright, every host keeps the Ray daemons of the first attempt.
-            for host in job.hosts:
-                assert len(ray_processes(host, "raylet")) == 1, host.processes()
+    # Attempt 1: the trainer fails.
+    job.control(exit=3)
+    first_run = job.start()
+    codes = job.wait_all(first_run)
+    logs = job.all_logs(first_run)
+    assert codes == {0: 3, 1: 3, 2: 3}, logs
+    if job.backend == "slurm":
+        assert first_run.job_exit_code == 3, logs
+    probe = job.probe(1)
+    # The trainer started once all three nodes were ALIVE, each from its own address.
+    assert alive_ips(probe) == sorted(h.ip for h in job.hosts), probe
+    assert len(probe["nodes"]) == 3, probe
+    assert probe["hostname"] == "node1"
+    assert probe["env"]["RAY_ADDRESS"] == f"{job.hosts[0].ip}:{RAY_PORT}"
+    assert probe["env"]["RLX_NUM_NODES"] == "3"
+    assert probe["env"]["RAY_AUTH_MODE"] == "token" and probe["token_set"], probe
+    assert "all 3 nodes joined" in job.log(first_run, 0), logs
+    for rank in (1, 2):
+        assert "the head finished with exit code 3; leaving" in job.log(first_run, rank), logs
+    assert_nothing_left(job.hosts)
+
+    # Attempt 2: a fresh cluster after the failure, then the attempt killed outright.
     job.control(hold=True)
-    second = job.start()
+    killed = job.start()
     poll(
         lambda: (job.out / "holding-2").exists(),
         RUN_TIMEOUT,
         "the retried trainer",
-        progress=lambda: job.all_logs(second),
+        progress=lambda: job.all_logs(killed),
     )
-    logs = job.all_logs(second)
-    for host in job.hosts:  # one Ray per host, not two
-        assert len(ray_processes(host, "raylet")) == 1, (host.processes(), logs)
-    assert len(ray_processes(job.hosts[0], "gcs_server")) == 1, logs
-    probe = job.probe(2)
-    # Only this attempt's nodes, all alive: nothing of the first attempt is counted.
-    assert alive_ips(probe) == sorted(h.ip for h in job.hosts), probe
-    assert len(probe["nodes"]) == 3, probe
-    if first == "killed" and job.backend != "slurm":
+    assert_one_fresh_cluster(job, killed, 2)
+    # A worker's node is ALIVE a moment before its `ray start` exits; killed before then,
+    # the daemons would go down with it, which is not the case under test.
+    poll(
+        lambda: not any(ray_start_running(h) for h in job.hosts),
+        RUN_TIMEOUT,
+        "every `ray start` to finish",
+    )
+    job.kill_attempt(killed)
+    if job.backend == "slurm":
+        # Slurm signals each task's process group, which the daemons `ray start` leaves
+        # behind belong to: they go down with the job.
+        assert_nothing_left(job.hosts)
+    else:
+        # Killed outright, every host keeps the Ray daemons of the killed attempt.
+        for host in job.hosts:
+            assert len(ray_processes(host, "raylet")) == 1, host.processes()
+
+    # Attempt 3: a fresh cluster again, whose trainer's success is the job's.
+    job.control(hold=True)
+    last = job.start()
+    poll(
+        lambda: (job.out / "holding-3").exists(),
+        RUN_TIMEOUT,
+        "the trainer after the kill",
+        progress=lambda: job.all_logs(last),
+    )
+    logs = assert_one_fresh_cluster(job, last, 3)
+    if job.backend != "slurm":
         for rank in range(3):
-            assert "left by an earlier attempt" in job.log(second, rank), logs
+            assert "left by an earlier attempt" in job.log(last, rank), logs
     (job.out / "release").touch()
-    codes = job.wait_all(second)
-    logs = job.all_logs(second)
+    codes = job.wait_all(last)
+    logs = job.all_logs(last)
     assert codes == {0: 0, 1: 0, 2: 0}, logs
     if job.backend == "slurm":
-        assert second.job_exit_code == 0, logs
+        assert last.job_exit_code == 0, logs
     for rank in (1, 2):
-        assert "the head finished with exit code 0; leaving" in job.log(second, rank), logs
+        assert "the head finished with exit code 0; leaving" in job.log(last, rank), logs
     assert_nothing_left(job.hosts)
+
+
+def assert_one_fresh_cluster(job, run, attempt: int) -> str:
+    """One Ray per host, not two, and only this attempt's nodes, all alive: nothing of an
+    earlier attempt is counted. The attempt's logs."""
+    logs = job.all_logs(run)
+    for host in job.hosts:
+        assert len(ray_processes(host, "raylet")) == 1, (host.processes(), logs)
+    assert len(ray_processes(job.hosts[0], "gcs_server")) == 1, logs
+    probe = job.probe(attempt)
+    assert alive_ips(probe) == sorted(h.ip for h in job.hosts), probe
+    assert len(probe["nodes"]) == 3, probe
+    return logs
