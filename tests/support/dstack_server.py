@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.leftovers import OWNER
+
 TOKEN = "rlx-test-admin-token"
 PROJECT = "main"
 START_TIMEOUT_S = 240.0
@@ -97,7 +99,8 @@ def dstack_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DstackSe
     home.mkdir()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {k: v for k, v in os.environ.items() if k not in CLIENT_ENV}
+    # It lives across modules, on purpose: not one module's process (tests/support/leftovers).
+    env = {k: v for k, v in os.environ.items() if k not in CLIENT_ENV and k != OWNER}
     env.update(
         HOME=str(home),
         DSTACK_SERVER_DIR=str(server_dir),
