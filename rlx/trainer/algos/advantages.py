@@ -166,7 +166,7 @@ def _outcome_estimator(seq_advantages: Callable[..., Tensor]) -> AdvantageEstima
     ) -> tuple[Tensor, Tensor]:
         del values, gamma, gae_lambda  # one score per response: no critic, no discounting
         scores = masked_sum(token_rewards.detach(), mask, dim=-1)  # (B,)
-        if row_valid is None:
+        if row_valid is None or bool(row_valid.all()):
             per_row = seq_advantages(scores, group_size)  # (B,)
         else:  # the group's baseline is its valid members'
             per_row = seq_advantages(scores, group_size, valid=row_valid)  # (B,)
