@@ -827,6 +827,18 @@ class RewardTerm(StrictModel):
             )
         return self
 
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # A function term's dump carries no server fields (read back, they would be refused).
+        data = handler(self)
+        if self.function is not None:
+            for name in REWARD_SERVER_FIELDS:
+                data.pop(name, None)
+            data.pop("url", None)
+        else:
+            data.pop("function", None)
+        return data
+
     @property
     def label(self) -> str:
         """The term's name: its own, or one derived from its function or server."""
