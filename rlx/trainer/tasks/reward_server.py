@@ -48,7 +48,7 @@ class ServerOutcome:
     values: list[float]
     requests: int = 0  # HTTP requests made, retries included
     failed_requests: int = 0  # requests that failed (each retry counts)
-    first_error: str | None = None  # the first failure, in words (never a header)
+    first_error: str | None = None  # the failures, in words (never a header)
     errors: list[str] = field(default_factory=list)
 
 
@@ -131,7 +131,7 @@ class RewardServer:
             outcome.requests += requests
             outcome.failed_requests += len(errors)
             outcome.errors.extend(errors)
-        outcome.first_error = outcome.errors[0] if outcome.errors else None
+        outcome.first_error = _summary(outcome.errors)
         return outcome
 
     def _batch(self, samples: list[dict[str, Any]]) -> tuple[list[float], int, list[str]]:
@@ -176,6 +176,19 @@ class RewardServer:
             ) from None
         values = [_finite(v) for v in rewards]
         return values, sum(math.isnan(v) for v in values)
+
+
+def _summary(errors: list[str], most: int = 3) -> str | None:
+    """The distinct failures, the most frequent first, each with its count."""
+    if not errors:
+        return None
+    counts: dict[str, int] = {}
+    for error in errors:
+        counts[error] = counts.get(error, 0) + 1
+    ranked = sorted(counts.items(), key=lambda item: -item[1])
+    said = [f"{error} x{count}" if count > 1 else error for error, count in ranked[:most]]
+    more = f" and {len(ranked) - most} more kinds" if len(ranked) > most else ""
+    return ", ".join(said) + more
 
 
 class _Failed(Exception):
