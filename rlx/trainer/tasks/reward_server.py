@@ -124,8 +124,11 @@ class RewardServer:
         if not batches:
             return outcome
         workers = min(self.max_concurrency, len(batches))
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reward-url") as pool:
+        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reward-url")
+        try:
             results = list(pool.map(self._batch, batches))
+        finally:  # a call stopped from outside (the stall window) sends nothing more
+            pool.shutdown(wait=False, cancel_futures=True)
         for values, requests, errors in results:
             outcome.values.extend(values)
             outcome.requests += requests

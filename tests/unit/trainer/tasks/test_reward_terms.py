@@ -283,3 +283,76 @@ def test_the_servers_secret_is_read_from_the_environment_and_never_said():
         build_terms(settings, {})
     said = str(refusal.value)
     assert "JUDGE_KEY, which is not set in the environment" in said and "\n" not in said
+
+
+# ----------------------------------------------------------------------------- the step
+
+
+def _length(prompt: str, response: str, answer: str | None) -> float:
+    return float(len(response))
+
+
+class _Tokenizer:
+    def batch_decode(self, ids: list[list[int]], skip_special_tokens: bool) -> list[str]:
+        return ["".join(chr(i) for i in row) for row in ids]
+
+
+def _trainer_scoring(rewards: list[dict[str, Any]], **fields: Any) -> Any:
+    """A Trainer with just what scoring reads: settings, prompts, the terms."""
+    from types import SimpleNamespace
+
+    from rlx.trainer.loop import Trainer
+
+    settings = _trainer(rewards=rewards, rollout={"n": 2}, **fields)
+    trainer = Trainer.__new__(Trainer)
+    trainer.settings = settings
+    trainer.clock = None
+    trainer.term_scores = []
+    data = SimpleNamespace(prompts=["p0", "p1"], answers=[None, None])
+    trainer.inputs = SimpleNamespace(
+        tokenizer=_Tokenizer(), data=data, rewards=build_terms(settings, {})
+    )
+    return trainer
+
+
+def _rollout(responses: list[str]) -> tuple[Any, Any]:
+    from types import SimpleNamespace
+
+    ids = [[ord(c) for c in text] for text in responses]
+    rollout = SimpleNamespace(episodes=None, response_lists=lambda: ids)
+    mask = torch.ones(len(ids), 3, dtype=torch.bool)
+    return rollout, SimpleNamespace(response_mask=mask)
+
+
+def test_a_step_leaves_failed_samples_untrained_and_counted():
+    trainer = _trainer_scoring(
+        [
+            {"function": f"{__name__}:_raises_on_b", "name": "exact"},
+            {"function": f"{__name__}:_length", "weight": 0},
+        ]
+    )
+    rollout, batch = _rollout(["a", "b", "e", "a"])
+    scored = trainer._rewards(1, [0, 1], rollout, batch)
+    assert scored.trains.tolist() == [True, False, True, True]
+    assert scored.scores[1].isnan() and scored.scores[0].item() == 1.0
+    assert scored.token_rewards[1].abs().sum().item() == 0.0  # nothing for a failed sample
+    assert scored.token_rewards[0, -1].item() == 1.0  # the outcome on the last token
+    metrics = term_metrics(trainer.term_scores)
+    assert metrics["reward/exact/failed"] == 1.0 and metrics["reward/failed"] == 0.25
+    assert metrics["reward/_length/failed"] == 0.0 and metrics["reward/_length/mean"] == 1.0
+
+
+def test_too_many_failed_samples_stop_the_step_before_its_update_in_one_line():
+    trainer = _trainer_scoring(
+        [{"function": f"{__name__}:_raises_on_b", "name": "exact"}], reward_max_failed=0.25
+    )
+    rollout, batch = _rollout(["b", "b", "a", "a"])
+    with pytest.raises(RlxError) as stop:
+        trainer._rewards(3, [0, 1], rollout, batch)
+    said = str(stop.value)
+    assert said.startswith(
+        "step 3: 2 of 4 samples (50%) have no reward, more than trainer.reward_max_failed "
+        "0.25: exact (function "
+    )
+    assert "failed on 2: sample 0: KeyError: 'no b'" in said
+    assert "the last checkpoint is kept" in said and "\n" not in said
