@@ -36,6 +36,7 @@ from typing import Any
 
 from rlx.errors import RlxError
 
+_CURED = " (a retry answered)"
 # Statuses a retry may cure: the server is busy, restarting or overloaded.
 RETRIED_CLIENT_STATUSES = (408, 429)
 
@@ -129,32 +130,33 @@ class RewardServer:
             results = list(pool.map(self._batch, batches))
         finally:  # a call stopped from outside (the stall window) sends nothing more
             pool.shutdown(wait=False, cancel_futures=True)
-        for values, requests, errors in results:
+        for values, requests, failed, errors in results:
             outcome.values.extend(values)
             outcome.requests += requests
-            outcome.failed_requests += len(errors)
+            outcome.failed_requests += failed
             outcome.errors.extend(errors)
         outcome.first_error = _summary(outcome.errors)
         return outcome
 
-    def _batch(self, samples: list[dict[str, Any]]) -> tuple[list[float], int, list[str]]:
-        """(values, requests made, failures in words) of one batch."""
+    def _batch(self, samples: list[dict[str, Any]]) -> tuple[list[float], int, int, list[str]]:
+        """(values, requests made, requests failed, what went wrong in words) of one batch."""
         body = json.dumps({"samples": samples}).encode()
-        errors: list[str] = []
+        failures: list[str] = []
         for attempt in range(self.retries + 1):
             if attempt:
                 self._sleep(self.backoff_s * 2 ** (attempt - 1))
             try:
                 values, nulls = self._post(body, len(samples))
             except _Failed as failed:
-                errors.append(str(failed))
+                failures.append(str(failed))
                 if not failed.retry:
                     break
                 continue
+            notes = [f"{failure}{_CURED}" for failure in failures]
             if nulls:
-                errors.append(f"{nulls} of {len(samples)} rewards null or not finite")
-            return values, attempt + 1, errors
-        return [math.nan] * len(samples), len(errors), errors
+                notes.append(f"{nulls} of {len(samples)} rewards null or not finite")
+            return values, attempt + 1, len(failures), notes
+        return [math.nan] * len(samples), len(failures), len(failures), failures
 
     def _post(self, body: bytes, count: int) -> tuple[list[float], int]:
         request = urllib.request.Request(self.url, data=body, headers=self._headers)
@@ -188,7 +190,8 @@ def _summary(errors: list[str], most: int = 3) -> str | None:
     counts: dict[str, int] = {}
     for error in errors:
         counts[error] = counts.get(error, 0) + 1
-    ranked = sorted(counts.items(), key=lambda item: -item[1])
+    # what cost samples first, then what a retry cured
+    ranked = sorted(counts.items(), key=lambda item: (item[0].endswith(_CURED), -item[1]))
     said = [f"{error} x{count}" if count > 1 else error for error, count in ranked[:most]]
     more = f" and {len(ranked) - most} more kinds" if len(ranked) > most else ""
     return ", ".join(said) + more

@@ -145,9 +145,14 @@ def test_failures_are_nan_counted_and_bounded_by_the_timeout(server):
     assert took < bound + 1.0, took  # never the server's 3 x 2 s of sleep
     said = scored.failure_line()
     assert "verifier (url " in said and "failed on 3" in said
-    assert (
-        "HTTP 500 Internal Server Error x3" in said and "no answer within timeout_s 0.5 x3" in said
-    )
+    assert "HTTP 500 Internal Server Error x3" in said
+    assert "no answer within timeout_s 0.5 x3" in said
+    assert said.endswith("and 1 more kinds")  # the 503 a retry cured comes last
+    cured = RewardServer(url, backoff_s=0.05, headers={"Authorization": f"Bearer {KEY}"})
+    outcome = cured.score(["flaky", "x"], ["ab", "c"], [None, None])
+    assert outcome.values == [2.0, 1.0]
+    assert (outcome.requests, outcome.failed_requests) == (2, 1)
+    assert outcome.first_error == "HTTP 503 Service Unavailable (a retry answered)"
     assert set(state.headers) == {f"Bearer {KEY}"}  # the secret arrived, read from the env
 
 
