@@ -857,7 +857,7 @@ class EnvironmentSettings(StrictModel):
     function: Str = Field(
         description="The environment episodes run in: a built-in name (tool_lookup, "
         "calculator) or a class as 'package.module:Class' or 'path/to/file.py:Class' (see "
-        "docs/environments.md). Its reward replaces trainer.reward.",
+        "docs/environments.md). Its reward replaces trainer.reward (or trainer.rewards).",
     )
     max_turns: int = Field(
         4, ge=1, le=64, description="Model turns per episode at most (each a generate call)."
