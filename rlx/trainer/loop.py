@@ -446,15 +446,21 @@ class Trainer:
         window (stall.bounded_call): a call that does not return is named by its term."""
         terms = self.inputs.rewards
         assert terms is not None
-        where = ["reward terms"]
+        under_way = [terms.terms[0]]
 
         def who() -> str:
-            return f"{where[0]} ({len(prompts)} samples)"
+            term = under_way[0]
+            started = getattr(term.scorer, "started", None)
+            if started is not None:  # a function: the sample it hangs on
+                where = f"sample {max(started[0] - 1, 0)} of {len(prompts)}"
+            else:
+                where = f"{len(prompts)} samples"
+            return f"reward {term.source} ({where})"
 
         def scored() -> TermScores:
             rows, errors = [], []
             for term in terms.terms:
-                where[0] = f"reward term {term.name!r} ({term.source})"
+                under_way[0] = term
                 values, error = term.scorer(prompts, responses, answers)
                 rows.append(values)
                 errors.append(error)

@@ -152,16 +152,20 @@ def term_metrics(scored: Sequence[TermScores]) -> dict[str, float]:
 
 def function_scorer(fn: RewardFn) -> TermScorer:
     """A reward function as a term: a sample it raises on, or gives anything but a finite
-    number for, gets NaN."""
+    number for, gets NaN. scorer.started[0]: the samples the call under way has begun (a
+    hung call is named by its sample)."""
+    started = [0]
 
     def scorer(
         prompts: Sequence[str], responses: Sequence[str], answers: Sequence[str | None]
     ) -> tuple[list[float], str | None]:
         values: list[float] = []
         first: str | None = None
+        started[0] = 0
         for index, (prompt, response, answer) in enumerate(
             zip(prompts, responses, answers, strict=True)
         ):
+            started[0] = index + 1
             try:
                 value = fn(prompt, response, answer)
             except Exception as exc:
@@ -176,7 +180,7 @@ def function_scorer(fn: RewardFn) -> TermScorer:
                 values.append(number)
         return values, first
 
-    scorer.__wrapped__ = fn  # type: ignore[attr-defined]
+    scorer.started = started  # type: ignore[attr-defined]
     return scorer
 
 

@@ -354,3 +354,22 @@ def test_too_many_failed_samples_stop_the_step_before_its_update_in_one_line():
     )
     assert "failed on 2: sample 0: KeyError: 'no b'" in said
     assert "the last checkpoint is kept" in said and "\n" not in said
+
+
+def _hangs_on_c(prompt: str, response: str, answer: str | None) -> float:
+    if response == "c":
+        import time
+
+        time.sleep(10)
+    return 1.0
+
+
+def test_a_hung_function_term_is_named_by_its_sample():
+    from rlx.trainer.stall import StallClock, Stalled
+
+    trainer = _trainer_scoring([{"function": f"{__name__}:_hangs_on_c"}])
+    trainer.clock = StallClock(0.5)
+    with pytest.raises(Stalled) as stall:
+        trainer.score_terms(["p"] * 4, ["a", "c", "a", "a"], [None] * 4)
+    said = str(stall.value)
+    assert f"did not answer: reward function {__name__}:_hangs_on_c (sample 1 of 4)" in said
