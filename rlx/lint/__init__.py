@@ -64,6 +64,7 @@ STARTUP_CHECKS: tuple[Check, ...] = (
     trainer.check_layout,
     trainer.check_colocated_tensor_parallel,
     trainer.check_trainer_specs,
+    trainer.check_reward_secrets,
     trainer.check_packing_budget,
     lora.check_lora_target_modules,
     lora.check_lora_rank_servable,

@@ -75,6 +75,13 @@ def check_reward_beside_environment(recipe: Recipe) -> Iterator[Problem]:
             f"{trainer.reward.function!r} is never used; remove trainer.reward (or "
             "trainer.environment to score with it)",
         )
+    if trainer.rewards is not None:
+        yield Problem(
+            ("trainer", "rewards"),
+            WARNING,
+            "the environment's reward replaces trainer.rewards, so its terms are never "
+            "scored; remove trainer.rewards (or trainer.environment to score with them)",
+        )
 
 
 def _model_max_positions(settings: TrainerSettings) -> int | None:

@@ -1,6 +1,7 @@
 """Checks of what a run reads besides its model: the prompt files or hub datasets
-(trainer.data.train, trainer.validation.data), the chat template file, the reward function
-(trainer.reward.function) and the context window they fill with the model's positions.
+(trainer.data.train, trainer.validation.data), the chat template file, the reward functions
+(trainer.reward.function, trainer.rewards[].function) and the context window they fill
+with the model's positions.
 
 source_problems() is the rule, one for lint and for the trainer's start-up: lint calls it
 with the folder the job will run in (check_sources), the trainer with the folder it runs in,
@@ -47,7 +48,9 @@ def source_problems(
     start-up) or left unsaid (lint, unless HF_HUB_OFFLINE)."""
     problems = list(_data_problems(settings, base_dir, local_missing, fetch))
     problems.extend(_template_problems(settings, base_dir, local_missing))
-    problems.extend(_reward_problems(settings.reward.function, base_dir, settings))
+    for term, where in zip(settings.reward_terms(), settings.reward_term_fields(), strict=True):
+        if term.function is not None:
+            problems.extend(_reward_problems(term.function, base_dir, settings, where))
     return problems
 
 
@@ -389,10 +392,12 @@ def signature_problem(spec: str, fn: Any) -> str | None:
     )
 
 
-def _reward_problems(spec: str, base_dir: Path, settings: TrainerSettings) -> Iterator[Problem]:
+def _reward_problems(
+    spec: str, base_dir: Path, settings: TrainerSettings, where: tuple[str | int, ...]
+) -> Iterator[Problem]:
     from rlx.trainer.tasks.rewards import REWARD_FUNCTIONS, reward_spec_problem
 
-    field = ("trainer", "reward", "function")
+    field = (*where, "function")
     if settings.environment is not None or spec in REWARD_FUNCTIONS:
         return  # the environment's reward replaces it; built-ins take the call
     if reward_spec_problem(spec) is not None:

@@ -324,17 +324,39 @@ def check_trainer_specs(recipe: Recipe) -> Iterator[Problem]:
         problem = synthetic_task_problem(spec) if spec.startswith(SYNTHETIC_PREFIX) else None
         if problem:
             yield Problem(where, ERROR, problem)
-    reward = trainer.reward.function
-    problem = reward_spec_problem(reward)
-    if problem:
-        yield Problem(("trainer", "reward", "function"), ERROR, problem)
-    elif reward == "math_exact" and "math" in data.lower():
-        yield Problem(
-            ("trainer", "reward", "function"),
-            WARNING,
-            "math_exact scores 1 only when the WHOLE response equals the answer, so "
-            "'The answer is \\boxed{5}.' scores 0; use math_verify for MATH-style answers",
-        )
+    for term, where in zip(trainer.reward_terms(), trainer.reward_term_fields(), strict=True):
+        reward = term.function
+        if reward is None:
+            continue
+        field = (*where, "function")
+        problem = reward_spec_problem(reward if trainer.rewards else trainer.reward.function)
+        if problem:
+            yield Problem(field, ERROR, problem)
+        elif reward == "math_exact" and "math" in data.lower():
+            yield Problem(
+                field,
+                WARNING,
+                "math_exact scores 1 only when the WHOLE response equals the answer, so "
+                "'The answer is \\boxed{5}.' scores 0; use math_verify for MATH-style answers",
+            )
+
+
+def check_reward_secrets(recipe: Recipe) -> Iterator[Problem]:
+    """A reward server's auth_secret names a secret the recipe lists: only those reach the
+    nodes (their values from the launching environment, never written down)."""
+    trainer = recipe.trainer
+    if trainer is None or trainer.rewards is None:
+        return
+    for i, term in enumerate(trainer.rewards):
+        name = term.auth_secret
+        if name is not None and name not in recipe.secrets:
+            listed = ", ".join(recipe.secrets) if recipe.secrets else "none"
+            yield Problem(
+                ("trainer", "rewards", i, "auth_secret"),
+                ERROR,
+                f"{name} is not in the recipe's secrets: (listed: {listed}); add it there "
+                f"(secrets: [{name}]) so its value reaches the nodes from your environment",
+            )
 
 
 def check_packing_budget(recipe: Recipe) -> Iterator[Problem]:
@@ -411,6 +433,7 @@ CHECKS: list[Check] = [
     check_staleness_layout,
     check_colocated_tensor_parallel,
     check_trainer_specs,
+    check_reward_secrets,
     check_packing_budget,
     check_checkpoint_cadence,
     check_unused_settings,

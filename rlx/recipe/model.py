@@ -730,11 +730,134 @@ class RewardSettings(StrictModel):
     )
 
 
+REWARD_TERM_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+# The fields only an HTTP reward server (url:) reads.
+REWARD_SERVER_FIELDS = (
+    "timeout_s",
+    "retries",
+    "backoff_s",
+    "max_concurrency",
+    "batch_size",
+    "auth_secret",
+    "auth_header",
+    "auth_scheme",
+)
+
+
+class RewardTerm(StrictModel):
+    """One reward of trainer.rewards: a function or an HTTP reward server, weighted."""
+
+    name: Str | None = Field(
+        None,
+        description="The term's name in the metrics (reward/<name>/mean, reward/<name>/failed). "
+        "Unset: the function's name (what follows ':' in a spec, or the built-in's) or the "
+        "server's host.",
+    )
+    weight: float = Field(
+        1.0,
+        allow_inf_nan=False,
+        description="The term's weight in the total reward; 0: scored and logged only (a "
+        "monitor), it neither trains nor excludes a sample.",
+    )
+    function: Str | None = Field(
+        None,
+        description="A reward function, as trainer.reward.function: a built-in name or "
+        "'module:function' or 'path/to/file.py:function'.",
+    )
+    url: Str | None = Field(
+        None,
+        description="An HTTP reward server (http:// or https://): rlx POSTs batches of "
+        '{"samples": [{"prompt", "response", "answer"}, ...]} and reads {"rewards": '
+        "[number or null, ...]} (docs/rewards.md).",
+    )
+    timeout_s: float = Field(
+        30.0, gt=0, allow_inf_nan=False, description="url: seconds one request may take."
+    )
+    retries: int = Field(
+        2, ge=0, le=10, description="url: tries after the first for a request that failed."
+    )
+    backoff_s: float = Field(
+        1.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="url: seconds before the first retry, doubled before each next one.",
+    )
+    max_concurrency: int = Field(4, ge=1, le=256, description="url: requests in flight at most.")
+    batch_size: int = Field(32, ge=1, description="url: samples per request at most.")
+    auth_secret: Str | None = Field(
+        None,
+        description="url: the NAME of a secret (listed in the recipe's secrets:) whose value "
+        "is sent in auth_header; read from the environment at run time, never written down.",
+    )
+    auth_header: Str = Field("Authorization", description="url: the header auth_secret fills.")
+    auth_scheme: Str = Field(
+        "Bearer",
+        description="url: the word before the secret in the header ('Bearer <value>'); '' "
+        "sends the value alone.",
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> RewardTerm:
+        given = [f for f in ("function", "url") if getattr(self, f) is not None]
+        if len(given) != 1:
+            said = "both function: and url:" if given else "neither function: nor url:"
+            raise ValueError(
+                f"a reward term sets {said}; give exactly one (function: gsm8k, or url: "
+                "http://host:port/score)"
+            )
+        if self.url is not None:
+            scheme = self.url.split("://", 1)[0].lower() if "://" in self.url else ""
+            if scheme not in ("http", "https") or not self.url.split("://", 1)[1]:
+                raise ValueError(
+                    f"url {self.url!r} is not an http:// or https:// address; write e.g. "
+                    "http://127.0.0.1:8000/score"
+                )
+        else:
+            stray = [f for f in REWARD_SERVER_FIELDS if f in self.model_fields_set]
+            if stray:
+                raise ValueError(
+                    f"{', '.join(stray)} {'is' if len(stray) == 1 else 'are'} for url: terms "
+                    f"and this term is a function ({self.function}); remove "
+                    f"{'it' if len(stray) == 1 else 'them'}"
+                )
+        if self.name is not None and not REWARD_TERM_NAME.fullmatch(self.name):
+            raise ValueError(
+                f"name {self.name!r} is not a metric name; use letters, digits, '_', '.' "
+                "and '-' (at most 64)"
+            )
+        return self
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # A function term's dump carries no server fields (read back, they would be refused).
+        data = handler(self)
+        if self.function is not None:
+            for name in REWARD_SERVER_FIELDS:
+                data.pop(name, None)
+            data.pop("url", None)
+        else:
+            data.pop("function", None)
+        return data
+
+    @property
+    def label(self) -> str:
+        """The term's name: its own, or one derived from its function or server."""
+        if self.name is not None:
+            return self.name
+        if self.function is not None:
+            tail = self.function.rsplit(":", 1)[-1]
+            return tail if REWARD_TERM_NAME.fullmatch(tail) else "function"
+        host = self.url.split("://", 1)[1].split("/", 1)[0].split("@")[-1] if self.url else ""
+        host = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+        cleaned = re.sub(r"[^A-Za-z0-9_.-]", "_", host)[:64]
+        return cleaned if REWARD_TERM_NAME.fullmatch(cleaned) else "server"
+
+
 class EnvironmentSettings(StrictModel):
     function: Str = Field(
         description="The environment episodes run in: a built-in name (tool_lookup, "
         "calculator) or a class as 'package.module:Class' or 'path/to/file.py:Class' (see "
-        "docs/environments.md). Its reward replaces trainer.reward.",
+        "docs/environments.md). Its reward replaces trainer.reward (or trainer.rewards).",
     )
     max_turns: int = Field(
         4, ge=1, le=64, description="Model turns per episode at most (each a generate call)."
@@ -1103,7 +1226,36 @@ class TrainerSettings(StrictModel):
     )
     data: DataSettings = Field(description="Prompt dataset.")
     rollout: RolloutSettings = Field(default_factory=RolloutSettings, description="Generation.")
-    reward: RewardSettings = Field(default_factory=RewardSettings, description="Reward.")
+    reward: RewardSettings = Field(
+        default_factory=RewardSettings,
+        description="Reward: one function (the same as trainer.rewards with one term of "
+        "weight 1). Not with trainer.rewards.",
+    )
+    rewards: list[RewardTerm] | None = Field(
+        None,
+        min_length=1,
+        description="Rewards mixed with weights: terms of function: or url: (an HTTP reward "
+        "server), each with a weight (0: logged only). Replaces trainer.reward. A term that "
+        "fails on a sample (an error, a timeout, null, not a finite number) gives it no "
+        "reward, never 0: the sample trains nothing and leaves its group's baseline.",
+    )
+    reward_aggregate: Literal["sum_then_normalize", "normalize_then_sum"] = Field(
+        "sum_then_normalize",
+        description="How the terms make the reward the advantages read: sum_then_normalize "
+        "adds the weighted terms (the advantage estimator normalises the sum); "
+        "normalize_then_sum first normalises each term over its group (the prompt's n "
+        "responses; the batch when rollout.n is 1) to mean 0 and std 1, then adds them "
+        "weighted, so a term of large scale does not drown the others. reward/mean reports "
+        "the weighted sum of the raw terms either way.",
+    )
+    reward_max_failed: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="Share of a step's samples whose reward may fail (a weighted term gave "
+        "no number) before the run stops, with one line and before the update: the last "
+        "checkpoint is kept.",
+    )
     environment: EnvironmentSettings | None = Field(
         None,
         description="Multi-turn episodes: the model acts, an environment (a tool, a game) "
@@ -1155,12 +1307,56 @@ class TrainerSettings(StrictModel):
             )
         return value
 
+    @model_validator(mode="after")
+    def _reward_terms(self) -> TrainerSettings:
+        if self.rewards is None:
+            return self
+        if "reward" in self.model_fields_set:
+            raise ValueError(
+                "both reward: and rewards: are set; keep one (a function alone in reward:, "
+                "or every term in rewards:, e.g. - function: gsm8k)"
+            )
+        if all(term.weight == 0 for term in self.rewards):
+            raise ValueError(
+                "every term of rewards: has weight 0, so nothing trains; give at least one "
+                "term a weight (0 marks a term logged only)"
+            )
+        labels = [term.label for term in self.rewards]
+        twice = sorted({label for label in labels if labels.count(label) > 1})
+        if twice:
+            raise ValueError(
+                f"rewards: {len(labels) - len(set(labels)) + 1} terms are named {twice[0]!r}; "
+                "give each a name: of its own (the metrics key on it)"
+            )
+        return self
+
+    def reward_terms(self) -> list[RewardTerm]:
+        """The terms the run scores with: trainer.rewards, or trainer.reward as one term of
+        weight 1."""
+        if self.rewards is not None:
+            return list(self.rewards)
+        spec = self.reward.function
+        if spec == "gsm8k" and self.reward.gsm8k_mode == "flexible":
+            spec = "gsm8k_flexible"
+        return [RewardTerm(function=spec)]
+
+    def reward_term_fields(self) -> list[tuple[str | int, ...]]:
+        """Where each of reward_terms() is written in the recipe."""
+        if self.rewards is not None:
+            return [("trainer", "rewards", i) for i in range(len(self.rewards))]
+        return [("trainer", "reward")]
+
     @model_serializer(mode="wrap")
     def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # Single-turn jobs carry no `environment: null` in their dump (RLX_RECIPE_JSON).
+        # Single-turn jobs carry no `environment: null` in their dump (RLX_RECIPE_JSON), and
+        # single-reward ones no `rewards: null`.
         data = handler(self)
         if self.environment is None:
             data.pop("environment", None)
+        if self.rewards is None:
+            data.pop("rewards", None)
+        else:  # read back, a dumped reward: beside rewards: would be refused
+            data.pop("reward", None)
         return data
 
 

@@ -292,11 +292,17 @@ def eval_settings(target: Target, options: EvalOptions) -> TrainerSettings:
     reward = base.reward
     if options.reward is not None:
         reward = reward.model_copy(update={"function": options.reward, "gsm8k_mode": "strict"})
+    elif base.rewards is not None:
+        raise RlxError(
+            "the recipe mixes rewards (trainer.rewards) and rlx eval scores with one reward "
+            "function; name it with --reward SPEC (e.g. --reward gsm8k)"
+        )
     return base.model_copy(
         update={
             "model": model,
             "rollout": rollout,
             "reward": reward,
+            "rewards": None,
             "validation": None,
             "seed": base.seed if options.seed is None else options.seed,
         }

@@ -52,6 +52,7 @@ class Round:
     rollout: RolloutBatch
     scores: torch.Tensor  # (B,) the outcome
     varied: torch.Tensor  # (P,) bool
+    trained: torch.Tensor | None = None  # (B,) what the advantages read, where not the outcome
 
 
 @dataclass
@@ -65,6 +66,7 @@ class Picked:
     dropped: int  # groups generated and not trained
     rounds: int
     short: bool = field(default=False)  # fewer varied groups than the step needs
+    trained: torch.Tensor | None = None  # (B,) the picked groups' Round.trained
 
 
 def pick_groups(rounds: Sequence[Round], groups: int) -> Picked:
@@ -82,6 +84,9 @@ def pick_groups(rounds: Sequence[Round], groups: int) -> Picked:
     n = rounds[0].rollout.n
     rows = [rounds[i].rows[g] for i, g in chosen]
     scores = torch.cat([rounds[i].scores[g * n : (g + 1) * n] for i, g in chosen])
+    trained = None
+    if rounds[0].trained is not None:
+        trained = torch.cat([rounds[i].trained[g * n : (g + 1) * n] for i, g in chosen])  # type: ignore[index]
     total = sum(len(one.rows) for one in rounds)
     return Picked(
         rows=rows,
@@ -91,4 +96,5 @@ def pick_groups(rounds: Sequence[Round], groups: int) -> Picked:
         dropped=total - groups,
         rounds=len(rounds),
         short=short,
+        trained=trained,
     )

@@ -9,7 +9,6 @@ One step:
 
 from __future__ import annotations
 
-import functools
 import os
 import shlex
 import signal
@@ -82,7 +81,7 @@ from rlx.trainer.rollout.probe import Probe
 from rlx.trainer.stall import StallClock, Stalled, bounded_call
 from rlx.trainer.tasks import validation
 from rlx.trainer.tasks.data import PromptDataset, PromptSampler
-from rlx.trainer.tasks.rewards import RewardFn, reward_name, score
+from rlx.trainer.tasks.reward_terms import RewardTerms, TermScores, combine, term_metrics
 
 GIB = 2**30
 
@@ -118,7 +117,7 @@ class RunInputs:
     paths: RunPaths
     tokenizer: Any
     data: PromptDataset
-    reward_fn: RewardFn
+    rewards: RewardTerms | None  # None: the environment gives the reward
     probe: Probe
     env: dict[str, str]
     validation: PromptDataset | None = None  # held-out prompts (trainer.validation)
@@ -309,7 +308,7 @@ class Trainer:
         scores = validation.validate(
             self.cluster,
             inputs.validation,
-            inputs.reward_fn,
+            inputs.rewards,
             inputs.tokenizer,
             self.settings,
             step,
@@ -349,6 +348,7 @@ class Trainer:
         """One step: generate (or take the rollout queued ahead), score, prepare the
         forwards the advantages read, advantages, update and push; its metrics."""
         timer = _Timer()
+        self.term_scores: list[TermScores] = []  # every scoring call's, for the metrics
         with self.clock.phase_of("generation"):
             self.queue.fill(step)  # this step's rollout and, with max_staleness k, k more
             rows, rollout = self.queue.take(step, show_progress=True)  # B = P * n
@@ -366,6 +366,8 @@ class Trainer:
             timer.lap("generate")
         self.check_versions(step, rows, rollout.row_versions)
         mask = batch.response_mask  # (B, R) the tokens that train: the model's own
+        if rewards.trains is not None:  # a failed sample or episode trains no token
+            batch = replace(batch, response_mask=mask & rewards.trains.unsqueeze(1))
         batch, shaped, shaping = self.overlong(batch, rollout, rewards)
 
         extra = {}
@@ -380,6 +382,7 @@ class Trainer:
         metrics, response_tokens = self.sample_metrics(rollout, rewards, mask, update.metrics)
         metrics.update(shaping)
         metrics.update(filtering)
+        metrics.update(term_metrics(self.term_scores))
         if kl_reward is not None:
             metrics["kl"] = float(algos.masked_mean(kl_reward, mask))
         if self.settings.algorithm == "ppo":
@@ -420,8 +423,14 @@ class Trainer:
             )
             prompts = [inputs.data.prompts[i] for i in rows for _ in range(n)]
             answers = [inputs.data.answers[i] for i in rows for _ in range(n)]
-            scores = torch.tensor(self.score(prompts, responses, answers))  # (B,)
-            return StepRewards(outcome_token_rewards(scores, mask), scores)  # (B, R)
+            terms = self.score_terms(prompts, responses, answers)
+            self.term_scores.append(terms)
+            self.check_failed(step, terms)
+            outcome, trained, valid = combine(
+                terms.values, terms.weights, self.settings.reward_aggregate, n
+            )  # (B,) each
+            scores, trained = outcome.float(), trained.float()
+            return StepRewards(outcome_token_rewards(trained, mask), scores, valid, trained=trained)
         # What trains is what was sampled, id for id, at every sampled position.
         checked = check_trajectories(batch, episodes, step)
         token_rewards = rollout.token_rewards  # (B, R) each turn's on its last token
@@ -430,26 +439,56 @@ class Trainer:
         trains = torch.tensor([e.failure is None for e in episodes])  # (B,)
         return StepRewards(token_rewards, scores, trains, checked)
 
+    def score_terms(
+        self, prompts: list[str], responses: list[str], answers: list[str | None]
+    ) -> TermScores:
+        """Every reward term over the samples, here on the head, within the step's stall
+        window (stall.bounded_call): a call that does not return is named by its term."""
+        terms = self.inputs.rewards
+        assert terms is not None
+        under_way = [terms.terms[0]]
+
+        def who() -> str:
+            term = under_way[0]
+            started = getattr(term.scorer, "started", None)
+            if started is not None:  # a function: the sample it hangs on
+                where = f"sample {max(started[0] - 1, 0)} of {len(prompts)}"
+            else:
+                where = f"{len(prompts)} samples"
+            return f"reward {term.source} ({where})"
+
+        def scored() -> TermScores:
+            rows, errors = [], []
+            for term in terms.terms:
+                under_way[0] = term
+                values, error = term.scorer(prompts, responses, answers)
+                rows.append(values)
+                errors.append(error)
+            return TermScores.of(terms, rows, errors, len(prompts))
+
+        return bounded_call(scored, self.clock, who)
+
     def score(
         self, prompts: list[str], responses: list[str], answers: list[str | None]
     ) -> list[float]:
-        """The reward function over the samples, here on the head, within the step's stall
-        window (stall.bounded_call): a call that does not return is named by its sample."""
-        fn = self.inputs.reward_fn
-        started = [0]
+        """The samples' total rewards (the weighted sum of the terms), NaN where one
+        failed: validation's scorer."""
+        return self.score_terms(prompts, responses, answers).outcome().tolist()
 
-        @functools.wraps(fn)
-        def counted(prompt: str, response: str, answer: str | None) -> float:
-            started[0] += 1
-            return fn(prompt, response, answer)
-
-        def who() -> str:
-            return (
-                f"reward function {reward_name(fn)} (sample {max(started[0] - 1, 0)} of "
-                f"{len(prompts)})"
-            )
-
-        return bounded_call(lambda: score(counted, prompts, responses, answers), self.clock, who)
+    def check_failed(self, step: int, terms: TermScores) -> None:
+        """Stop, in one line and before the update, when more than trainer.reward_max_failed
+        of the samples have no reward: the last checkpoint is kept."""
+        failed = terms.failed
+        share = float(failed.float().mean()) if len(failed) else 0.0
+        bound = self.settings.reward_max_failed
+        if share <= bound:
+            return
+        raise RlxError(
+            f"step {step}: {int(failed.sum())} of {len(failed)} samples ({share:.0%}) have no "
+            f"reward, more than trainer.reward_max_failed {bound:g}: {terms.failure_line()}; "
+            "nothing of this step was trained and the last checkpoint is kept; fix the "
+            "reward and run again to resume from it"
+        )
 
     def filter_groups(
         self, step: int, rows: list[int], rollout: Any, batch: SequenceBatch, rewards: StepRewards
@@ -489,8 +528,9 @@ class Trainer:
         if picked.rollout.episodes is not None:
             rewards = self.rewards(step, picked.rows, picked.rollout, batch)
         else:
-            token_rewards = outcome_token_rewards(picked.scores, batch.response_mask)
-            rewards = StepRewards(token_rewards, picked.scores)
+            trained = picked.trained if picked.trained is not None else picked.scores
+            token_rewards = outcome_token_rewards(trained, batch.response_mask)
+            rewards = StepRewards(token_rewards, picked.scores, torch.isfinite(picked.scores))
         return picked.rows, picked.rollout, batch, rewards, metrics
 
     def round_of(
@@ -504,7 +544,7 @@ class Trainer:
         if spec.on == "reward":
             values = self.overlong(batch, rollout, rewards)[1].token_rewards.sum(dim=1)
         varied = group_spread(values, self.settings.rollout.n, spec.tolerance, rewards.trains)
-        return Round(rows, rollout, rewards.scores, varied)
+        return Round(rows, rollout, rewards.scores, varied, rewards.trained)
 
     def overlong(
         self, batch: SequenceBatch, rollout: Any, rewards: StepRewards
@@ -882,8 +922,9 @@ class StepRewards:
 
     token_rewards: torch.Tensor  # (B, R) each response's reward, on the tokens that earn it
     scores: torch.Tensor  # (B,) each response's (or episode's) reward
-    trains: torch.Tensor | None = None  # (B,) bool: the episodes that did not fail
+    trains: torch.Tensor | None = None  # (B,) bool: the samples or episodes that did not fail
     checked: int | None = None  # the episodes' tokens checked against what was sampled
+    trained: torch.Tensor | None = None  # (B,) the total the advantages read, before shaping
 
 
 class _Timer:

@@ -154,7 +154,6 @@ def resolve_inputs(job: TrainJob, env: Mapping[str, str], paths: RunPaths) -> An
         model_cache_dir,
         resolve_data_path,
         resolve_model_path,
-        resolve_reward_fn,
     )
     from rlx.trainer.rollout.probe import PROBE_TEXT, Probe
     from rlx.trainer.tasks.data import load_recipe_prompts, mix_datasets
@@ -163,8 +162,7 @@ def resolve_inputs(job: TrainJob, env: Mapping[str, str], paths: RunPaths) -> An
     settings = job.settings
     quiet_transformers()
     check_sources_at_start(settings)
-    reward_fn = resolve_reward_fn(settings)
-    check_reward_signature(settings, reward_fn)
+    rewards = resolve_reward_terms(settings, env)
     environment = None
     if settings.environment is not None:
         from rlx.trainer.episodes.env import resolve_environment
@@ -216,7 +214,7 @@ def resolve_inputs(job: TrainJob, env: Mapping[str, str], paths: RunPaths) -> An
         paths,
         tokenizer,
         data,
-        reward_fn,
+        rewards,
         probe,
         dict(env),
         validation=None if held_out is None else held_out[0],
@@ -237,16 +235,39 @@ def check_sources_at_start(settings: Any) -> None:
         raise RlxError(f"{dotted(problem.field)}: {problem.message}")
 
 
-def check_reward_signature(settings: Any, reward_fn: Any) -> None:
-    """The imported reward takes the call rlx makes (lint reads a file's; a module's is
-    known only once imported here)."""
+def resolve_reward_terms(settings: Any, env: Mapping[str, str]) -> Any:
+    """The reward terms, each function imported and checked to take the call rlx makes
+    (lint reads a file's; a module's is known only once imported here), each server's
+    secret read from the environment; None with an environment (its reward replaces
+    them)."""
+    from rlx.trainer.tasks.reward_terms import build_terms
+    from rlx.trainer.tasks.rewards import resolve_reward
+
+    if settings.environment is not None:
+        return None
+    functions = {}
+    for index, term in enumerate(settings.reward_terms()):
+        if term.function is not None:
+            fn = resolve_reward(term.function)
+            check_reward_signature(settings, fn, index)
+            functions[term.function] = fn
+    return build_terms(settings, {**os.environ, **env}, functions)
+
+
+def check_reward_signature(settings: Any, reward_fn: Any, index: int = 0) -> None:
+    """The imported reward of term `index` (trainer.reward's with one) takes the call rlx
+    makes (lint reads a file's; a module's is known only once imported here)."""
     from rlx.lint.sources import signature_problem
+    from rlx.recipe.load import dotted
 
     if settings.environment is not None:
         return
-    problem = signature_problem(settings.reward.function, reward_fn)
+    term = settings.reward_terms()[index]
+    spec = term.function if settings.rewards else settings.reward.function
+    problem = signature_problem(spec, reward_fn)
     if problem is not None:
-        raise RlxError(f"trainer.reward.function: {problem}")
+        where = settings.reward_term_fields()[index]
+        raise RlxError(f"{dotted((*where, 'function'))}: {problem}")
 
 
 def check_context_at_start(settings: Any, policy_path: Any) -> None:

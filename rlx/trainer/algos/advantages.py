@@ -57,24 +57,47 @@ def _groups(scores: Tensor, group_size: int) -> Tensor:
 
 
 def grpo_advantages(
-    scores: Tensor, group_size: int, norm_by_std: bool = True, eps: float = 1e-6
+    scores: Tensor,
+    group_size: int,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+    valid: Tensor | None = None,
 ) -> Tensor:
     """GRPO outcome advantages (Shao et al. 2024): score minus its group's mean, divided by the
     group's (unbiased) std when norm_by_std. scores: (B,) with B = prompts * group_size.
-    A group whose scores are all equal gets zero advantages (eps keeps 0 / 0 away)."""
+    A group whose scores are all equal gets zero advantages (eps keeps 0 / 0 away).
+    valid (B,) bool: the mean and std are the valid members' alone (a std of 0 with one),
+    and an invalid row's advantage is 0 (its score, NaN or not, is never read)."""
     grouped = _groups(scores, group_size)  # (P, G)
-    advantages = grouped - grouped.mean(dim=1, keepdim=True)  # (P, G)
+    if valid is None:
+        advantages = grouped - grouped.mean(dim=1, keepdim=True)  # (P, G)
+        if norm_by_std:
+            advantages = advantages / (grouped.std(dim=1, keepdim=True) + eps)  # (P, G)
+        return advantages.reshape(-1)  # (B,)
+    ok = valid.reshape(-1, group_size)  # (P, G)
+    kept = torch.where(ok, grouped, 0.0)  # (P, G) NaN-free
+    count = ok.sum(dim=1, keepdim=True)  # (P, 1)
+    advantages = torch.where(ok, kept - kept.sum(dim=1, keepdim=True) / count.clamp(min=1), 0.0)
     if norm_by_std:
-        advantages = advantages / (grouped.std(dim=1, keepdim=True) + eps)  # (P, G)
+        var = (advantages**2).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)  # (P, 1)
+        advantages = advantages / (var.sqrt() + eps)  # (P, G)
     return advantages.reshape(-1)  # (B,)
 
 
-def rloo_advantages(scores: Tensor, group_size: int) -> Tensor:
+def rloo_advantages(scores: Tensor, group_size: int, valid: Tensor | None = None) -> Tensor:
     """REINFORCE leave-one-out (Ahmadian et al. 2024): each score minus the mean of the other
-    responses to the same prompt, a baseline that does not depend on the response itself."""
+    responses to the same prompt, a baseline that does not depend on the response itself.
+    valid (B,) bool: the others are the valid ones alone; a valid row with none gets 0, an
+    invalid row 0."""
     grouped = _groups(scores, group_size)  # (P, G)
-    baseline = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)  # (P, G)
-    return (grouped - baseline).reshape(-1)  # (B,)
+    if valid is None:
+        baseline = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)  # (P, G)
+        return (grouped - baseline).reshape(-1)  # (B,)
+    ok = valid.reshape(-1, group_size)  # (P, G)
+    kept = torch.where(ok, grouped, 0.0)  # (P, G) NaN-free
+    others = ok.sum(dim=1, keepdim=True) - 1  # (P, 1)
+    baseline = (kept.sum(dim=1, keepdim=True) - kept) / others.clamp(min=1)  # (P, G)
+    return torch.where(ok & (others > 0), kept - baseline, 0.0).reshape(-1)  # (B,)
 
 
 def impute_invalid(scores: Tensor, valid: Tensor, group_size: int) -> Tensor:
@@ -130,7 +153,7 @@ def _gae_estimator(
     return compute_gae(token_rewards, values, mask, gamma, gae_lambda)
 
 
-def _outcome_estimator(seq_advantages: Callable[[Tensor, int], Tensor]) -> AdvantageEstimator:
+def _outcome_estimator(seq_advantages: Callable[..., Tensor]) -> AdvantageEstimator:
     def estimate(
         token_rewards: Tensor,
         mask: Tensor,
@@ -143,9 +166,11 @@ def _outcome_estimator(seq_advantages: Callable[[Tensor, int], Tensor]) -> Advan
     ) -> tuple[Tensor, Tensor]:
         del values, gamma, gae_lambda  # one score per response: no critic, no discounting
         scores = masked_sum(token_rewards.detach(), mask, dim=-1)  # (B,)
-        if row_valid is not None:
-            scores = impute_invalid(scores, row_valid, group_size)
-        advantages = broadcast_to_tokens(seq_advantages(scores, group_size), mask)  # (B, T)
+        if row_valid is None or bool(row_valid.all()):
+            per_row = seq_advantages(scores, group_size)  # (B,)
+        else:  # the group's baseline is its valid members'
+            per_row = seq_advantages(scores, group_size, valid=row_valid)  # (B,)
+        advantages = broadcast_to_tokens(per_row, mask)  # (B, T)
         return advantages, advantages  # without a critic the returns are never regressed on
 
     return estimate

@@ -9,6 +9,7 @@ mean reward of those samples). The numbers go into the step's metrics as val/*.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -72,7 +73,7 @@ def load_validation_set(
 def validate(
     cluster: Any,
     data: PromptDataset,
-    reward_fn: Any,
+    rewards: Any,
     tokenizer: Any,
     settings: TrainerSettings,
     step: int,
@@ -81,10 +82,11 @@ def validate(
 ) -> Mapping[str, float]:
     """val/pass@1 and val/reward_mean of the policy the engines hold now. With an
     environment (`episodes`, an EpisodeRunner) each sample is a whole episode, scored by
-    the environment; failed episodes are left out. scorer(prompts, responses, answers):
-    how the samples are scored (the trainer's, within its stall window); else score()."""
+    the environment; failed episodes are left out. Otherwise the reward terms score them
+    (`rewards`, a RewardTerms: the weighted sum of the terms, as training's reward/mean),
+    and samples a weighted term failed on are left out. scorer(prompts, responses,
+    answers): how the samples are scored (the trainer's, within its stall window)."""
     from rlx.trainer.rollout.base import SamplingArgs
-    from rlx.trainer.tasks.rewards import score
 
     validation = settings.validation
     assert validation is not None
@@ -109,8 +111,9 @@ def validate(
         if scorer is not None:
             scores = scorer(prompts, responses, answers)
         else:
-            scores = score(reward_fn, prompts, responses, answers)
-        results[name] = sum(scores) / len(scores)
+            scores = rewards.score(prompts, responses, answers).outcome().tolist()
+        finite = [value for value in scores if math.isfinite(value)]
+        results[name] = sum(finite) / len(finite) if finite else math.nan
     return results
 
 

@@ -63,6 +63,17 @@ def _groups(train: dict[str, Any], rollout: dict[str, Any]) -> Callable[[dict[st
 
 SPLIT = _set("trainer.layout", "split")
 
+
+def _terms(*terms: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
+    """trainer.rewards in place of trainer.reward."""
+
+    def change(recipe: dict[str, Any]) -> None:
+        recipe["trainer"].pop("reward", None)
+        recipe["trainer"]["rewards"] = list(terms)
+
+    return change
+
+
 # Per start-up check: recipes it refuses (a change to BASE) and the field it names.
 BROKEN: dict[str, list[tuple[Callable[[dict[str, Any]], None], str]]] = {
     "check_batch_divisibility": [
@@ -202,6 +213,16 @@ BROKEN: dict[str, list[tuple[Callable[[dict[str, Any]], None], str]]] = {
         (_set("trainer.data.train", "synthetic:chess"), "trainer.data.train"),
         (_set("trainer.reward.function", "gsm9k"), "trainer.reward.function"),
         (_set("trainer.reward.function", "module:not-a-name"), "trainer.reward.function"),
+        (
+            _terms({"function": "letters_or_digits"}, {"function": "gsm9k", "weight": 0}),
+            "trainer.rewards[1].function",
+        ),
+    ],
+    "check_reward_secrets": [
+        (
+            _terms({"url": "http://127.0.0.1:9/score", "auth_secret": "REWARD_KEY"}),
+            "trainer.rewards[0].auth_secret",
+        )
     ],
 }
 CASES = [

@@ -72,3 +72,22 @@ def test_summary_files_and_columns(tmp_path: Path):
         "maj@2",
         "response_length",
     ]
+
+
+def test_a_recipe_of_mixed_rewards_is_evaluated_with_the_reward_named():
+    from rlx.errors import RlxError
+    from rlx.recipe.model import TrainerSettings
+    from rlx.trainer.evaluate import EvalOptions, Target, eval_settings
+
+    settings = TrainerSettings.model_validate(
+        {
+            "model": {"path": "tiny:qwen2-h64-l2"},
+            "data": {"train": "x.jsonl"},
+            "rewards": [{"function": "gsm8k"}, {"url": "http://127.0.0.1:9/s", "weight": 0}],
+        }
+    )
+    target = Target("folder", "recipe", settings)
+    with pytest.raises(RlxError, match="name it with --reward SPEC"):
+        eval_settings(target, EvalOptions())
+    chosen = eval_settings(target, EvalOptions(reward="math_exact"))
+    assert chosen.rewards is None and chosen.reward.function == "math_exact"
