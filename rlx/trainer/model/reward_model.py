@@ -153,7 +153,8 @@ class RewardModelScorer:
         # pass. A dense block-diagonal mask grows with a row's square: rows are cut.
         whole = self.by_segments or facts.varlen
         self.row_tokens = token_budget if whole else pack.masked_row_tokens(hidden)
-        self.forwards: list[int] = []  # tokens of each forward run (positions, padding too)
+        # Positions (padding too) of each forward of the last score_token_ids call.
+        self.forwards: list[int] = []
 
     # ------------------------------------------------------------------ the ways in
 
@@ -190,6 +191,7 @@ class RewardModelScorer:
     def score_token_ids(self, sequences: Sequence[Sequence[int]]) -> list[float]:
         """One score per sequence of token ids, in the order given, from packed passes of
         at most token_budget tokens (a longer sequence alone in its pass)."""
+        self.forwards = []
         trimmed = [list(ids[: last_real_length(ids, self.pad_token_id)]) for ids in sequences]
         for index, ids in enumerate(trimmed):
             if not ids:
