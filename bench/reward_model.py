@@ -4,7 +4,7 @@
     python bench/reward_model.py [--completions N] [--budget TOKENS] [--hidden H]
                                  [--layers L] [--rounds R] [--cap-mb MB]
 
-What runs: a random one-label Qwen2 reward model (hidden 128, 2 layers by default, the
+What runs: a random one-label Qwen2 reward model (hidden 256, 4 layers by default, the
 byte-level tokenizer; float32 on CPU, 2 torch threads) scoring N = 256 completions whose
 lengths are skewed as a step's are: prompts uniform in 16..64 tokens, responses geometric
 of mean 128 tokens cut at 1024 (most short, a few at the limit). Two paths over the same
@@ -137,9 +137,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--completions", type=int, default=256)
     parser.add_argument("--budget", type=int, default=4096, help="tokens per packed pass")
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--cap-mb", type=int, default=512, help="address space over the loaded")
     parser.add_argument("--child", choices=PATHS, help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
