@@ -4,6 +4,7 @@ the reward model's own template, and a model that is not a one-label classifier 
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -131,3 +132,20 @@ def test_a_model_that_is_not_a_one_label_classifier_is_one_line(
     assert classifier_problem({"architectures": ["LlamaForSequenceClassification"]}) == (
         "is a sequence classifier with 2 labels; a reward model has one"
     )
+
+
+def test_a_model_that_cannot_attend_by_segments_packs_with_the_position_ids_mask(tmp_path: Path):
+    """A sliding window (wider than any sequence here) keeps segment attention off: the
+    passes then run transformers' block-diagonal mask from the restarting position ids."""
+    folder = build_tiny_reward_model(tmp_path / "window", num_layers=1)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(use_sliding_window=True, sliding_window=4096, max_window_layers=0)
+    (folder / "config.json").write_text(json.dumps(config))
+    scorer = RewardModelScorer(str(folder), token_budget=256)
+    assert not scorer.by_segments
+    sequences = skewed(40, seed=0)
+    got = scorer.score_token_ids(sequences)
+    assert max(scorer.forwards) == max(len(ids) for ids in sequences) == 300
+    assert sorted(scorer.forwards)[-2] <= 256
+    want = alone(folder, sequences)
+    assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-5
