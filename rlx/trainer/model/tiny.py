@@ -106,35 +106,19 @@ def build_tiny_model(
     embeddings (and an untied LM head) with that standard deviation.
     """
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
-    config_classes = {"qwen2": Qwen2Config, "llama": LlamaConfig}
-    if arch not in config_classes:
-        raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
-    if num_heads is None:
-        num_heads = max(hidden_size // HEAD_DIM, 1)
-    if hidden_size % num_heads:
-        raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
-    kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    if num_heads % kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not divisible by num_kv_heads {kv_heads}")
-
-    special = {
-        "bos_token_id": token_id(BOS_TOKEN),
-        "eos_token_id": token_id(EOS_TOKEN),
-        "pad_token_id": token_id(PAD_TOKEN),
-    }
-    config = config_classes[arch](
-        vocab_size=VOCAB_SIZE,
+    config = _config(
+        arch,
         hidden_size=hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=kv_heads,
-        intermediate_size=intermediate_size or 4 * hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=tie_word_embeddings,
-        **special,
     )
+    special = _special_ids()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     # A private RNG stream: building a model must not move the caller's global torch RNG.
@@ -149,4 +133,97 @@ def build_tiny_model(
     model.generation_config = GenerationConfig(**special)
     model.save_pretrained(out)
     build_tokenizer().save_pretrained(out)
+    return out
+
+
+def _special_ids() -> dict[str, int]:
+    return {
+        "bos_token_id": token_id(BOS_TOKEN),
+        "eos_token_id": token_id(EOS_TOKEN),
+        "pad_token_id": token_id(PAD_TOKEN),
+    }
+
+
+def _config(
+    arch: str,
+    *,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int | None,
+    num_kv_heads: int | None,
+    intermediate_size: int | None,
+    max_position_embeddings: int,
+    tie_word_embeddings: bool,
+    **extra: object,
+):
+    """The transformers config of a tiny model (see build_tiny_model for the defaults)."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    config_classes = {"qwen2": Qwen2Config, "llama": LlamaConfig}
+    if arch not in config_classes:
+        raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
+    if num_heads is None:
+        num_heads = max(hidden_size // HEAD_DIM, 1)
+    if hidden_size % num_heads:
+        raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
+    kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    if num_heads % kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not divisible by num_kv_heads {kv_heads}")
+    return config_classes[arch](
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=intermediate_size or 4 * hidden_size,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        **_special_ids(),
+        **extra,
+    )
+
+
+def build_tiny_reward_model(
+    out_dir: str | Path,
+    *,
+    arch: str = "qwen2",
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int | None = None,
+    num_labels: int = 1,
+    max_position_embeddings: int = 2048,
+    chat_template: str | None = None,
+    seed: int = 0,
+) -> Path:
+    """Write a random sequence classifier (a reward model: one label by default) and the
+    byte-level tokenizer to `out_dir`; return the folder. It loads with
+    `AutoModelForSequenceClassification.from_pretrained`. Its score head is drawn with a
+    standard deviation of 1 / sqrt(hidden_size), so scores are of order one. chat_template:
+    the tokenizer's own (ChatML when None)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    config = _config(
+        arch,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=None,
+        intermediate_size=None,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False,
+        num_labels=num_labels,
+    )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+        with torch.no_grad():
+            model.score.weight.normal_(0.0, hidden_size**-0.5)
+    model.save_pretrained(out)
+    tokenizer = build_tokenizer()
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(out)
     return out
