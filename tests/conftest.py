@@ -12,7 +12,6 @@ pytest_plugins = [
     "tests.support.hosts.fixtures",
     "tests.support.dstack_server",
     "tests.support.fixtures",
-    "tests.support.leftovers",
 ]
 
 # The tests share two cores among several processes at once (Ray's workers, torch's

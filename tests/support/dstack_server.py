@@ -24,8 +24,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.leftovers import OWNER
-
 TOKEN = "rlx-test-admin-token"
 PROJECT = "main"
 START_TIMEOUT_S = 240.0
@@ -99,8 +97,7 @@ def dstack_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DstackSe
     home.mkdir()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    # It lives across modules, on purpose: not one module's process (tests/support/leftovers).
-    env = {k: v for k, v in os.environ.items() if k not in CLIENT_ENV and k != OWNER}
+    env = {k: v for k, v in os.environ.items() if k not in CLIENT_ENV}
     env.update(
         HOME=str(home),
         DSTACK_SERVER_DIR=str(server_dir),

@@ -7,7 +7,6 @@ them (not root, no `ip netns`, Slurm not installed); where it can, they must wor
 
 from __future__ import annotations
 
-import contextlib
 import signal
 from collections.abc import Callable, Iterator
 from types import FrameType
@@ -16,7 +15,6 @@ import pytest
 
 from tests.support.hosts.netns import DEFAULT_PREFIX, Hosts, unavailable_reason
 from tests.support.hosts.slurm import SlurmCluster, slurm_unavailable_reason
-from tests.support.leftovers import shared
 
 HostsFactory = Callable[..., Hosts]
 
@@ -77,10 +75,7 @@ def slurm_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmClu
     if reason is not None:
         pytest.skip(reason)
     logs = tmp_path_factory.mktemp("slurm-logs")
-    with contextlib.ExitStack() as stack:
-        with shared():  # its daemons live across modules, on purpose
-            hosts = stack.enter_context(Hosts.create(3))
-            cluster = stack.enter_context(SlurmCluster.start(hosts, logs))
+    with Hosts.create(3) as hosts, SlurmCluster.start(hosts, logs) as cluster:
         yield cluster
 
 
