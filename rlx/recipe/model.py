@@ -732,6 +732,8 @@ class RewardSettings(StrictModel):
 
 REWARD_TERM_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 # The fields only an HTTP reward server (url:) reads.
+# What a reward term scores with: exactly one of these.
+REWARD_SOURCES = ("function", "model", "url")
 REWARD_SERVER_FIELDS = (
     "timeout_s",
     "retries",
@@ -745,7 +747,8 @@ REWARD_SERVER_FIELDS = (
 
 
 class RewardTerm(StrictModel):
-    """One reward of trainer.rewards: a function or an HTTP reward server, weighted."""
+    """One reward of trainer.rewards: a function, a reward model or an HTTP reward server,
+    weighted."""
 
     name: Str | None = Field(
         None,
@@ -763,6 +766,17 @@ class RewardTerm(StrictModel):
         None,
         description="A reward function, as trainer.reward.function: a built-in name or "
         "'module:function' or 'path/to/file.py:function'.",
+    )
+    model: Str | None = Field(
+        None,
+        description="A reward model: a one-label sequence classifier (transformers' "
+        "AutoModelForSequenceClassification, e.g. LlamaForSequenceClassification) by hub id "
+        "or folder, scored on the head in packed passes of token_budget tokens; it reads the "
+        "policy's tokens where it shares the policy's tokenizer, else the conversation "
+        "rendered with its own chat template (docs/reward-models.md).",
+    )
+    token_budget: int = Field(
+        4096, ge=1, description="model: the most tokens one forward of the reward model holds."
     )
     url: Str | None = Field(
         None,
@@ -798,12 +812,21 @@ class RewardTerm(StrictModel):
 
     @model_validator(mode="after")
     def _one_source(self) -> RewardTerm:
-        given = [f for f in ("function", "url") if getattr(self, f) is not None]
+        given = [f for f in REWARD_SOURCES if getattr(self, f) is not None]
         if len(given) != 1:
-            said = "both function: and url:" if given else "neither function: nor url:"
+            said = (
+                f"{' and '.join(f + ':' for f in given)}"
+                if given
+                else "none of function:, model: and url:"
+            )
             raise ValueError(
-                f"a reward term sets {said}; give exactly one (function: gsm8k, or url: "
-                "http://host:port/score)"
+                f"a reward term sets {said}; give exactly one (function: gsm8k, model: "
+                "<hub id or folder>, or url: http://host:port/score)"
+            )
+        if self.model is None and "token_budget" in self.model_fields_set:
+            raise ValueError(
+                f"token_budget is for model: terms and this term is a "
+                f"{given[0]} ({getattr(self, given[0])}); remove it"
             )
         if self.url is not None:
             scheme = self.url.split("://", 1)[0].lower() if "://" in self.url else ""
@@ -815,9 +838,10 @@ class RewardTerm(StrictModel):
         else:
             stray = [f for f in REWARD_SERVER_FIELDS if f in self.model_fields_set]
             if stray:
+                kind = "function" if self.function is not None else "model"
                 raise ValueError(
                     f"{', '.join(stray)} {'is' if len(stray) == 1 else 'are'} for url: terms "
-                    f"and this term is a function ({self.function}); remove "
+                    f"and this term is a {kind} ({getattr(self, kind)}); remove "
                     f"{'it' if len(stray) == 1 else 'them'}"
                 )
         if self.name is not None and not REWARD_TERM_NAME.fullmatch(self.name):
@@ -831,12 +855,14 @@ class RewardTerm(StrictModel):
     def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         # A function term's dump carries no server fields (read back, they would be refused).
         data = handler(self)
-        if self.function is not None:
+        if self.url is None:
             for name in REWARD_SERVER_FIELDS:
                 data.pop(name, None)
-            data.pop("url", None)
-        else:
-            data.pop("function", None)
+        if self.model is None:
+            data.pop("token_budget", None)
+        for source in REWARD_SOURCES:
+            if getattr(self, source) is None:
+                data.pop(source, None)
         return data
 
     @property
@@ -847,6 +873,9 @@ class RewardTerm(StrictModel):
         if self.function is not None:
             tail = self.function.rsplit(":", 1)[-1]
             return tail if REWARD_TERM_NAME.fullmatch(tail) else "function"
+        if self.model is not None:
+            tail = re.sub(r"[^A-Za-z0-9_.-]", "_", self.model.rstrip("/").rsplit("/", 1)[-1])
+            return tail[:64] if REWARD_TERM_NAME.fullmatch(tail[:64]) else "model"
         host = self.url.split("://", 1)[1].split("/", 1)[0].split("@")[-1] if self.url else ""
         host = host.rsplit(":", 1)[0] if not host.endswith("]") else host
         cleaned = re.sub(r"[^A-Za-z0-9_.-]", "_", host)[:64]

@@ -81,7 +81,13 @@ from rlx.trainer.rollout.probe import Probe
 from rlx.trainer.stall import StallClock, Stalled, bounded_call
 from rlx.trainer.tasks import validation
 from rlx.trainer.tasks.data import PromptDataset, PromptSampler
-from rlx.trainer.tasks.reward_terms import RewardTerms, TermScores, combine, term_metrics
+from rlx.trainer.tasks.reward_terms import (
+    RewardInputs,
+    RewardTerms,
+    TermScores,
+    combine,
+    term_metrics,
+)
 
 GIB = 2**30
 
@@ -423,7 +429,13 @@ class Trainer:
             )
             prompts = [inputs.data.prompts[i] for i in rows for _ in range(n)]
             answers = [inputs.data.answers[i] for i in rows for _ in range(n)]
-            terms = self.score_terms(prompts, responses, answers)
+            messages = inputs.data.messages
+            extra = RewardInputs(
+                prompt_ids=[inputs.data.prompt_token_ids[i] for i in rows for _ in range(n)],
+                response_ids=rollout.response_lists(),
+                messages=[messages[i] for i in rows for _ in range(n)] if messages else None,
+            )
+            terms = self.score_terms(prompts, responses, answers, extra)
             self.term_scores.append(terms)
             self.check_failed(step, terms)
             outcome, trained, valid = combine(
@@ -440,7 +452,11 @@ class Trainer:
         return StepRewards(token_rewards, scores, trains, checked)
 
     def score_terms(
-        self, prompts: list[str], responses: list[str], answers: list[str | None]
+        self,
+        prompts: list[str],
+        responses: list[str],
+        answers: list[str | None],
+        extra: RewardInputs | None = None,
     ) -> TermScores:
         """Every reward term over the samples, here on the head, within the step's stall
         window (stall.bounded_call): a call that does not return is named by its term."""
@@ -461,7 +477,7 @@ class Trainer:
             rows, errors = [], []
             for term in terms.terms:
                 under_way[0] = term
-                values, error = term.scorer(prompts, responses, answers)
+                values, error = term.scorer(prompts, responses, answers, extra)
                 rows.append(values)
                 errors.append(error)
             return TermScores.of(terms, rows, errors, len(prompts))
@@ -469,11 +485,15 @@ class Trainer:
         return bounded_call(scored, self.clock, who)
 
     def score(
-        self, prompts: list[str], responses: list[str], answers: list[str | None]
+        self,
+        prompts: list[str],
+        responses: list[str],
+        answers: list[str | None],
+        extra: RewardInputs | None = None,
     ) -> list[float]:
         """The samples' total rewards (the weighted sum of the terms), NaN where one
         failed: validation's scorer."""
-        return self.score_terms(prompts, responses, answers).outcome().tolist()
+        return self.score_terms(prompts, responses, answers, extra).outcome().tolist()
 
     def check_failed(self, step: int, terms: TermScores) -> None:
         """Stop, in one line and before the update, when more than trainer.reward_max_failed

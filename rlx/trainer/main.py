@@ -175,6 +175,8 @@ def resolve_inputs(job: TrainJob, env: Mapping[str, str], paths: RunPaths) -> An
         critic = settings.critic_model or settings.model
         critic_path = resolve_model_path(critic.path, cache, settings.seed, "critic_model")
     tokenizer = load_tokenizer(policy_path, settings.model.trust_remote_code)
+    if rewards is not None:
+        rewards.use_policy_tokenizer(tokenizer)
     check_context_at_start(settings, policy_path)
     data_file = resolve_data_path(
         settings.data.train,

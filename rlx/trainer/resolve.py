@@ -132,9 +132,10 @@ def resolve_model_path(spec: str, cache_dir: Path, seed: int, field: str = "mode
     raise RlxError(f"trainer.{field}.path: {spec!r} is neither a folder nor a hub id")
 
 
-def fetch_model(url: str, field: str = "model") -> Path:
+def fetch_model(url: str, field: str = "model", where: str | None = None) -> Path:
     """A model folder in a store, downloaded once per node into its staging folder (to a
-    scratch name, renamed when whole): every node reads its own copy."""
+    scratch name, renamed when whole): every node reads its own copy. where: the recipe
+    field its errors name (trainer.<field>.path unless given)."""
     from rlx.storage import filesystem
     from rlx.trainer.checkpoint.store import sanitize_run_id
 
@@ -144,8 +145,8 @@ def fetch_model(url: str, field: str = "model") -> Path:
     fs, base = filesystem(url)
     if not fs.exists(f"{base}/config.json"):
         raise RlxError(
-            f"trainer.{field}.path: {url} has no config.json; point it at the prefix of a "
-            "model saved with save_pretrained (or uploaded by rlx export)"
+            f"{where or f'trainer.{field}.path'}: {url} has no config.json; point it at the "
+            "prefix of a model saved with save_pretrained (or uploaded by rlx export)"
         )
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))

@@ -258,6 +258,9 @@ class PromptDataset:
     n_filtered: int = 0
     n_truncated: int = 0
     columns: list[Mapping[str, Any]] = field(default_factory=list)  # each prompt's whole row
+    # Each prompt as the chat messages it was rendered from (a text prompt: one user
+    # message), for readers that render it their own way (a reward model's template).
+    messages: list[list[dict[str, str]]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -338,6 +341,23 @@ def template_text(value: str, base_dir: Path | None = None) -> str:
         ) from None
 
 
+def prompt_messages(value: Any, chat: ChatFormat | None = None) -> list[dict[str, str]]:
+    """A prompt value as chat messages: a string is one user message; chat's system prompt
+    goes first unless the messages begin with their own."""
+    if isinstance(value, str):
+        messages = [{"role": "user", "content": value}]
+    elif _is_messages(value):
+        messages = [{"role": m["role"], "content": m["content"]} for m in value]
+    else:
+        raise DataError(
+            "a prompt must be a string or a list of {'role', 'content'} messages, "
+            f"got {type(value).__name__}: {str(value)[:80]!r}"
+        )
+    if chat is not None and chat.system_prompt is not None and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": chat.system_prompt})
+    return messages
+
+
 def render_prompt(
     tokenizer: PreTrainedTokenizerBase,
     value: Any,
@@ -352,17 +372,7 @@ def render_prompt(
         chat = ChatFormat(for_strings=bool(chat_template_for_strings))
     if isinstance(value, str) and not chat.for_strings:
         return value
-    if isinstance(value, str):
-        messages = [{"role": "user", "content": value}]
-    elif _is_messages(value):
-        messages = [{"role": m["role"], "content": m["content"]} for m in value]
-    else:
-        raise DataError(
-            "a prompt must be a string or a list of {'role', 'content'} messages, "
-            f"got {type(value).__name__}: {str(value)[:80]!r}"
-        )
-    if chat.system_prompt is not None and messages[0]["role"] != "system":
-        messages.insert(0, {"role": "system", "content": chat.system_prompt})
+    messages = prompt_messages(value, chat)
     if chat.template is None and not getattr(tokenizer, "chat_template", None):
         raise DataError(
             "the tokenizer has no chat template, so chat-message prompts cannot be rendered; "
@@ -430,6 +440,7 @@ def load_prompt_dataset(
     token_ids: list[list[int]] = []
     answers: list[str | None] = []
     kept_rows: list[int] = []
+    messages: list[list[dict[str, str]]] = []
     n_filtered = n_truncated = 0
     for index, row in enumerate(rows):
         where = f"{source}: row {index}"
@@ -455,6 +466,7 @@ def load_prompt_dataset(
         token_ids.append(ids)
         answers.append(answer)
         kept_rows.append(index)
+        messages.append(prompt_messages(value, chat))
     if not prompts:
         raise DataError(
             f"{source}: all {len(rows)} prompts are longer than max_prompt_length "
@@ -469,6 +481,7 @@ def load_prompt_dataset(
         n_filtered=n_filtered,
         n_truncated=n_truncated,
         columns=[rows[i] for i in kept_rows],
+        messages=messages,
     )
     if n_filtered or n_truncated:
         logger.warning("%s", dataset.summary())
@@ -525,6 +538,11 @@ def mix_datasets(parts: Sequence[tuple[PromptDataset, float]], seed: int) -> Pro
         n_filtered=sum(data.n_filtered for data, _ in parts),
         n_truncated=sum(data.n_truncated for data, _ in parts),
         columns=[data.columns[i] if data.columns else {} for data, i in picked],
+        messages=(
+            [data.messages[i] for data, i in picked]
+            if all(data.messages for data, _ in parts)
+            else []
+        ),
     )
 
 

@@ -24,9 +24,25 @@ from rlx.errors import RlxError
 from rlx.trainer.tasks.rewards import RewardFn, resolve_reward, reward_name
 
 
+@dataclass(frozen=True)
+class RewardInputs:
+    """What a sample is beside its text, for the terms that read more (a reward model):
+    the prompt's and the response's token ids as the policy read and wrote them, and the
+    prompt's messages (the chat the prompt was rendered from; a text prompt is one user
+    message). Each list has one entry per sample; None where the caller has none."""
+
+    prompt_ids: Sequence[Sequence[int]] | None = None
+    response_ids: Sequence[Sequence[int]] | None = None
+    messages: Sequence[Sequence[Mapping[str, str]]] | None = None
+
+
 class TermScorer(Protocol):
     def __call__(
-        self, prompts: Sequence[str], responses: Sequence[str], answers: Sequence[str | None]
+        self,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        answers: Sequence[str | None],
+        inputs: RewardInputs | None = None,
     ) -> tuple[list[float], str | None]: ...
 
 
@@ -117,11 +133,20 @@ class RewardTerms:
         self.terms = list(terms)
         self.aggregate = aggregate
 
+    def use_policy_tokenizer(self, tokenizer: Any) -> None:
+        """Tell the reward-model terms the policy's tokenizer: one that shares it reads the
+        policy's token ids as they are."""
+        for term in self.terms:
+            bind = getattr(term.scorer, "use_policy_tokenizer", None)
+            if bind is not None:
+                bind(tokenizer)
+
     def score(
         self,
         prompts: Sequence[str],
         responses: Sequence[str],
         answers: Sequence[str | None] | None = None,
+        inputs: RewardInputs | None = None,
     ) -> TermScores:
         if answers is None:
             answers = [None] * len(prompts)
@@ -132,7 +157,7 @@ class RewardTerms:
             )
         rows, errors = [], []
         for term in self.terms:
-            values, error = term.scorer(prompts, responses, answers)
+            values, error = term.scorer(prompts, responses, answers, inputs)
             rows.append(values)
             errors.append(error)
         return TermScores.of(self, rows, errors, len(prompts))
@@ -157,8 +182,12 @@ def function_scorer(fn: RewardFn) -> TermScorer:
     started = [0]
 
     def scorer(
-        prompts: Sequence[str], responses: Sequence[str], answers: Sequence[str | None]
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        answers: Sequence[str | None],
+        inputs: RewardInputs | None = None,
     ) -> tuple[list[float], str | None]:
+        del inputs  # a function reads the texts
         values: list[float] = []
         first: str | None = None
         started[0] = 0
@@ -196,12 +225,65 @@ def _as_number(value: object) -> float | None:
 
 def server_scorer(server: Any) -> TermScorer:
     def scorer(
-        prompts: Sequence[str], responses: Sequence[str], answers: Sequence[str | None]
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        answers: Sequence[str | None],
+        inputs: RewardInputs | None = None,
     ) -> tuple[list[float], str | None]:
+        del inputs  # the documented request carries the texts
         outcome = server.score(prompts, responses, answers)
         return outcome.values, outcome.first_error
 
     return scorer
+
+
+class ModelScorer:
+    """A reward model as a term (rlx.trainer.model.reward_model): the policy's token ids as
+    they are where it shares the policy's tokenizer, else each prompt's messages and the
+    response as a conversation in its own chat template. A forward that fails fails every
+    sample of the call (NaN, never 0)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.shares_tokens = False
+
+    def use_policy_tokenizer(self, tokenizer: Any) -> None:
+        self.shares_tokens = self.model.shares_tokenizer(tokenizer)
+
+    def sequences(
+        self, prompts: Sequence[str], responses: Sequence[str], inputs: RewardInputs | None
+    ) -> list[list[int]]:
+        """Each sample's token ids as the reward model reads it."""
+        if self.shares_tokens and inputs is not None and inputs.prompt_ids is not None:
+            assert inputs.response_ids is not None
+            return [
+                [*prompt, *response]
+                for prompt, response in zip(inputs.prompt_ids, inputs.response_ids, strict=True)
+            ]
+        if inputs is None or inputs.messages is None:
+            # No chat to re-render: the texts as the policy read and wrote them.
+            tokenizer = self.model.tokenizer
+            return [
+                list(tokenizer(prompt + response, add_special_tokens=False)["input_ids"])
+                for prompt, response in zip(prompts, responses, strict=True)
+            ]
+        return [
+            self.model.render([*messages, {"role": "assistant", "content": response}])
+            for messages, response in zip(inputs.messages, responses, strict=True)
+        ]
+
+    def __call__(
+        self,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        answers: Sequence[str | None],
+        inputs: RewardInputs | None = None,
+    ) -> tuple[list[float], str | None]:
+        del answers  # a reward model scores the conversation alone
+        try:
+            return self.model.score_token_ids(self.sequences(prompts, responses, inputs)), None
+        except Exception as exc:  # a failed term is NaN for its samples, never a zero
+            return [math.nan] * len(prompts), f"{type(exc).__name__}: {exc}"
 
 
 def build_terms(
@@ -209,16 +291,37 @@ def build_terms(
     env: Mapping[str, str] | None = None,
     functions: Mapping[str, RewardFn] | None = None,
 ) -> RewardTerms:
-    """The terms of trainer.rewards (or trainer.reward), functions imported and servers'
-    secrets read now. functions: specs already resolved (the start-up's signature check)."""
+    """The terms of trainer.rewards (or trainer.reward), functions imported, reward models
+    loaded and servers' secrets read now. functions: specs already resolved (the start-up's
+    signature check)."""
+    from rlx.recipe.load import dotted
+    from rlx.storage import is_store_url
     from rlx.trainer.tasks.reward_server import RewardServer
 
     terms = []
-    for term in settings.reward_terms():
+    for index, term in enumerate(settings.reward_terms()):
+        scorer: TermScorer
         if term.function is not None:
             fn = (functions or {}).get(term.function) or resolve_reward(term.function)
             scorer = function_scorer(fn)
             source = f"function {reward_name(fn)}"
+        elif term.model is not None:
+            from rlx.trainer.model.reward_model import RewardModelScorer
+
+            where = dotted((*settings.reward_term_fields()[index], "model"))
+            spec = term.model
+            if is_store_url(spec):  # a copy on this node, as the policy's
+                from rlx.trainer.resolve import fetch_model
+
+                spec = str(fetch_model(spec, where=where))
+            model = RewardModelScorer(
+                spec,
+                token_budget=term.token_budget,
+                field=where,
+                trust_remote_code=settings.model.trust_remote_code,
+            )
+            scorer = ModelScorer(model)
+            source = f"model {term.model}"
         else:
             server = RewardServer.of_term(term, None if env is None else dict(env))
             scorer = server_scorer(server)

@@ -18,6 +18,7 @@ from rlx.errors import RlxError
 from rlx.recipe.model import TrainerSettings
 from rlx.runs import VAL_PASS1, VAL_REWARD
 from rlx.trainer.tasks.data import PromptDataset
+from rlx.trainer.tasks.reward_terms import RewardInputs
 
 
 def due(settings: TrainerSettings, step: int) -> bool:
@@ -85,7 +86,7 @@ def validate(
     the environment; failed episodes are left out. Otherwise the reward terms score them
     (`rewards`, a RewardTerms: the weighted sum of the terms, as training's reward/mean),
     and samples a weighted term failed on are left out. scorer(prompts, responses,
-    answers): how the samples are scored (the trainer's, within its stall window)."""
+    answers, extra): how the samples are scored (the trainer's, within its stall window)."""
     from rlx.trainer.rollout.base import SamplingArgs
 
     validation = settings.validation
@@ -108,10 +109,15 @@ def validate(
         n = sampling.n
         prompts = [p for p in data.prompts for _ in range(n)]
         answers = [a for a in data.answers for _ in range(n)]
+        extra = RewardInputs(
+            prompt_ids=[p for p in data.prompt_token_ids for _ in range(n)],
+            response_ids=batch.response_lists(),
+            messages=[m for m in data.messages for _ in range(n)] if data.messages else None,
+        )
         if scorer is not None:
-            scores = scorer(prompts, responses, answers)
+            scores = scorer(prompts, responses, answers, extra)
         else:
-            scores = rewards.score(prompts, responses, answers).outcome().tolist()
+            scores = rewards.score(prompts, responses, answers, extra).outcome().tolist()
         finite = [value for value in scores if math.isfinite(value)]
         results[name] = sum(finite) / len(finite) if finite else math.nan
     return results
