@@ -10,7 +10,7 @@ dataset has none. It returns a finite number, usually in [0, 1]; it must not mut
 it shares with other calls, because batches may be scored in any order.
 
 A spec names a built-in (`gsm8k`, `gsm8k_flexible`, `math_verify`, `math_exact`,
-`letters_or_digits`) or a user function: `package.module:function` (importable) or
+`letters_or_digits`, `digit_share`) or a user function: `package.module:function` (importable) or
 `path/to/file.py:function`.
 """
 
@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from rlx.errors import RlxError
+from rlx.trainer.tasks.preferences import digit_share
 from rlx.trainer.tasks.synthetic import letters_or_digits_reward
 from rlx.trainer.tasks.userspec import import_target, missing_name, spec_problem
 
@@ -200,6 +201,7 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "math_verify": math_verify,
     "math_exact": math_exact,
     "letters_or_digits": letters_or_digits_reward,
+    "digit_share": digit_share,
 }
 
 
