@@ -157,7 +157,7 @@ def test_metrics_per_term_count_failures_and_mean_over_finite_values():
 
 
 def test_a_term_that_gives_the_wrong_count_is_one_line():
-    terms = RewardTerms([Term("short", 1.0, lambda p, r, a: ([1.0], None), "url x")])
+    terms = RewardTerms([Term("short", 1.0, lambda p, r, a, extra=None: ([1.0], None), "url x")])
     with pytest.raises(RlxError, match="gave 1 values for 2 samples"):
         terms.score(["p", "q"], ["a", "b"])
 
@@ -211,11 +211,11 @@ SCHEMA_CASES = [
     ),
     ({"rewards": [{"url": "ftp://h/s"}]}, "trainer.rewards[0]", "is not an http:// or https://"),
     ({"rewards": [{"url": "h:8000/s"}]}, "trainer.rewards[0]", "is not an http:// or https://"),
-    ({"rewards": [{"weight": 1}]}, "trainer.rewards[0]", "neither function: nor url:"),
+    ({"rewards": [{"weight": 1}]}, "trainer.rewards[0]", "none of function:, model: and url:"),
     (
         {"rewards": [{"function": "gsm8k", "url": "http://h/s"}]},
         "trainer.rewards[0]",
-        "both function: and url:",
+        "sets function: and url:",
     ),
     (
         {"rewards": [{"function": "gsm8k", "timeout_s": 3, "retries": 1}]},
@@ -306,7 +306,9 @@ def _trainer_scoring(rewards: list[dict[str, Any]], **fields: Any) -> Any:
     trainer.settings = settings
     trainer.clock = None
     trainer.term_scores = []
-    data = SimpleNamespace(prompts=["p0", "p1"], answers=[None, None])
+    data = SimpleNamespace(
+        prompts=["p0", "p1"], answers=[None, None], prompt_token_ids=[[1], [2]], messages=[]
+    )
     trainer.inputs = SimpleNamespace(
         tokenizer=_Tokenizer(), data=data, rewards=build_terms(settings, {})
     )
