@@ -6,6 +6,12 @@ backend's environment, and the Slurm batch script through `sbatch` on a real Slu
 token authentication is on, with a fresh token per job, delivered as each backend would
 (the process environment for SkyPilot and dstack; the Slurm script makes its own).
 
+SkyPilot's and dstack's run blocks differ only in how a node learns its rank, the node count
+and the head's address; past that both run the same `rlx node`. So each failure scenario runs
+on Slurm where Slurm changes its outcome (one step holding both workers, a job's exit code, the
+kill that takes Ray's daemons down) and on one of the other two, the two taking turns: every
+backend's run block meets two scenarios, and the suite pays for seven, not twelve.
+
 Measured failure-detection times are printed (`-s` shows them). The timing assertions are
 the bounds the bootstrap promises (join timeout + 10 s, a lost node under 30 s) and
 generous ones against hangs.
@@ -96,6 +102,12 @@ def test_hosts_run_this_checkouts_rlx(emulated_hosts: Hosts, tmp_path: Path) -> 
     ]
 
 
+def backends(*names: str):
+    """Run a scenario on these backends only (see the module's docstring)."""
+    return pytest.mark.parametrize("backend", names, indirect=True)
+
+
+@backends("sky", "slurm")
 def test_a_node_that_never_starts_is_named(make_job) -> None:
     job = make_job(join_timeout=MISSING_JOIN_TIMEOUT)
     job.control(exit=0)
@@ -124,6 +136,7 @@ def test_a_node_that_never_starts_is_named(make_job) -> None:
     assert_nothing_left(job.hosts)
 
 
+@backends("dstack", "slurm")
 def test_workers_give_up_when_the_head_never_comes_up(make_job) -> None:
     job = make_job(join_timeout=HEADLESS_JOIN_TIMEOUT)
     job.control(exit=0)
@@ -155,6 +168,7 @@ def test_workers_give_up_when_the_head_never_comes_up(make_job) -> None:
     assert_nothing_left(job.hosts)
 
 
+@backends("dstack")
 def test_a_lost_worker_fails_the_job_fast(make_job) -> None:
     job = make_job()
     job.control(hold=True)
@@ -179,6 +193,7 @@ def test_a_lost_worker_fails_the_job_fast(make_job) -> None:
     assert_nothing_left(job.hosts)
 
 
+@backends("sky", "slurm")
 @pytest.mark.timeout(2400)  # three attempts whose waits may each stretch while they advance
 def test_a_retried_job_starts_clean(make_job) -> None:
     """The run block runs three times on the same hosts: a failed attempt (every node joined
