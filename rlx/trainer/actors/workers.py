@@ -22,6 +22,7 @@ from rlx import procfs
 from rlx.errors import RlxError
 from rlx.recipe.model import TrainerSettings
 from rlx.runs import GPU_FREE, GPU_PEAK, GPU_RESERVED
+from rlx.trainer.actors import settle
 from rlx.trainer.actors.placement import threads_for
 from rlx.trainer.allocator import keep_freed_memory, use_allocator_settings
 from rlx.trainer.background import Background
@@ -119,6 +120,7 @@ class UpdateOutcome:
 def _prepare_process(spec: WorkerSpec, stream: str, holds_engine: bool) -> torch.device:
     from rlx.trainer.learn.models import quiet_transformers
 
+    settle(started=False)  # this module's imports are in (actors/__init__.py)
     keep_default = holds_engine and engine_class(spec.engine_kind).keeps_default_allocator
     use_allocator_settings(spec.use_gpu, keep_default)
     quiet_transformers()
@@ -304,6 +306,7 @@ class TrainWorker:
         notes.append(planner.note)
         if self.device.type == "cpu":
             notes.append(cpu_linear.describe())
+        settle(started=True)
         return notes, planner.attention_weight if planner.packing else None
 
     def _colocated_engine(self, policy: Any, collective: Any, notes: list[str]) -> ColocatedEngine:
@@ -547,6 +550,7 @@ class RolloutWorker:
             tensor_parallel=tensor_parallel,
             join_ray=prepare_ray_executor,
         )
+        settle(started=True)
         self._skip_pushes = 0
         self._drop_buckets = 0
 

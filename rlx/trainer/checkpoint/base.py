@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from rlx.trainer.background import Background
-from rlx.trainer.checkpoint.faults import SAVE_ERRORS, save_failure
+from rlx.trainer.checkpoint.faults import save_errors, save_failure
 from rlx.trainer.checkpoint.protocol import (
     Checkpoints,
     Finished,
@@ -69,7 +69,7 @@ class CheckpointBase:
                 copy_model_files(model_folder, folder / HF_FILES)
                 entries[LEARNER_STATE] = {"file": LEARNER_STATE, "format": "dcp"}
                 entries[HF_FILES] = {"file": HF_FILES, "format": "folder"}
-        except SAVE_ERRORS as exc:
+        except save_errors() as exc:
             self.discard(folder)
             raise save_failure(exc, step, self.run_dir) from None
         except BaseException:
@@ -82,7 +82,7 @@ class CheckpointBase:
                 if rank != 0:
                     return None
                 return self.commit_save(folder, step, entries, world_size, LEARNER_STATE, hook)
-            except SAVE_ERRORS as exc:
+            except save_errors() as exc:
                 raise save_failure(exc, step, self.run_dir) from None
             finally:
                 self.discard(folder)

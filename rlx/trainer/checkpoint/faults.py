@@ -10,6 +10,7 @@ stops the run or, with checkpoint.on_failure: continue, warns and trains on.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import shutil
 from pathlib import Path
@@ -26,15 +27,17 @@ from rlx.storage import (
 )
 
 
-def _save_errors() -> tuple[type[BaseException], ...]:
+@functools.cache
+def save_errors() -> tuple[type[BaseException], ...]:
+    """What a rank's save may fail with that is a failed save (not an interrupt or an exit).
+    A function, called in `except save_errors()` (evaluated only when something was raised):
+    torch's distributed checkpointing costs a process that never saves about a CPU-second to
+    import."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     # DCP reports a rank's failed write as a CheckpointException, a BaseException
     return (Exception, CheckpointException)
 
-
-# What a rank's save may fail with that is a failed save (not an interrupt or an exit).
-SAVE_ERRORS = _save_errors()
 
 # Free bytes under which a local save's odd failure is taken for a full disk.
 FULL_BELOW = 1 << 20
