@@ -25,7 +25,7 @@ from rlx.recipe.model import (
     fixed_int,
 )
 from rlx.storage import is_store_url
-from rlx.trainer.rollout import choose_engine
+from rlx.trainer.rollout import choose_engine, engine_dtype_name
 
 GIB = mem.GIB
 MICRO_BATCH_FIELD = "trainer.batch.micro_batch_size"
@@ -308,9 +308,9 @@ def training_budget(
         _colocated_engine_items(budget, trainer, shape, capacity or 0)
     elif not gpu and trainer.layout == "colocated" and engine_of(trainer, gpu) == "vllm":
         # vLLM on CPU in the training process: its LoRA slots stay, its scratch comes and goes
-        compute = dtypes(trainer, gpu, strategy)[0]
+        dtype = engine_dtype_name(trainer, gpu)
         tp = trainer.rollout.tensor_parallel_size
-        for item in engine_lora_items(trainer, shape, dtype=compute, tensor_parallel=tp, gpu=False):
+        for item in engine_lora_items(trainer, shape, dtype=dtype, tensor_parallel=tp, gpu=False):
             phase = "all" if item.name.endswith("slots") else "rollout"
             budget.items.append(Item(f"{item.name} (CPU)", tp * item.bytes, item.note, phase))
     for phase in ("update", "rollout"):
@@ -612,7 +612,7 @@ def _colocated_engine_items(
 ) -> None:
     """A vLLM engine in the training process: its share of the GPU while it generates, and
     what sleep mode leaves behind during the update."""
-    compute = trainer.model.dtype if trainer.model.dtype != "auto" else "bfloat16"
+    compute = engine_dtype_name(trainer, on_gpus=True)
     util = trainer.rollout.gpu_memory_utilization
     engine = int(util * capacity)
     weights = mem.engine_weight_bytes(shape, dtype=compute)
@@ -678,7 +678,7 @@ def colocated_vllm(trainer: TrainerSettings, gpu: bool) -> bool:
 def rollout_budget(
     trainer: TrainerSettings, shape: ModelShape, layout: Layout, capacity: int
 ) -> Budget:
-    compute = trainer.model.dtype if trainer.model.dtype != "auto" else "bfloat16"
+    compute = engine_dtype_name(trainer, on_gpus=True)
     tp = layout.tp
     util = trainer.rollout.gpu_memory_utilization
     budget = Budget(
@@ -773,7 +773,7 @@ def _host_sizes(
     gpu: bool,
 ) -> _HostSizes:
     compute, master, _ = dtypes(trainer, gpu, strategy)
-    engine_dtype = compute if gpu else "bfloat16"
+    engine_dtype = engine_dtype_name(trainer, gpu)
     engine_copy = mem.engine_weight_bytes(shape, dtype=engine_dtype)
     bucket_bytes = trainer.rollout.weight_sync_bucket_mb * 2**20
     bucket = mem.push_bucket_bytes(shape, dtype=engine_dtype, bucket_bytes=bucket_bytes)

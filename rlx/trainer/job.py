@@ -16,7 +16,12 @@ from rlx.errors import RlxError
 from rlx.lint import refuse_at_startup
 from rlx.plan.actors import ActorPlan, plan_actors
 from rlx.recipe.model import Recipe, Resources, TrainerSettings
-from rlx.trainer.rollout import choose_engine, samples_with_own_kernels
+from rlx.trainer.rollout import (
+    choose_engine,
+    compute_dtype_name,
+    engine_dtype_name,
+    samples_with_own_kernels,
+)
 from rlx.trainer.startup import StartPlan
 
 # Set by a dress rehearsal (rlx rehearse): the GPUs Ray's nodes declare are stand-ins, so the
@@ -81,19 +86,6 @@ class TrainJob:
         return self.recipe.resources
 
 
-def _compute_dtype_name(setting: str, on_gpus: bool) -> str:
-    """learn.models.compute_dtype's rule without torch: 'auto' is bfloat16 on GPU."""
-    if setting == "auto":
-        return "bfloat16" if on_gpus else "float32"
-    return setting
-
-
-def engine_dtype_name(settings: TrainerSettings, on_gpus: bool) -> str:
-    """The engines' dtype: rollout.dtype, unset the model's (whose 'auto' is bfloat16 on GPU
-    and float32 on CPU)."""
-    return _compute_dtype_name(settings.rollout.dtype or settings.model.dtype, on_gpus)
-
-
 def runs_ahead(settings: TrainerSettings) -> bool:
     """Whether rollouts run ahead of the update: max_staleness > 0."""
     return settings.rollout.max_staleness > 0
@@ -104,7 +96,7 @@ def correction_needed(settings: TrainerSettings, engine: str, on_gpus: bool) -> 
     engine with kernels of its own (vLLM), an engine or learner dtype other than float32, or
     samples up to max_staleness versions old. Where none holds (the HF engine in float32 on
     CPU) they agree to float32 rounding, and rollout_correction's auto stays off."""
-    learner = _compute_dtype_name(settings.model.dtype, on_gpus)
+    learner = compute_dtype_name(settings.model.dtype, on_gpus)
     return (
         samples_with_own_kernels(engine)
         or learner != "float32"

@@ -33,6 +33,20 @@ ENGINES = {
 OWN_KERNELS = frozenset({"vllm"})
 
 
+def compute_dtype_name(setting: str, on_gpus: bool) -> str:
+    """learn.models.compute_dtype's rule without torch: 'auto' is bfloat16 on GPU and float32
+    on CPU."""
+    if setting == "auto":
+        return "bfloat16" if on_gpus else "float32"
+    return setting
+
+
+def engine_dtype_name(settings: TrainerSettings, on_gpus: bool) -> str:
+    """The engines' dtype: rollout.dtype, unset the model's. The trainer loads its engines in
+    it and `rlx plan` sizes their weights, KV cache and host copies in it."""
+    return compute_dtype_name(settings.rollout.dtype or settings.model.dtype, on_gpus)
+
+
 def samples_with_own_kernels(kind: str) -> bool:
     """Whether engine `kind` computes its log-probs with kernels other than the learner's
     (read without importing the engine)."""

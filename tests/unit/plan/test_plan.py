@@ -407,3 +407,19 @@ def test_rlx_plan_on_l4s_uses_the_memory_they_report() -> None:
     result = runner.invoke(app, ["plan", str(RECIPES / "gsm8k-grpo.yaml")])
     assert result.exit_code == 0, result.output
     assert "training GPU (x2): " in result.output and " of 22.5 GiB at " in result.output
+
+
+def test_engines_are_planned_in_rollout_dtype(tmp_path: Path) -> None:
+    """rollout.dtype sets what the engines hold (weights, KV cache, the pushed copy), as the
+    trainer loads them: a float32 engine beside the bf16 learner holds twice the bytes."""
+
+    def engine_items(dtype: str | None) -> dict[str, int]:
+        changes = {} if dtype is None else {"trainer__rollout__dtype": dtype}
+        plan = plan_recipe(load_recipe(_variant(tmp_path, "ppo-7b.yaml", **changes)).recipe, {})
+        rollout = next(b for b in plan.gpus if b.title.startswith("rollout GPU"))
+        return {i.name: i.bytes for i in rollout.items}
+
+    default, wide = engine_items(None), engine_items("float32")
+    assert default == engine_items("bfloat16")  # the model's dtype on GPUs: bf16
+    assert wide["vLLM weights"] == 2 * default["vLLM weights"]
+    assert wide["vLLM KV cache"] < default["vLLM KV cache"]  # less left for the cache
