@@ -226,6 +226,42 @@ def sequence_tokens(trainer: TrainerSettings) -> int:
     return trainer.data.max_prompt_length + episode_token_budget(trainer)
 
 
+# What the controller holds per rollout token: its id (int64), the engine's log-prob and the
+# learner's (float32 each) and its mask.
+ROLLOUT_TOKEN_BYTES = 8 + 4 + 4 + 1
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A step's generation: prompts x n samples per generate call, and how many calls at
+    most (dynamic sampling's rounds; one without it)."""
+
+    prompts: int
+    n: int
+    tokens: int  # the longest sequence a sample holds
+    rounds: int
+    dtype: str  # the engines'
+
+    @property
+    def samples(self) -> int:
+        return self.prompts * self.n
+
+    def held_bytes(self) -> int:
+        """The rollouts of every round the controller holds until it picks the step's groups."""
+        return self.rounds * self.samples * self.tokens * ROLLOUT_TOKEN_BYTES
+
+
+def generation_of(trainer: TrainerSettings, gpu: bool) -> Generation:
+    filtering = trainer.batch.filter_groups
+    return Generation(
+        prompts=trainer.batch.prompts_per_step,
+        n=trainer.rollout.n,
+        tokens=sequence_tokens(trainer),
+        rounds=1 if filtering is None else filtering.max_rounds,
+        dtype=engine_dtype_name(trainer, gpu),
+    )
+
+
 def packed_pass_tokens(trainer: TrainerSettings) -> int:
     """The most tokens a packed pass holds: max_tokens_per_micro_batch, or micro_batch_size
     sequences of the longest length, so that a packed pass needs no more memory than the
@@ -729,6 +765,16 @@ def host_budgets(
         items = budget.items
         if index == 0:
             items.append(Item("controller", int(HOST_PROCESS_GIB * GIB), "head node"))
+            generation = generation_of(trainer, gpu)
+            if generation.rounds > 1:
+                items.append(
+                    Item(
+                        "rollouts of every sampling round",
+                        generation.held_bytes(),
+                        f"filter_groups: up to {generation.rounds} rounds of "
+                        f"{generation.samples} samples, held until the step's groups are picked",
+                    )
+                )
         if ranks:
             items += _rank_host_items(trainer, shape, ranks, sizes, training, gpu)
         if trainer.layout == "split" and (engines or index == 0):

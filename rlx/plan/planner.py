@@ -26,12 +26,14 @@ from rlx.plan.budget import (
     GIB,
     HEADROOM,
     Budget,
+    Generation,
     Layout,
     TrainedModel,
     UnknownAccelerator,
     checkpoint_size,
     dtypes,
     engine_of,
+    generation_of,
     gib,
     gpu_capacity,
     host_budgets,
@@ -65,6 +67,7 @@ class MemoryPlan:
     checkpoints_in_store: bool = False  # checkpoints_on_disk counts the store's copies
     episode_turns: int | None = None  # with an environment: model turns per episode at most
     episode_tokens: int = 0  # tokens after the prompt a rollout may hold (episode_token_budget)
+    generation: Generation | None = None  # a step's generate calls
     export_merged_bytes: int = 0  # with LoRA: the base with the adapter merged in
     lora: dict[str, dict[str, Any]] = field(default_factory=dict)  # per adapted model
     sizes: Sizes | None = None  # what `auto` chose, when the recipe leaves a size to it
@@ -107,6 +110,11 @@ class MemoryPlan:
             "staging_bytes_per_node": self.staging_bytes,
             "episode_turns": self.episode_turns,
             "episode_tokens": self.episode_tokens,
+            **(
+                {"generation": {**asdict(self.generation), "samples": self.generation.samples}}
+                if self.generation is not None
+                else {}
+            ),
             **({"sizes": self.sizes.to_json()} if self.sizes is not None else {}),
             "fits": self.fits,
             "problems": self.problems,
@@ -161,6 +169,7 @@ def plan_recipe(
         export_bytes=0,
         episode_turns=None if trainer.environment is None else trainer.environment.max_turns,
         episode_tokens=episode_token_budget(trainer),
+        generation=generation_of(trainer, gpu),
     )
     if sizes is not None:
         plan.sizes = sizes

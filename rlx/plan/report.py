@@ -39,6 +39,24 @@ def episodes_line(plan: MemoryPlan) -> str:
     )
 
 
+def generation_line(plan: MemoryPlan) -> str | None:
+    """What a step generates: its samples, their length, the engines' dtype, and with
+    dynamic sampling the rounds it may take (each a generate call as long as the first)."""
+    g = plan.generation
+    if g is None:
+        return None
+    line = (
+        f"generation: {g.prompts} prompts x {g.n} = {g.samples:,} samples a call, up to "
+        f"{g.tokens:,} tokens each, engines in {g.dtype}"
+    )
+    if g.rounds > 1:
+        line += (
+            f"; dynamic sampling: up to {g.rounds} calls a step ({g.rounds * g.samples:,} "
+            f"samples, {g.rounds}x the generation time at most) to train {g.samples:,}"
+        )
+    return line
+
+
 def lora_lines(plan: MemoryPlan) -> list[str]:
     """One line per model trained with LoRA: what is adapted, what trains, what the
     reference is and how vLLM serves it."""
@@ -102,6 +120,8 @@ def print_plan(plan: MemoryPlan) -> None:
         console.print(f"sizes: {plan.sizes.line()}")
     if plan.episode_turns is not None:
         console.print(episodes_line(plan))
+    if (line := generation_line(plan)) is not None:
+        console.print(line)
     for line in lora_lines(plan):
         console.print(line)
     for budget in [*plan.gpus, *plan.hosts]:

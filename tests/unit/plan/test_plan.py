@@ -423,3 +423,24 @@ def test_engines_are_planned_in_rollout_dtype(tmp_path: Path) -> None:
     assert default == engine_items("bfloat16")  # the model's dtype on GPUs: bf16
     assert wide["vLLM weights"] == 2 * default["vLLM weights"]
     assert wide["vLLM KV cache"] < default["vLLM KV cache"]  # less left for the cache
+
+
+def test_dynamic_sampling_is_planned_as_rounds_of_generation() -> None:
+    """filter_groups: up to max_rounds generate calls a step, every round's rollouts held on
+    the head until the step's groups are picked; without it one call and nothing more."""
+    dapo = plan_recipe(load_recipe(RECIPES / "gsm8k-dapo.yaml").recipe, {})
+    plain = plan_recipe(load_recipe(RECIPES / "gsm8k-grpo.yaml").recipe, {})
+    assert dapo.generation is not None and plain.generation is not None
+    assert (dapo.generation.rounds, plain.generation.rounds) == (4, 1)
+    samples = 64 * 8  # prompts_per_step x rollout.n
+    assert dapo.generation.samples == samples
+    head = {i.name: i for i in dapo.hosts[0].items}
+    held = head["rollouts of every sampling round"]
+    assert held.bytes == 4 * samples * dapo.generation.tokens * (8 + 4 + 4 + 1)
+    assert all(i.name != held.name for b in plain.hosts for i in b.items)
+    result = runner.invoke(app, ["plan", str(RECIPES / "gsm8k-dapo.yaml")])
+    assert "dynamic sampling: up to 4 calls a step (2,048 samples" in result.output
+    data = json.loads(
+        runner.invoke(app, ["plan", str(RECIPES / "gsm8k-dapo.yaml"), "--json"]).output
+    )
+    assert data["generation"]["rounds"] == 4 and data["generation"]["samples"] == samples
