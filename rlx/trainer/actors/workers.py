@@ -22,7 +22,6 @@ from rlx import procfs
 from rlx.errors import RlxError
 from rlx.recipe.model import TrainerSettings
 from rlx.runs import GPU_FREE, GPU_PEAK, GPU_RESERVED
-from rlx.trainer.actors import settle
 from rlx.trainer.actors.placement import threads_for
 from rlx.trainer.allocator import keep_freed_memory, use_allocator_settings
 from rlx.trainer.background import Background
@@ -42,6 +41,7 @@ from rlx.trainer.checkpoint.training import (
     LoadReport,
     load_learner_state,
 )
+from rlx.trainer.collector import settle
 from rlx.trainer.job import runs_ahead
 from rlx.trainer.learn.learner import Learner, UpdateStats, needs_old_logprobs
 from rlx.trainer.learn.models import autocast
@@ -120,7 +120,7 @@ class UpdateOutcome:
 def _prepare_process(spec: WorkerSpec, stream: str, holds_engine: bool) -> torch.device:
     from rlx.trainer.learn.models import quiet_transformers
 
-    settle(started=False)  # this module's imports are in (actors/__init__.py)
+    settle(started=False)  # this module's imports are in (rlx/trainer/collector.py)
     keep_default = holds_engine and engine_class(spec.engine_kind).keeps_default_allocator
     use_allocator_settings(spec.use_gpu, keep_default)
     quiet_transformers()
@@ -523,8 +523,9 @@ class TrainWorker:
         return LoadReport(rng_restored=restored, host_bytes=max(peak - before, 0))
 
     def close(self) -> None:
+        """Before Cluster.shutdown kills this actor."""
         if self.engine is not None and not self.engine.shares_policy:
-            self.engine.engine.close()
+            self.engine.engine.close_before_exit()
         if self.spec.world_size > 1:
             import torch.distributed as dist
 
@@ -613,4 +614,5 @@ class RolloutWorker:
         return memory_peak(reset)
 
     def close(self) -> None:
-        self.engine.close()
+        """Before Cluster.shutdown kills this actor."""
+        self.engine.close_before_exit()

@@ -210,6 +210,11 @@ class RolloutEngine(abc.ABC):
     def close(self) -> None:
         """Release the engine's model and memory; the engine is unusable afterwards."""
 
+    def close_before_exit(self) -> None:
+        """The process ends next (its actor is killed): release what would outlive it. All of
+        close() unless an engine knows that nothing of it does."""
+        self.close()
+
 
 def check_sampling_args(prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingArgs) -> None:
     if not prompt_token_ids:

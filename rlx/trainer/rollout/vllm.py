@@ -22,6 +22,7 @@ import torch
 from rlx.errors import RlxError
 from rlx.recipe.model import TrainerSettings
 from rlx.trainer.batch import RolloutBatch, pad_responses
+from rlx.trainer.collector import settle
 from rlx.trainer.rollout.base import (
     EngineSite,
     RolloutEngine,
@@ -168,6 +169,7 @@ class VLLMEngine(RolloutEngine):
         if llm_options.get("enforce_eager"):
             eager_everywhere()
         vllm = _import_vllm()
+        settle(started=False)  # vLLM's own collections as it loads skip its imports
         self._vllm = vllm
         options = {
             "logprobs_mode": "processed_logprobs",
@@ -402,3 +404,10 @@ class VLLMEngine(RolloutEngine):
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
+
+    def close_before_exit(self) -> None:
+        """An engine core in this very process goes with it: vLLM's teardown would only
+        unfreeze and collect every object of the process (about 2 CPU-s) first. An engine
+        with processes of its own (its engine core, tensor-parallel workers) stops them."""
+        if not getattr(self, "in_process", False):
+            self.close()
