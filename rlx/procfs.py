@@ -59,6 +59,12 @@ def parents() -> dict[int, int]:
     return out
 
 
+def children(pid: int | None = None) -> list[int]:
+    """The running children of a process (this one by default)."""
+    pid = os.getpid() if pid is None else pid
+    return [child for child, parent in parents().items() if parent == pid and running(child)]
+
+
 def rss_bytes(pid: int | str = "self") -> int:
     """Resident memory of one process (0 when it is gone)."""
     try:

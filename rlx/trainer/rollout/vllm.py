@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from rlx import procfs
 from rlx.errors import RlxError
 from rlx.recipe.model import TrainerSettings
 from rlx.trainer.batch import RolloutBatch, pad_responses
@@ -406,8 +407,9 @@ class VLLMEngine(RolloutEngine):
             llm.llm_engine.engine_core.shutdown()
 
     def close_before_exit(self) -> None:
-        """An engine core in this very process goes with it: vLLM's teardown would only
-        unfreeze and collect every object of the process (about 2 CPU-s) first. An engine
-        with processes of its own (its engine core, tensor-parallel workers) stops them."""
-        if not getattr(self, "in_process", False):
+        """An engine core in this very process, with no process of its own, goes with it:
+        vLLM's teardown would only unfreeze and collect every object of the process (about 2
+        CPU-s) first. An engine with processes (its engine core, tensor-parallel workers: any
+        child of this process) stops them."""
+        if not (getattr(self, "in_process", False) and not procfs.children()):
             self.close()
