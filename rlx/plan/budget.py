@@ -818,7 +818,7 @@ def _host_sizes(
     training: Budget,
     gpu: bool,
 ) -> _HostSizes:
-    compute, master, _ = dtypes(trainer, gpu, strategy)
+    _, master, _ = dtypes(trainer, gpu, strategy)
     engine_dtype = engine_dtype_name(trainer, gpu)
     engine_copy = mem.engine_weight_bytes(shape, dtype=engine_dtype)
     bucket_bytes = trainer.rollout.weight_sync_bucket_mb * 2**20
@@ -836,7 +836,9 @@ def _host_sizes(
     cpu_engine_lora = 0
     if not gpu and trainer.layout == "split" and engine_of(trainer, gpu) == "vllm":
         tp = trainer.rollout.tensor_parallel_size
-        per_worker = engine_lora_items(trainer, shape, dtype=compute, tensor_parallel=tp, gpu=False)
+        per_worker = engine_lora_items(
+            trainer, shape, dtype=engine_dtype, tensor_parallel=tp, gpu=False
+        )
         cpu_engine_lora = tp * sum(i.bytes for i in per_worker)
     return _HostSizes(
         per_rank_host, ckpt_share, adapter, engine_dtype, engine_copy, bucket, cpu_engine_lora
