@@ -542,12 +542,16 @@ def rehearse(
     dry_run: bool = typer.Option(
         False, "--dry-run", help="Print what the rehearsal changes and stop."
     ),
+    resume: bool = typer.Option(
+        True, "--resume/--no-resume", help="Resume from the checkpoint and train step 3."
+    ),
 ) -> None:
     """A dress rehearsal of a recipe on this machine before any GPU is paid for: the job as
     written (layout, strategy, engines, node groups, staleness, storage, checkpoints, the
     weight push and its probe) with a small stand-in of its model served under its hub id,
     and stand-in GPUs on Ray nodes here (compute on CPU). Trains steps 1-2, checkpoints,
-    resumes and trains step 3; exit 1 if any of it fails."""
+    resumes and trains step 3 (--no-resume: stops at the checkpoint); exit 1 if any of it
+    fails."""
     from rlx.recipe import load_recipe
     from rlx.trainer.rehearsal import change_lines, plan_rehearsal, rehearse, report_lines
 
@@ -556,7 +560,7 @@ def rehearse(
         typer.echo(line)
     if dry_run:
         return
-    result = rehearse(loaded)
+    result = rehearse(loaded, resume=resume)
     for line in report_lines(result, str(recipe)):
         typer.echo(line)
     if not result.passed:

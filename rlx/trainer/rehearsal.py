@@ -286,17 +286,19 @@ class RehearsalResult:
     run_id: str
     runs: list[RunOutcome]
     checkpoints: str | None
+    resumed: bool = True  # the resume was asked for (`rlx rehearse --no-resume`: not)
 
     @property
     def passed(self) -> bool:
-        first, second = self.runs[0], self.runs[-1]
+        first, last = self.runs[0], self.runs[-1]
+        steps = STEPS if self.resumed else CHECKPOINT_STEP
         return (
-            len(self.runs) == 2
+            len(self.runs) == (2 if self.resumed else 1)
             and first.state == "SUCCEEDED"
             and first.last_step == CHECKPOINT_STEP
-            and second.state == "SUCCEEDED"
-            and second.last_step == STEPS
-            and second.steps_logged == list(range(1, STEPS + 1))
+            and last.state == "SUCCEEDED"
+            and last.last_step == steps
+            and last.steps_logged == list(range(1, steps + 1))
         )
 
 
@@ -376,11 +378,12 @@ def rehearse(
     hub_cache: Path | None = None,
     run_id: str | None = None,
     out: TextIO | None = None,
+    resume: bool = True,
 ) -> RehearsalResult:
     """Plan the rehearsal, build the stand-in models, bring the Ray nodes up here (or join
     `address`, whose nodes a caller brought up with this hub cache in their environment),
-    train steps 1-2 and then resume for step 3, each a run of `rlx train` as on a cluster's
-    head. The recipe's env is set for the runs, as on its nodes."""
+    train steps 1-2 and then (`resume`) resume for step 3, each a run of `rlx train` as on a
+    cluster's head. The recipe's env is set for the runs, as on its nodes."""
     from rlx.trainer.main import run_training
 
     env = dict(os.environ if env is None else env)
@@ -404,7 +407,7 @@ def rehearse(
             address = stack.enter_context(ray_nodes(plan.nodes))
         run_env = {**env, **values, "RAY_ADDRESS": address}
         runs = []
-        for steps in (CHECKPOINT_STEP, STEPS):
+        for steps in (CHECKPOINT_STEP, STEPS) if resume else (CHECKPOINT_STEP,):
             runs.append(_run(plan.recipe, steps, run_env, run_training))
             if runs[-1].state != "SUCCEEDED":
                 break
@@ -413,7 +416,7 @@ def rehearse(
     assert plan.recipe.trainer is not None
     paths = run_paths(plan.recipe.name, plan.recipe.trainer, {"RLX_RUN_ID": run_id})
     checkpoints = None if paths.checkpoints is None else str(paths.checkpoints)
-    return RehearsalResult(plan, run_id, runs, checkpoints)
+    return RehearsalResult(plan, run_id, runs, checkpoints, resume)
 
 
 def _run(recipe: Recipe, steps: int, env: dict[str, str], run_training: Any) -> RunOutcome:

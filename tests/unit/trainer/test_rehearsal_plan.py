@@ -9,7 +9,14 @@ import pytest
 
 from rlx.errors import RlxError
 from rlx.recipe import load_recipe, parse_recipe
-from rlx.trainer.rehearsal import RayNode, plan_rehearsal
+from rlx.trainer.rehearsal import (
+    CHECKPOINT_STEP,
+    STEPS,
+    RayNode,
+    RehearsalResult,
+    RunOutcome,
+    plan_rehearsal,
+)
 from tests.conftest import RECIPES
 from tests.support.cli import assert_one_line_error, invoke
 from tests.support.recipes import write_shipped_variant
@@ -95,3 +102,16 @@ def test_nodes_that_never_start_in_time_are_one_line_and_other_errors_pass_throu
 
     with pytest.raises(ValueError, match="num_gpus"):
         started_on_a_busy_machine(broken, "the rehearsal's Ray nodes")
+
+
+def test_a_rehearsal_without_its_resume_passes_on_the_checkpoint_run_alone() -> None:
+    plan = plan_rehearsal(load_recipe(RECIPES / "gsm8k-grpo.yaml").recipe)
+    saved = RunOutcome("SUCCEEDED", CHECKPOINT_STEP, [1, 2], 1.0)
+    resumed = RunOutcome("SUCCEEDED", STEPS, [1, 2, 3], 1.0)
+    assert RehearsalResult(plan, "r", [saved], "gs://b", resumed=False).passed
+    assert RehearsalResult(plan, "r", [saved, resumed], "gs://b").passed
+    # Asked for, the resume must have run and reached step 3.
+    assert not RehearsalResult(plan, "r", [saved], "gs://b").passed
+    stopped = RunOutcome("FAILED", None, [1, 2], 1.0, "an error")
+    assert not RehearsalResult(plan, "r", [saved, stopped], "gs://b").passed
+    assert not RehearsalResult(plan, "r", [stopped], "gs://b", resumed=False).passed
