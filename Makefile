@@ -17,7 +17,7 @@ BIN := $(VENV)/bin
 # a host test on its own, the longest first (tests/support/schedule.py has the schedule).
 TEST_WORKERS ?= 3
 
-.PHONY: demo test test-fast lint lock bench clean
+.PHONY: demo test test-fast lint lock bench clean system-packages
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,7 +31,7 @@ $(VENV)/.train: $(BIN)/python pyproject.toml
 # The test environment is .ci/requirements.lock, installed as it is (no resolution) by uv,
 # with the package indexes pip is configured with: a minute, where pip's resolve-and-install
 # takes four. `make lock` writes that file again after a dependency changes.
-$(VENV)/.dev: $(BIN)/python .ci/requirements.lock pyproject.toml $(VENV)/.azurite
+$(VENV)/.dev: $(BIN)/python .ci/requirements.lock pyproject.toml
 	$(BIN)/pip install --quiet "$(UV_SPEC)"
 	$(BIN)/uv pip install --quiet --python $(BIN)/python --no-deps --compile-bytecode \
 	  --index-strategy unsafe-best-match $$($(BIN)/python .ci/pip-indexes) -r .ci/requirements.lock
@@ -68,9 +68,15 @@ $(VENV)/.azurite: $(BIN)/python
 demo: $(VENV)/.train
 	$(BIN)/rlx launch recipes/quickstart.yaml
 
-test: $(VENV)/.dev
-	@if [ "$$(id -u)" = 0 ] && [ -x .ci/setup-system ]; then .ci/setup-system; fi
+# The virtualenv, Azurite and the system packages the host tests need (as root; nothing when
+# they are there) install side by side: uv, npm and apt each wait on downloads most of their
+# minute or two.
+test:
+	@$(MAKE) --no-print-directory -j3 $(VENV)/.dev $(VENV)/.azurite system-packages
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
+system-packages:
+	@if [ "$$(id -u)" = 0 ] && [ -x .ci/setup-system ]; then .ci/setup-system; fi
 
 # The unit tier only: no process, Ray, server or emulated host (a minute or two).
 test-fast: $(VENV)/.dev
