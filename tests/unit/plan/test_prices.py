@@ -223,9 +223,7 @@ def test_cheaper_choice_compares_what_the_recipe_pays(tmp_path: Path):
     assert says("[H100:8, A100-80GB:8]", fitting=("H100:8",)) is None
 
 
-def test_lint_warns_with_prices_and_says_nothing_of_cost_without(
-    tmp_path: Path, no_catalog: Path
-):
+def test_lint_warns_with_prices_and_says_nothing_of_cost_without(tmp_path: Path, no_catalog: Path):
     path = choice_recipe(tmp_path, "[H100:8, A100-80GB:8]")
     without = runner.invoke(app, ["lint", "--strict", str(path)])
     assert without.exit_code == 0, without.output
