@@ -23,7 +23,7 @@ from rlx.launchers.spec import LAUNCH_OPTIONS, BackendSpec
 from rlx.node import env as node_env
 
 if TYPE_CHECKING:
-    from rlx.launchers.base import Job, LaunchRequest
+    from rlx.launchers.base import Job, JobStatus, LaunchRequest
     from rlx.recipe import Recipe
 
 app = typer.Typer(
@@ -460,7 +460,7 @@ def status(
         typer.echo(no_prices("rlx status"))
 
 
-def _job_status(job: Job, one: bool) -> tuple[Any, str]:
+def _job_status(job: Job, one: bool) -> tuple[JobStatus | None, str]:
     """A job's status and its detail; with several jobs, a backend that cannot say is a
     row (no status, the error as its detail), not the end of the table."""
     from rlx.errors import RlxError

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from typer.testing import CliRunner
@@ -226,3 +227,48 @@ def test_the_registry_keeps_the_launch_time_and_reads_older_records(folder: Path
     del record["ended_at"]  # a record from before ended_at
     path.write_text(json.dumps(record))
     assert recall("j", folder).ended_at is None
+
+
+# --------------------------------------------------------------------------- each backend's "up"
+
+
+def test_a_skypilot_cluster_is_up_until_it_is_torn_down(monkeypatch):
+    from rlx.launchers.sky import ops as sky_ops
+
+    answers: dict[str, object] = {}
+    fake = SimpleNamespace(
+        status=lambda names, all_users: "status",
+        job_status=lambda name, ids: "job_status",
+        get=lambda request: answers[request],
+    )
+    monkeypatch.setattr(sky_ops, "_sky", lambda: fake)
+    job = Job("c", "sky", "c", "c.yaml", "")
+    answers.update(status=[{"status": "UP"}], job_status={1: "SUCCEEDED"})
+    done = sky_ops.status(job)
+    assert done.state == "SUCCEEDED" and done.is_up  # autostop has not taken it down yet
+    answers.update(status=[{"status": "STOPPED"}])
+    assert not sky_ops.status(job).is_up
+    answers.update(status=[])
+    assert not sky_ops.status(job).is_up
+
+
+@pytest.mark.parametrize(
+    "state,up", [("PENDING", False), ("CONFIGURING", True), ("RUNNING", True), ("COMPLETED", False)]
+)
+def test_a_slurm_job_is_up_while_it_holds_its_nodes(monkeypatch, state: str, up: bool):
+    from rlx.launchers.slurm import ops as slurm_ops
+
+    monkeypatch.setattr(slurm_ops, "job_state", lambda job: (state, None, ""))
+    monkeypatch.setattr(slurm_ops, "_progress", lambda job: "")
+    assert slurm_ops.status(Job("s", "slurm", "7", "s.yaml", "")).is_up is up
+
+
+def test_a_local_job_is_up_while_its_launching_process_is(monkeypatch, tmp_path: Path):
+    from rlx.launchers.local import ops as local_ops
+
+    job = Job("l", "local", "123", "l.yaml", "", extra={"exit_code": "0"}, ended_at=50.0)
+    monkeypatch.setattr(local_ops, "_pid_running", lambda job: False)
+    ended = local_ops.status(job)
+    assert (ended.state, ended.is_up, ended.ended_at) == ("SUCCEEDED", False, 50.0)
+    monkeypatch.setattr(local_ops, "_pid_running", lambda job: True)
+    assert local_ops.status(job).is_up  # its summary still printing: still up
