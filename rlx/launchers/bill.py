@@ -91,9 +91,9 @@ def hours_up(
 def job_bill(job: Job, status: JobStatus | None, prices: Prices | None, now: float) -> Bill:
     """A job's bill from its record and its status (None: the backend could not say)."""
     up = None if status is None else status.is_up
-    ended = status.ended_at if status is not None and status.ended_at is not None else None
-    if ended is None:
-        ended = job.ended_at
+    # the backend's own record of the end first (a local run's result.json), else rlx's
+    ended = status.ended_at if status is not None else None
+    ended = ended if ended is not None else job.ended_at
     hours = hours_up(job.launched_at, up, ended, now)
     recipe = job.launched_recipe()
     rate = None if prices is None or recipe is None else hourly_rate(recipe, prices)
