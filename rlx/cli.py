@@ -23,7 +23,7 @@ from rlx.launchers.spec import LAUNCH_OPTIONS, BackendSpec
 from rlx.node import env as node_env
 
 if TYPE_CHECKING:
-    from rlx.launchers.base import Job, LaunchRequest
+    from rlx.launchers.base import Job, JobStatus, LaunchRequest
     from rlx.recipe import Recipe
 
 app = typer.Typer(
@@ -130,19 +130,31 @@ def lint(
     output_format: LintFormat = typer.Option(
         LintFormat.text, "--format", help="text, or github for GitHub Actions annotations."
     ),
+    prices: Path | None = typer.Option(
+        None,
+        "--prices",
+        help="Warn when an accelerator alternative that fits costs less an hour than the "
+        "first preference, with prices from this CSV file in the columns of SkyPilot's "
+        "vms.csv (default: SkyPilot's catalog in ~/.sky/catalogs where it is; else no cost "
+        "check).",
+    ),
 ) -> None:
     """Check recipes before anyone pays for a GPU: schema, then semantic checks.
 
     One line per finding, `path:line: severity: field: message`. Exit 1 on any error (and on
     warnings with --strict)."""
     from rlx.lint import lint_file, recipe_files
+    from rlx.lint.prices import cheaper_check
+    from rlx.plan.prices import load_prices
 
     files = recipe_files(paths)
     if not files:
         fail(f"no recipe files (*.yaml, *.yml) under {', '.join(map(str, paths))}")
+    price_data = load_prices(prices)
+    extra = [] if price_data is None else [cheaper_check(price_data)]
     errors = warnings = 0
     for file in files:
-        for finding in lint_file(file):
+        for finding in lint_file(file, extra):
             if finding.severity == "error":
                 errors += 1
             else:
@@ -233,7 +245,7 @@ def plan(
 
     from rlx.errors import RecipeError
     from rlx.plan.planner import plan_alternatives
-    from rlx.plan.prices import NO_PRICES, load_prices, price_alternatives
+    from rlx.plan.prices import NO_PRICES, cheaper_choice, load_prices, price_alternatives
     from rlx.plan.report import print_alternatives, print_plan, print_prices
     from rlx.recipe import load_recipe
 
@@ -252,6 +264,10 @@ def plan(
     several = len(alternatives) > 1
     priced = None if price_data is None else price_alternatives(loaded.recipe, price_data)
     on_gpus = loaded.recipe.resources.total_gpus > 0
+    cheaper = None
+    if priced is not None and price_data is not None:
+        fitting = {a.label for a in alternatives if a.fits}
+        cheaper = cheaper_choice(loaded.recipe, priced, fitting, price_data.source)
     if as_json:
         out = result.to_json()
         if several:
@@ -260,7 +276,11 @@ def plan(
             out["prices"] = (
                 {"missing": NO_PRICES}
                 if priced is None or price_data is None
-                else {"source": price_data.source, "alternatives": [p.to_json() for p in priced]}
+                else {
+                    "source": price_data.source,
+                    "alternatives": [p.to_json() for p in priced],
+                    "cheaper": cheaper,
+                }
             )
         typer.echo(json.dumps(out, indent=2))
     else:
@@ -268,7 +288,7 @@ def plan(
             print_alternatives(alternatives)
         print_plan(result)
         if on_gpus:
-            print_prices(priced, price_data.source if price_data else "")
+            print_prices(priced, price_data.source if price_data else "", cheaper)
     if not all(a.fits for a in alternatives):
         raise typer.Exit(1)
 
@@ -315,6 +335,8 @@ def launch(
     ),
 ) -> None:
     """Submit a recipe to a backend (default: run it here) and remember the job."""
+    import time
+
     from rlx.launchers.base import LaunchRequest, collect_secrets, remember
     from rlx.lint import lint_loaded
     from rlx.recipe import load_recipe
@@ -351,6 +373,8 @@ def launch(
         keep=keep,
     )
     job = launchers.operations(backend.value).launch(request)
+    if "exit_code" in job.extra:  # followed to its end here
+        job.ended_at = time.time()
     remember(job, Path.cwd())
     code = int(job.extra.get("exit_code", "0"))
     _after_launch(job, request)
@@ -398,22 +422,56 @@ def _refuse_options_not_taken(chosen: BackendSpec, given: dict[str, bool]) -> No
 
 @app.command()
 @expected_errors
-def status(name: str | None = typer.Argument(None, help="Job name (default: all).")) -> None:
-    """Show the state of launched jobs."""
+def status(
+    name: str | None = typer.Argument(None, help="Job name (default: all)."),
+    prices: Path | None = typer.Option(
+        None,
+        "--prices",
+        help="Hourly prices from this CSV file, in the columns of SkyPilot's vms.csv "
+        "(default: SkyPilot's catalog in ~/.sky/catalogs where it is).",
+    ),
+) -> None:
+    """Show the state of launched jobs: whether each is still up (billed), the hours it has
+    been up, and, where prices are known, its hourly price and the spend so far."""
+    import time
+
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from rlx.launchers.base import recall, recall_all
+    from rlx.launchers.bill import job_bill
+    from rlx.plan.prices import load_prices, no_prices
 
     jobs = [recall(name, Path.cwd())] if name else recall_all(Path.cwd())
     if not jobs:
         typer.echo("no jobs launched from this folder yet (rlx launch RECIPE)", err=True)
         return
-    table = Table("name", "backend", "id", "state", "detail")
+    price_data = load_prices(prices)
+    now = time.time()
+    table = Table("name", "backend", "id", "state", "up", "hours", "$/hour", "spend", "detail")
     for job in jobs:
-        state = launchers.operations(job.backend).status(job)
-        table.add_row(job.name, job.backend, job.handle, state.state, state.detail)
+        found, detail = _job_status(job, one=name is not None)
+        bill = job_bill(job, found, price_data, now)
+        state = found.state if found is not None else "UNKNOWN"
+        table.add_row(job.name, job.backend, job.handle, state, *bill.cells(), escape(detail))
     Console(soft_wrap=True).print(table)
+    if price_data is None:
+        typer.echo(no_prices("rlx status"))
+
+
+def _job_status(job: Job, one: bool) -> tuple[JobStatus | None, str]:
+    """A job's status and its detail; with several jobs, a backend that cannot say is a
+    row (no status, the error as its detail), not the end of the table."""
+    from rlx.errors import RlxError
+
+    try:
+        found = launchers.operations(job.backend).status(job)
+    except RlxError as exc:
+        if one:
+            raise
+        return None, f"status unknown: {exc}"
+    return found, found.detail
 
 
 @app.command()
@@ -432,13 +490,68 @@ def logs(
 
 @app.command()
 @expected_errors
-def down(name: str = typer.Argument(..., help="Job name.")) -> None:
-    """Stop a job and release what it holds."""
+def down(
+    name: str | None = typer.Argument(None, help="Job name."),
+    every: bool = typer.Option(
+        False, "--all", help="Every job launched from this folder that is still up."
+    ),
+) -> None:
+    """Stop a job and release what it holds; with --all, every job from this folder that is
+    still up (one line each; exit 1 naming those that did not stop)."""
     from rlx.launchers.base import recall
 
-    job = recall(name, Path.cwd())
-    launchers.operations(job.backend).down(job)
-    typer.echo(f"stopped {name}", err=True)
+    if name is not None and every:
+        fail("rlx down takes a job NAME or --all, not both")
+    if name is None and not every:
+        fail("rlx down needs a job NAME, or --all for every job from this folder still up")
+    if name is not None:
+        job = recall(name, Path.cwd())
+        launchers.operations(job.backend).down(job)
+        _ended(job)
+        typer.echo(f"stopped {name}", err=True)
+        return
+    _down_all()
+
+
+def _ended(job: Job) -> None:
+    """Record when rlx took the job down (what `rlx status` counts its hours to)."""
+    import time
+
+    from rlx.launchers.base import remember
+
+    job.ended_at = time.time()
+    remember(job, Path.cwd())
+
+
+def _down_all() -> None:
+    from rlx.errors import RlxError
+    from rlx.launchers.base import recall_all
+
+    jobs = recall_all(Path.cwd())
+    failed, stopped = [], 0
+    for job in jobs:
+        ops = launchers.operations(job.backend)
+        try:
+            up = ops.status(job).is_up
+        except RlxError as exc:
+            typer.echo(f"did not stop {job.name}: cannot tell whether it is up: {exc}", err=True)
+            failed.append(job.name)
+            continue
+        if not up:
+            continue
+        try:
+            ops.down(job)
+        except RlxError as exc:
+            typer.echo(f"did not stop {job.name}: {exc}", err=True)
+            failed.append(job.name)
+            continue
+        _ended(job)
+        stopped += 1
+        typer.echo(f"stopped {job.name}", err=True)
+    if failed:
+        fail(f"{len(failed)} job(s) did not stop: {', '.join(failed)} (see above; rlx status)")
+    if not stopped:
+        typer.echo(f"nothing up among the {len(jobs)} job(s) launched from this folder", err=True)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

@@ -67,6 +67,8 @@ class Job:
     launched_at: float = field(default_factory=time.time)
     extra: dict[str, str] = field(default_factory=dict)
     recipe: str = ""  # the recipe as launched, as JSON ("" in records of older rlx versions)
+    # When rlx saw it end: `rlx down` took it down, or a launch that followed it returned.
+    ended_at: float | None = None
 
     def launched_recipe(self) -> Recipe | None:
         """The recipe this job was launched with; None where the record does not hold one
@@ -81,6 +83,9 @@ class Job:
             return None
 
 
+UP_STATES = ("PENDING", "RUNNING")
+
+
 @dataclass(frozen=True)
 class JobStatus:
     name: str
@@ -88,6 +93,15 @@ class JobStatus:
     state: str  # PENDING | RUNNING | SUCCEEDED | FAILED | CANCELLED | UNKNOWN
     detail: str = ""
     exit_code: int | None = None
+    # Whether what the job runs on is still up (and billed), where the backend knows better
+    # than the state: a SkyPilot cluster whose job is done but which is not yet torn down, a
+    # Slurm job still queued. None: as the state says (UP_STATES).
+    up: bool | None = None
+    ended_at: float | None = None  # when it ended, where the backend's record says
+
+    @property
+    def is_up(self) -> bool:
+        return self.up if self.up is not None else self.state in UP_STATES
 
 
 def collect_secrets(recipe: Recipe, env: Mapping[str, str]) -> dict[str, str]:

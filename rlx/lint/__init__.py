@@ -9,11 +9,13 @@ nodes), groups.py (resources.groups), secrets.py, sources.py (prompt files, the 
 function, the context window), storage.py; each backend's own checks
 live in its package (rlx/launchers/<name>/checks.py, named in its BackendSpec). all_checks()
 lists them all; lint_loaded runs them on a loaded file and points every problem at its line.
+prices.py checks cost against prices from outside the recipe, so `rlx lint` adds its check
+only when it has prices (a price file, SkyPilot's catalog cache).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from rlx.errors import Finding, RecipeError, RlxError
@@ -102,17 +104,18 @@ def refuse_at_startup(recipe: Recipe) -> None:
         raise RlxError(f"{dotted(first.field)}: {first.message}{more}")
 
 
-def lint_loaded(lr: LoadedRecipe) -> list[Finding]:
+def lint_loaded(lr: LoadedRecipe, extra: Sequence[Check] = ()) -> list[Finding]:
+    """Every check's findings (and those of `extra`, checks made for this run of lint)."""
     findings = [
         lr.finding(problem.field, problem.severity, problem.message)
-        for check in all_checks()
+        for check in [*all_checks(), *extra]
         for problem in check(lr.recipe)
     ]
     # Per field, errors (what blocks the launch) before warnings (what may follow from them).
     return sorted(findings, key=lambda f: (f.line, f.field, f.severity != ERROR, f.message))
 
 
-def lint_file(path: str | Path) -> list[Finding]:
+def lint_file(path: str | Path, extra: Sequence[Check] = ()) -> list[Finding]:
     """Every finding for one recipe file: schema errors, or else the semantic checks."""
     try:
         loaded = load_recipe(path)
@@ -120,7 +123,7 @@ def lint_file(path: str | Path) -> list[Finding]:
         return exc.findings
     except RlxError as exc:
         return [Finding(str(path), 1, ERROR, "(recipe)", str(exc).split(": ", 1)[-1])]
-    return lint_loaded(loaded)
+    return lint_loaded(loaded, extra)
 
 
 def recipe_files(paths: Iterable[str | Path]) -> list[Path]:

@@ -7,8 +7,9 @@ prices has no price, and with no price data at all the plan says how to get some
 An offer is a catalog row: an instance type that comes with the accelerators (name and
 count as the recipe writes them, SkyPilot's names), its on-demand Price and SpotPrice per hour,
 its Region; vCPUs and MemoryGiB, where the file has them, must meet the recipe's cpus and
-memory. A row with no instance type prices a GPU apart from any machine (GCP's attachable
-GPUs): no node price, so it is left out. The cheapest offer in the recipe's places wins.
+memory. A row with no accelerator is a CPU machine, what prices a node that asks for none. A
+row with no instance type prices a GPU apart from any machine (GCP's attachable GPUs): no
+node price, so it is left out. The cheapest offer in the recipe's places wins.
 """
 
 from __future__ import annotations
@@ -30,12 +31,20 @@ COLUMNS = ("InstanceType", "AcceleratorName", "AcceleratorCount", "Price", "Spot
 OPTIONAL = ("vCPUs", "MemoryGiB")
 CATALOG = Path(".sky") / "catalogs"
 VERSION = re.compile(r"v([0-9]+)")
-NO_PRICES = (
-    "prices: none on this machine; SkyPilot keeps its catalog in ~/.sky/catalogs once it has "
-    "looked up offers (e.g. `sky show-gpus`), or name a file with its columns ("
-    + ", ".join(COLUMNS)
-    + "): rlx plan --prices FILE"
-)
+CPU = "CPU"  # what a node that asks for no accelerator is priced as
+
+
+def no_prices(command: str) -> str:
+    """The one line said in place of any figure when there is no price data."""
+    return (
+        "prices: none on this machine; SkyPilot keeps its catalog in ~/.sky/catalogs once it "
+        "has looked up offers (e.g. `sky show-gpus`), or name a file with its columns ("
+        + ", ".join(COLUMNS)
+        + f"): {command} --prices FILE"
+    )
+
+
+NO_PRICES = no_prices("rlx plan")
 
 
 @dataclass(frozen=True)
@@ -45,8 +54,8 @@ class Offer:
     cloud: str  # the catalog's cloud folder; "" for a price file's rows
     region: str
     instance_type: str
-    accelerator: str
-    count: float
+    accelerator: str  # "" for a CPU machine
+    count: float  # 0 for a CPU machine
     vcpus: float | None
     memory_gib: float | None
     price: float | None  # on-demand, dollars an hour
@@ -101,15 +110,16 @@ def read_offers(path: Path, cloud: str = "") -> list[Offer]:
 
 
 def _offer(row: Mapping[str, str | None], cloud: str, where: str) -> Offer | None:
-    instance, accelerator = (row["InstanceType"] or "").strip(), (row["AcceleratorName"] or "")
-    count = _number(row["AcceleratorCount"], "AcceleratorCount", where)
-    if not instance or not accelerator.strip() or not count:
-        return None  # no machine to price, or no accelerator on it
+    instance = (row["InstanceType"] or "").strip()
+    accelerator = (row["AcceleratorName"] or "").strip()
+    count = _number(row["AcceleratorCount"], "AcceleratorCount", where) or 0.0
+    if not instance or bool(accelerator) != bool(count):
+        return None  # no machine to price, or an accelerator without a count (or the reverse)
     return Offer(
         cloud=cloud,
         region=(row["Region"] or "").strip(),
         instance_type=instance,
-        accelerator=accelerator.strip(),
+        accelerator=accelerator,
         count=count,
         vcpus=_number(row.get("vCPUs"), "vCPUs", where),
         memory_gib=_number(row.get("MemoryGiB"), "MemoryGiB", where),
@@ -228,12 +238,15 @@ def _cheapest(offers: Iterable[Offer], spot: bool) -> Offer | None:
 
 
 def node_price(prices: Prices, group: str, shape: NodeGroup, places: list[str]) -> NodePrice:
-    (accelerator,) = shape.accelerator_options
+    """The cheapest offers for one kind of node: its accelerators, or a CPU machine when it
+    asks for none."""
+    options = shape.accelerator_options
+    name, count = (options[0].type.lower(), options[0].count) if options else ("", 0)
     fitting = [
         o
         for o in prices.offers
-        if o.accelerator.lower() == accelerator.type.lower()
-        and o.count == accelerator.count
+        if o.accelerator.lower() == name
+        and o.count == count
         and _at_least(shape.cpus, o.vcpus)
         and _at_least(shape.memory, o.memory_gib)
         and _in_places(o, places)
@@ -241,20 +254,54 @@ def node_price(prices: Prices, group: str, shape: NodeGroup, places: list[str]) 
     return NodePrice(
         group,
         shape.nodes,
-        str(accelerator),
+        str(options[0]) if options else CPU,
         _cheapest(fitting, spot=False),
         _cheapest(fitting, spot=True),
     )
 
 
 def price_alternatives(recipe: Recipe, prices: Prices) -> list[AlternativePrice]:
-    """An hourly price for every accelerator alternative of the recipe ([] for CPU nodes)."""
+    """An hourly price for every accelerator alternative of the recipe, the first preference
+    first (a recipe of CPU nodes: one, its CPU machines)."""
     out = []
     for label, alternative in recipe.alternatives():
         res = alternative.resources
         kinds = res.node_groups() or [("", res.group("train"))]
-        if any(not shape.accelerator_options for _, shape in kinds):
-            continue
         nodes = tuple(node_price(prices, name, shape, recipe.places) for name, shape in kinds)
         out.append(AlternativePrice(label, nodes))
     return out
+
+
+def cheaper_choice(
+    recipe: Recipe, priced: list[AlternativePrice], fitting: set[str], source: str
+) -> str | None:
+    """When the recipe lists its accelerators in order of preference and an alternative
+    that fits (`fitting`: labels) costs less an hour than the first, a line that says which
+    and by how much: spot prices for a spot-only recipe, else on-demand. None when the first
+    is the cheapest that fits, when either side has no price, or when the alternatives are a
+    set (no preference: the backend picks). What lint warns and `rlx plan` says."""
+    kinds = recipe.resources.node_groups() or [("", recipe.resources.group("train"))]
+    if len(priced) < 2 or not all(
+        shape.accelerators_ordered for _, shape in kinds if len(shape.accelerator_options) > 1
+    ):
+        return None
+    spot = recipe.resources.spot is True
+    first, kind = priced[0], "spot" if spot else "on-demand"
+    first_price = first.cluster(spot=spot)
+    if first_price is None:
+        return None
+    others = [
+        (price, p.label)
+        for p in priced[1:]
+        if p.label in fitting and (price := p.cluster(spot=spot)) is not None
+    ]
+    if not others:
+        return None
+    price, label = min(others)
+    if price >= first_price:
+        return None
+    return (
+        f"{label} fits too and costs ${price:,.2f} an hour {kind} for the cluster, against "
+        f"${first_price:,.2f} for the first preference {first.label} (prices from {source}); "
+        f"list {label} first if the cheaper one will do"
+    )

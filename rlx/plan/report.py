@@ -239,8 +239,11 @@ def price_lines(priced: list[AlternativePrice], source: str) -> list[str]:
     return lines
 
 
-def print_prices(priced: list[AlternativePrice] | None, source: str) -> None:
-    """The prices, or the one line that says how to get them (None: no price data)."""
+def print_prices(
+    priced: list[AlternativePrice] | None, source: str, cheaper: str | None = None
+) -> None:
+    """The prices, or the one line that says how to get them (None: no price data); then
+    the cheaper alternative that fits, when there is one (prices.cheaper_choice)."""
     from rich.console import Console
     from rich.markup import escape
 
@@ -248,3 +251,5 @@ def print_prices(priced: list[AlternativePrice] | None, source: str) -> None:
     console.print()
     for line in [NO_PRICES] if priced is None else price_lines(priced, source):
         console.print(escape(line))
+    if cheaper is not None:
+        console.print(f"[yellow]cheaper:[/] {escape(cheaper)}")

@@ -124,6 +124,8 @@ RUN_STATES = {
     "done": "SUCCEEDED",
     "failed": "FAILED",
 }
+# The run states in which it holds instances (submitted and pending ones wait for them).
+HOLDING = ("provisioning", "running", "terminating")
 ENDED_BY = {  # run termination reason -> rlx state
     "all_jobs_done": "SUCCEEDED",
     "stopped_by_user": "CANCELLED",
@@ -302,10 +304,12 @@ def status(job: Job) -> JobStatus:
             detail = f"no run {job.handle} on the server (see `dstack ps -a`)"
             return JobStatus(job.name, BACKEND.name, "UNKNOWN", detail)
         raise
-    found = verdict(view(run))
+    seen = view(run)
+    found = verdict(seen)
     got = provisioned(run)
     detail = found.detail + (f"; {got}" if got and found.detail else got)
-    return JobStatus(job.name, BACKEND.name, found.state, detail, found.exit_code)
+    up = seen.status in HOLDING
+    return JobStatus(job.name, BACKEND.name, found.state, detail, found.exit_code, up=up)
 
 
 def provisioned(run: Any) -> str:

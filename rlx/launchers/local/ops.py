@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -129,6 +130,13 @@ def _pid_running(job: Job) -> bool:
 
 
 def status(job: Job) -> JobStatus:
+    found = _status(job)
+    # Up while the launching process is: the run's Ray and every process it starts end with it.
+    ended = found.ended_at if found.ended_at is not None else job.ended_at
+    return replace(found, up=_pid_running(job), ended_at=ended)
+
+
+def _status(job: Job) -> JobStatus:
     from rlx.runs import read_result
 
     running = _pid_running(job)
@@ -141,6 +149,7 @@ def status(job: Job) -> JobStatus:
             return JobStatus(job.name, BACKEND.name, state, f"exit code {code}", code)
         state = "RUNNING" if running else "UNKNOWN"
         return JobStatus(job.name, BACKEND.name, state, "starting" if running else "no record")
+    ended = record.finished
     if record.state == "RUNNING":
         if not running:
             return JobStatus(
@@ -148,6 +157,7 @@ def status(job: Job) -> JobStatus:
                 BACKEND.name,
                 "FAILED",
                 f"stopped without finishing (pid {job.handle} is gone)",
+                ended_at=ended,
             )
         from rlx.runs import progress_detail
 
@@ -158,8 +168,10 @@ def status(job: Job) -> JobStatus:
         if record.first_reward_window is not None and record.last_reward_window is not None:
             first, last = record.first_reward_window, record.last_reward_window
             detail += f", reward {first:.3f} -> {last:.3f}"
-        return JobStatus(job.name, BACKEND.name, "SUCCEEDED", detail, 0)
-    return JobStatus(job.name, BACKEND.name, record.state, record.error or "", record.exit_code)
+        return JobStatus(job.name, BACKEND.name, "SUCCEEDED", detail, 0, ended_at=ended)
+    return JobStatus(
+        job.name, BACKEND.name, record.state, record.error or "", record.exit_code, ended_at=ended
+    )
 
 
 def _log_path(job: Job) -> Path:

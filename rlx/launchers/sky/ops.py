@@ -202,22 +202,25 @@ def _managed_status(sky: Any, job: Job) -> JobStatus:
 
 
 def _cluster_status(sky: Any, job: Job) -> JobStatus:
+    # Up (billed) while the cluster is, whatever its job's state: done, it still holds the
+    # nodes until autostop takes it down.
     records = sky.get(sky.status([job.handle], all_users=True))
     if not records:
-        return JobStatus(job.name, BACKEND.name, "UNKNOWN", f"no cluster {job.handle} (torn down?)")
+        detail = f"no cluster {job.handle} (torn down?)"
+        return JobStatus(job.name, BACKEND.name, "UNKNOWN", detail, up=False)
     cluster = state_name(records[0]["status"])
     if cluster == "INIT":
         return JobStatus(
-            job.name, BACKEND.name, "PENDING", "cluster INIT (provisioning or unhealthy)"
+            job.name, BACKEND.name, "PENDING", "cluster INIT (provisioning or unhealthy)", up=True
         )
-    if cluster != "UP":
-        return JobStatus(job.name, BACKEND.name, "UNKNOWN", f"cluster {cluster.lower()}")
+    if cluster != "UP":  # STOPPED: its disks are all that is left
+        return JobStatus(job.name, BACKEND.name, "UNKNOWN", f"cluster {cluster.lower()}", up=False)
     job_id = int(job.extra[JOB_ID]) if job.extra.get(JOB_ID) else None
     answer = sky.get(sky.job_status(job.handle, [job_id] if job_id is not None else None))
     state = state_name(next(iter(answer.values()), None) if answer else None)
     got = launched(records[0])
     detail = f"cluster up, job {state.lower()}" + (f"; {got}" if got else "")
-    return JobStatus(job.name, BACKEND.name, rlx_state(state), detail)
+    return JobStatus(job.name, BACKEND.name, rlx_state(state), detail, up=True)
 
 
 def launched(record: Any) -> str:

@@ -64,6 +64,10 @@ def _ship_wheel(logs_root: Path) -> Path:
     return shipped
 
 
+# The states in which a job holds its nodes (a PENDING one waits in the queue, holding none).
+HOLDING = ("CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED")
+
+
 def status(job: Job) -> JobStatus:
     state, code, reason = job_state(job)
     shown = STATE_NAMES.get(state, "FAILED" if state in TERMINAL else state)
@@ -79,7 +83,7 @@ def status(job: Job) -> JobStatus:
         )
         if x
     )
-    return JobStatus(job.name, BACKEND.name, shown, detail, code)
+    return JobStatus(job.name, BACKEND.name, shown, detail, code, up=state in HOLDING)
 
 
 def _progress(job: Job) -> str:

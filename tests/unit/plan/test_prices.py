@@ -156,7 +156,90 @@ def test_a_missing_price_file_is_one_line(tmp_path: Path):
     assert_one_line_error(result, f"{missing}: cannot read the price file")
 
 
-def test_rows_without_a_machine_or_an_accelerator_are_left_out():
+def test_rows_without_a_machine_are_left_out_and_cpu_machines_kept():
     offers = read_offers(PRICES)
-    assert all(o.instance_type and o.accelerator for o in offers)
-    assert len(offers) == 7
+    assert all(o.instance_type for o in offers)
+    assert len(offers) == 8
+    (cpu,) = [o for o in offers if not o.accelerator]
+    assert (cpu.instance_type, cpu.count, cpu.price) == ("m5.xlarge", 0.0, 0.2)
+    # a CPU recipe is priced by its CPU machines (rlx status); plan prints no prices for it
+    (alternative,) = price_alternatives(
+        load_recipe(RECIPES / "quickstart.yaml").recipe, load_prices(PRICES)
+    )
+    assert alternative.nodes[0].accelerator == "CPU"
+    assert alternative.cluster(spot=False) == 0.2
+
+
+CHOICE = """\
+name: choice
+resources:
+  nodes: 2
+  accelerators: {accelerators}
+  spot: {spot}
+trainer:
+  algorithm: grpo
+  model: {{path: Qwen/Qwen2.5-0.5B-Instruct}}
+  data: {{train: synthetic:letters_or_digits}}
+  reward: {{function: letters_or_digits}}
+  batch: {{prompts_per_step: 16, micro_batch_size: 2}}
+"""
+
+
+def choice_recipe(tmp_path: Path, accelerators: str, spot: str = "false") -> Path:
+    path = tmp_path / "choice.yaml"
+    path.write_text(CHOICE.format(accelerators=accelerators, spot=spot))
+    return path
+
+
+def test_plan_says_when_an_alternative_that_fits_is_cheaper(tmp_path: Path):
+    path = choice_recipe(tmp_path, "[H100:8, A100-80GB:8]")
+    result = runner.invoke(app, ["plan", str(path), "--prices", str(PRICES)])
+    assert result.exit_code == 0, result.output
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("cheaper:")]
+    assert "A100-80GB:8 fits too and costs $120.00 an hour on-demand" in line
+    assert "$200.00 for the first preference H100:8" in line
+    out = planned(str(path), "--prices", str(PRICES))["prices"]
+    assert out["cheaper"].startswith("A100-80GB:8 fits too")
+    # the cheaper one first: nothing to say
+    first = choice_recipe(tmp_path, "[A100-80GB:8, H100:8]")
+    assert planned(str(first), "--prices", str(PRICES))["prices"]["cheaper"] is None
+
+
+def test_cheaper_choice_compares_what_the_recipe_pays(tmp_path: Path):
+    from rlx.plan.prices import cheaper_choice
+
+    prices = load_prices(PRICES)
+
+    def says(accelerators: str, spot: str = "false", fitting=("H100:8", "A100-80GB:8")):
+        recipe = load_recipe(choice_recipe(tmp_path, accelerators, spot)).recipe
+        return cheaper_choice(recipe, price_alternatives(recipe, prices), set(fitting), "f")
+
+    assert says("[H100:8, A100-80GB:8]") is not None
+    # a set is no preference: the backend picks
+    assert says("{H100:8, A100-80GB:8}") is None
+    # spot only: the A100 machine has no spot price, so nothing to compare
+    assert says("[H100:8, A100-80GB:8]", spot="true") is None
+    # one that does not fit is no choice
+    assert says("[H100:8, A100-80GB:8]", fitting=("H100:8",)) is None
+
+
+def test_lint_warns_with_prices_and_says_nothing_of_cost_without(tmp_path: Path, no_catalog: Path):
+    path = choice_recipe(tmp_path, "[H100:8, A100-80GB:8]")
+    without = runner.invoke(app, ["lint", "--strict", str(path)])
+    assert without.exit_code == 0, without.output
+    assert "cheaper" not in without.output and "$" not in without.output
+    priced = runner.invoke(app, ["lint", "--strict", str(path), "--prices", str(PRICES)])
+    assert priced.exit_code == 1, priced.output
+    (warning,) = [line for line in priced.stdout.splitlines() if "fits too" in line]
+    assert ": warning: resources.accelerators: A100-80GB:8 fits too" in warning
+    # SkyPilot's catalog cache, once it is on the machine, is prices too
+    folder = no_catalog / ".sky" / "catalogs" / "v8" / "aws"
+    folder.mkdir(parents=True)
+    shutil.copyfile(PRICES, folder / "vms.csv")
+    cached = runner.invoke(app, ["lint", str(path)])
+    assert cached.exit_code == 0 and "catalogs/v8 (aws)" in cached.stdout, cached.output
+    bad = tmp_path / "bad.csv"
+    bad.write_text("InstanceType\n")
+    assert_one_line_error(
+        runner.invoke(app, ["lint", str(path), "--prices", str(bad)]), "missing AcceleratorName"
+    )
