@@ -182,10 +182,13 @@ class VLLMEngine(RolloutEngine):
         # workers are this job's own children.
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         self.llm = vllm.LLM(model=str(model_path), dtype=dtype, **options)
-        # The engine core in this very process (VLLM_ENABLE_V1_MULTIPROCESSING=0 with the
-        # "uni" executor): collective_rpc then calls the worker directly, nothing pickled.
+        # The engine core and its one worker in this very process (VLLM_ENABLE_V1_
+        # MULTIPROCESSING=0 with the "uni" executor): collective_rpc then calls the worker
+        # directly, nothing pickled. (A core here with tensor-parallel workers in processes
+        # of their own is not: what reaches the workers is pickled.)
         core = self.llm.llm_engine.engine_core
-        self.in_process = type(core).__name__ == "InprocClient"
+        executor = self.llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend
+        self.in_process = type(core).__name__ == "InprocClient" and executor == "uni"
         tokenizer = self.llm.get_tokenizer()
         self.pad_token_id: int = (
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

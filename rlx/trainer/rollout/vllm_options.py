@@ -26,8 +26,9 @@ def vllm_options(
     in_process (a colocated engine): vLLM runs in this very process, so the policy's tensors
     are handed over without a copy through host memory (GPU tensors stay on the GPU). One
     engine on CPU runs in-process too. A tensor-parallel engine runs on GPUs under vLLM's
-    Ray executor (the actor holding it lets that executor find Ray and the GPUs), on CPU in
-    processes, each bound to its share of this process's cores."""
+    Ray executor (the actor holding it lets that executor find Ray and the GPUs), on CPU with
+    its engine core in this process and its workers in processes, each bound to its share of
+    this process's cores."""
     rollout = settings.rollout
     options: dict[str, Any] = {
         "tensor_parallel_size": tensor_parallel,
@@ -48,6 +49,10 @@ def vllm_options(
         options["distributed_executor_backend"] = "ray" if use_gpu else "mp"
         if not use_gpu:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(tensor_parallel))
+            # The engine core in this process and only the workers in processes of their
+            # own: a process of its own for the core would import torch and vLLM once more
+            # (about 15 CPU-s) to run a loop that waits on the workers.
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     lora = settings.model.lora
     if lora is not None:
         # Pushes carry adapters: vLLM serves each version as one, the policy's and the

@@ -38,11 +38,14 @@ def test_the_executor_is_chosen_explicitly(
     gpu = vllm_options(settings, 2, str(tiny_model_dir), use_gpu=True)
     assert gpu["distributed_executor_backend"] == "ray" and gpu["tensor_parallel_size"] == 2
     # Set here only for the test (restored after it): the options bind a CPU engine's workers.
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "")
-    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+    for name in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_ENABLE_V1_MULTIPROCESSING"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     cpu = vllm_options(settings, 2, str(tiny_model_dir), use_gpu=False)
     assert cpu["distributed_executor_backend"] == "mp" and "gpu_memory_utilization" not in cpu
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == cpu_binding(2)
+    # The engine core in the actor's own process; only the workers have processes.
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     one = vllm_options(settings, 1, str(tiny_model_dir), use_gpu=True)
     assert "distributed_executor_backend" not in one  # one GPU: vLLM runs in the actor
     # A prompt, the longest response, and the one token the probe's request generates.

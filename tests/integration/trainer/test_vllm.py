@@ -194,6 +194,8 @@ def test_a_tensor_parallel_engine_generates_and_takes_pushes(tmp_path: Path, mon
     if (os.cpu_count() or 1) < 2:
         pytest.skip("tensor parallelism on CPU needs two cores")
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per worker
+    # As rlx runs one on CPU (vllm_options): the engine core here, the two workers apart.
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     folder = build_tiny_model(tmp_path / "model", hidden_size=128, seed=0)  # 2 heads of 64
     engine = VLLMEngine(
         folder,
@@ -206,6 +208,7 @@ def test_a_tensor_parallel_engine_generates_and_takes_pushes(tmp_path: Path, mon
         bucket_bytes=100_000,
     )
     try:
+        assert not engine.in_process  # the workers are not in this process: pushes pickled
         policy = _policy(folder)
         probe = Probe(PROMPTS[0], [48, 49, 50, 51, 52])
         first = engine.generate(PROMPTS, SamplingArgs(4, max_new_tokens=8), seed=3)
