@@ -59,6 +59,35 @@ EPISODE_LENGTH = "episode/length"  # tokens after the prompt, the model's and th
 VAL_PASS1 = "val/pass@1"  # greedy answers' mean reward on the held-out prompts
 CHECKPOINT_RETRIES = "checkpoint/retries"  # transient store errors retried, since the run began
 VAL_REWARD = "val/reward_mean"  # mean reward of validation.n samples per held-out prompt
+# Of the same validation.n samples per prompt (tasks/passk.py): pass@k for k = 1, 2, 4, ...
+# <= n (pass@1 named apart from the greedy VAL_PASS1), avg@n, maj@n, the mean length.
+VAL_PASS1_SAMPLED = "val/pass@1_sampled"
+VAL_RESPONSE_LENGTH = "val/response_length"
+VALIDATION_PREFIX = "val/"
+
+
+def val_metric(name: str) -> str:
+    """The val/* name of a tasks/passk.py summary key (pass@k, avg@n, maj@n,
+    response_length)."""
+    return VAL_PASS1_SAMPLED if name == "pass@1" else f"{VALIDATION_PREFIX}{name}"
+
+
+def validation_metrics(n: int, compares_answers: bool) -> list[str]:
+    """Every val/* metric a run logs with validation.n = n: greedy pass@1 and the mean
+    reward, then the sampled figures (maj@n only where the reward compares answers)."""
+    from rlx.trainer.tasks.passk import ks_up_to
+
+    passes = [val_metric(f"pass@{k}") for k in ks_up_to(n)]
+    majority = [val_metric(f"maj@{n}")] if compares_answers else []
+    return [
+        VAL_PASS1,
+        VAL_REWARD,
+        *passes,
+        val_metric(f"avg@{n}"),
+        *majority,
+        VAL_RESPONSE_LENGTH,
+    ]
+
 
 # Steps averaged for the start and end reward of the summary (one step alone is noisy).
 SUMMARY_WINDOW = 10
@@ -130,6 +159,9 @@ class RunResult:
     log: str | None = None
     checkpoints: str | None = None
     checkpoint_bytes: int | None = None  # size on disk of the last checkpoint saved
+    # checkpoint.best's step: {metric, mode, step, value, checkpoint}; None when unset or
+    # while no validated step is saved
+    best: dict[str, Any] | None = None
     gpu_peak_gib: float | None = None  # the largest GPU_PEAK of the run (GPU runs)
     plan_gpu_gib: float | None = None  # what `rlx plan` gives a training GPU at its peak
     # the accelerator the job got (alternative, device, memory, count, cloud, region, spot)

@@ -68,6 +68,7 @@ STARTUP_CHECKS: tuple[Check, ...] = (
     trainer.check_trainer_specs,
     trainer.check_reward_secrets,
     trainer.check_packing_budget,
+    trainer.check_checkpoint_best,
     lora.check_lora_target_modules,
     lora.check_lora_rank_servable,
     groups.check_groups_layout,

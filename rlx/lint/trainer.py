@@ -1,6 +1,7 @@
 """Checks of the trainer section: batch sizes against the ranks, the rollout engine and its
 tensor parallelism, the layout, the names the trainer resolves (tiny models, synthetic tasks,
-rewards), checkpoint cadence and settings that do nothing."""
+rewards), checkpoint cadence and the best checkpoint's metric, and settings that do
+nothing."""
 
 from __future__ import annotations
 
@@ -391,6 +392,51 @@ def check_checkpoint_cadence(recipe: Recipe) -> Iterator[Problem]:
         )
 
 
+def check_checkpoint_best(recipe: Recipe) -> Iterator[Problem]:
+    """checkpoint.best names a metric the run logs, at validated steps it saves."""
+    from rlx.runs import validation_metrics
+    from rlx.trainer.tasks.rewards import answer_extractor
+
+    trainer = recipe.trainer
+    if trainer is None or trainer.checkpoint.best is None:
+        return
+    checkpoint, validation = trainer.checkpoint, trainer.validation
+    metric = checkpoint.best.metric
+    where = ("trainer", "checkpoint", "best")
+    if checkpoint.dir is None:
+        yield Problem(
+            where,
+            ERROR,
+            "keeps the best checkpoint, but checkpoint.dir is unset (no checkpoints); set "
+            "checkpoint.dir or drop checkpoint.best",
+        )
+    if validation is None:
+        yield Problem(
+            (*where, "metric"),
+            ERROR,
+            f"{metric} is a validation metric, but the recipe has no trainer.validation "
+            "section; add one (data, every, n) or drop checkpoint.best",
+        )
+        return
+    logged = validation_metrics(validation.n, answer_extractor(trainer) is not None)
+    if metric not in logged:
+        yield Problem(
+            (*where, "metric"),
+            ERROR,
+            f"the run never logs {metric}; with validation.n {validation.n} and this reward "
+            f"it logs {', '.join(logged)}",
+        )
+    if checkpoint.dir is not None and checkpoint.every % validation.every:
+        yield Problem(
+            ("trainer", "checkpoint", "every"),
+            WARNING,
+            f"only a step both validated and saved can be the best: saves every "
+            f"{checkpoint.every} steps and validation every {validation.every} meet at "
+            "their common multiples and the last step; make checkpoint.every a multiple of "
+            "validation.every",
+        )
+
+
 def check_unused_settings(recipe: Recipe) -> Iterator[Problem]:
     trainer = recipe.trainer
     if trainer is None:
@@ -436,5 +482,6 @@ CHECKS: list[Check] = [
     check_reward_secrets,
     check_packing_budget,
     check_checkpoint_cadence,
+    check_checkpoint_best,
     check_unused_settings,
 ]

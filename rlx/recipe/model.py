@@ -1198,7 +1198,11 @@ class ValidationSettings(StrictModel):
         10, ge=1, description="Validate every this many steps, at step 0 and at the last step."
     )
     n: int = Field(
-        4, ge=1, description="Samples per prompt (at the rollout temperature) for the mean reward."
+        4,
+        ge=1,
+        description="Samples per prompt (at the rollout temperature): val/reward_mean, "
+        "val/pass@k for k = 1, 2, 4, ... <= n (k = 1 as val/pass@1_sampled), val/avg@n, "
+        "val/maj@n (where the reward compares answers) and val/response_length.",
     )
     max_new_tokens: int | None = Field(
         None, ge=1, description="Longest validation response; defaults to rollout.max_new_tokens."
@@ -1206,6 +1210,34 @@ class ValidationSettings(StrictModel):
     max_prompts: int | None = Field(
         None, ge=1, description="Use at most this many held-out prompts (the first ones)."
     )
+    pass_threshold: float = Field(
+        1.0,
+        description="A sample is correct for val/pass@k and val/maj@n when its reward is at "
+        "least this (1.0: the 0/1 rewards' success; lower it for a graded reward), as "
+        "`rlx eval --pass-threshold`.",
+    )
+
+
+class BestSettings(StrictModel):
+    metric: Str = Field(
+        description="The validation metric that ranks the saved steps: one the run logs, "
+        "val/pass@1 (greedy), val/reward_mean, val/pass@1_sampled, val/pass@K (K = 2, 4, ... "
+        "<= validation.n), val/avg@N or val/maj@N (N = validation.n; maj where the reward "
+        "compares answers), val/response_length."
+    )
+    mode: Literal["max", "min"] = Field(
+        "max", description="'max': the highest value is the best; 'min': the lowest."
+    )
+
+    @field_validator("metric")
+    @classmethod
+    def _validation_metric(cls, value: str) -> str:
+        if not value.startswith("val/"):
+            raise ValueError(
+                f"{value!r} is not a validation metric; the best step is ranked by a val/* "
+                "metric, e.g. val/pass@1 or val/avg@4"
+            )
+        return value
 
 
 class CheckpointSettings(StrictModel):
@@ -1215,7 +1247,21 @@ class CheckpointSettings(StrictModel):
         "every node shares when nodes > 1. Unset: no checkpoints.",
     )
     every: int = Field(50, ge=1, description="Save every this many steps.")
-    keep: int = Field(3, ge=1, description="Complete checkpoints to keep.")
+    keep: int = Field(
+        3,
+        ge=1,
+        description="Complete checkpoints to keep, the newest ones (and the best step, "
+        "checkpoint.best, beside them).",
+    )
+    best: BestSettings | None = Field(
+        None,
+        description="Keep the best checkpoint by a validation metric, {metric: val/..., mode: "
+        "max|min}: a step that is both validated and saved whose value beats the best so "
+        "far becomes the best; it is never rotated out by keep (one step beside the newest), "
+        "it survives resume, and result.json and the run's summary name it. Needs a "
+        "validation section and checkpoint.dir; make checkpoint.every a multiple of "
+        "validation.every so that every save is a candidate.",
+    )
     resume: Literal["auto", "never"] | Str = Field(
         "auto",
         description="'auto' resumes from the newest complete checkpoint of this run that "
@@ -1307,8 +1353,8 @@ class TrainerSettings(StrictModel):
     )
     validation: ValidationSettings | None = Field(
         None,
-        description="Score the policy on held-out prompts during training: greedy pass@1 "
-        "and the mean reward of n samples. Unset: no validation.",
+        description="Score the policy on held-out prompts during training: greedy pass@1, "
+        "and pass@k, avg@n, maj@n and the mean reward of n samples. Unset: no validation.",
     )
     checkpoint: CheckpointSettings = Field(
         default_factory=CheckpointSettings, description="Checkpointing and resume."

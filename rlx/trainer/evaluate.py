@@ -344,7 +344,7 @@ def _evaluate(
 ) -> list[DataResult]:
     from rlx.trainer.resolve import load_tokenizer, resolve_data_path, resolve_reward_fn
     from rlx.trainer.tasks.data import load_recipe_prompts
-    from rlx.trainer.tasks.rewards import ANSWER_EXTRACTORS
+    from rlx.trainer.tasks.rewards import answer_extractor
 
     tokenizer = load_tokenizer(target.folder, settings.model.trust_remote_code)
     datasets = []
@@ -358,10 +358,7 @@ def _evaluate(
         )
         datasets.append(dataset if limit is None else first_prompts(dataset, limit))
     reward_fn = resolve_reward_fn(settings)
-    spec = settings.reward.function
-    if spec == "gsm8k" and settings.reward.gsm8k_mode == "flexible":
-        spec = "gsm8k_flexible"
-    extract = ANSWER_EXTRACTORS.get(spec)
+    extract = answer_extractor(settings)
     engine = _engine(settings, target.folder, options)
     results = []
     try:

@@ -58,6 +58,7 @@ from rlx.trainer.checkpoint import (
     resolve_resume,
     restore_rng_state,
 )
+from rlx.trainer.checkpoint.best import Best, consider, restored
 from rlx.trainer.checkpoint.faults import SaveFailed, failure_line, save_failure
 from rlx.trainer.checkpoint.protocol import Location, SavedCheckpoint, SaveRequest
 from rlx.trainer.checkpoint.training import (
@@ -194,6 +195,11 @@ class Trainer:
         self.uploading: tuple[int, Path] | None = None  # a save's step and folder, uploading
         self.newest_saved: int | None = None  # the newest complete checkpoint's step
         self.saves_retried = 0  # transient store errors the ranks retried in saves
+        # checkpoint.best (checkpoint/best.py): the best complete step, and the best that
+        # the save under way (its step) makes once it is complete.
+        self.best: Best | None = None
+        self.best_pending: tuple[int, Best | None] | None = None
+        self.validated: tuple[int, dict[str, float]] | None = None  # the newest val/* metrics
         self.exported: Path | None = None  # the Hugging Face folder written at the end
         # The stall watchdog (stall.py): every wait of a step ends with its window.
         self.clock = StallClock(settings.stall_timeout)
@@ -321,6 +327,7 @@ class Trainer:
             self.episodes,
             scorer=self.score,
         )
+        self.validated = (step, dict(scores))
         return {**scores, "time/validate": time.perf_counter() - started}
 
     def validation_note(self) -> None:
@@ -769,6 +776,11 @@ class Trainer:
             "world_size": self.cluster.plan.train_workers,
             "algorithm": self.settings.algorithm,
         }
+        # The best once this step is saved: the step itself where it was validated and beats it.
+        validated = self.validated[1] if self.validated and self.validated[0] == step else None
+        best = consider(self.best, self.settings.checkpoint.best, step, validated)
+        state["best"] = None if best is None else best.to_json()
+        self.best_pending = (step, best)
         controller_parts = {TRAINER_STATE: state, CONTROLLER_RNG: capture_rng_state()}
         rng_states = self.cluster.call_all("rng_state")
         try:
@@ -783,6 +795,7 @@ class Trainer:
             controller_parts=controller_parts,
             rng_states=rng_states,
             kill_spec=os.environ.get(KILL_HOOK_ENV),  # read now: a test hook
+            best_step=None if best is None else best.step,
         )
         try:
             saved = self.cluster.call_all("save_checkpoint", request)[0]
@@ -841,7 +854,19 @@ class Trainer:
         self.saves_retried += saved.retries
         self.newest_saved = step_of(str(saved.path))
         self.say(f"checkpoint {saved.path} ({format_bytes(saved.bytes)} on disk)")
+        if self.best_pending is not None and self.best_pending[0] == self.newest_saved:
+            best = self.best_pending[1]
+            if best is not None and best != self.best:
+                self.say(f"best checkpoint: {best.line()}")
+            self.best = best
+        self.best_pending = None
         mirror_run(self.inputs.paths, self.err)
+
+    def best_record(self) -> dict[str, Any] | None:
+        """result.json's `best`: checkpoint.best's step, its value and its checkpoint."""
+        if self.best is None or self.manager is None:
+            return None
+        return {**self.best.to_json(), "checkpoint": str(self.manager.location(self.best.step))}
 
     def export(self) -> Path | None:
         """The newest checkpoint as a Hugging Face folder, <run folder>/model."""
@@ -903,11 +928,16 @@ class Trainer:
         loaded = self.cluster.call_all("load_checkpoint", manager, path)
         step = int(state["step"])
         self.newest_saved = step
+        self.best, note = restored(state.get("best"), self.settings.checkpoint.best)
+        if note is not None:
+            self.say(note)
         memory = max(report.host_bytes for report in loaded)
         self.say(
             f"resumed from {path} (step {step}); loading took at most {format_bytes(memory)} "
             "of host memory per training worker"
         )
+        if self.best is not None:
+            self.say(f"best checkpoint so far: {self.best.line()}")
         if not all(report.rng_restored for report in loaded):
             self.say(
                 f"note: the checkpoint has {state['world_size']} training workers' random "

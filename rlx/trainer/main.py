@@ -434,6 +434,7 @@ def run_training(
                 result.plan_gpu_gib = planned_gpu_gib(job)  # the model is cached now
                 result.last_step = trainer.run()
                 result.checkpoint_bytes = trainer.checkpoint_bytes
+                result.best = trainer.best_record()
                 result.model = None if trainer.exported is None else str(trainer.exported)
             finish(result, paths)
             result.state, result.exit_code = "SUCCEEDED", 0

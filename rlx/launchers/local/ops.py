@@ -98,7 +98,7 @@ def print_summary(record: RunResult) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from rlx.trainer.report.record import reward_summary, validation_lines
+    from rlx.trainer.report.record import best_summary, reward_summary, validation_lines
 
     table = Table(title=f"run {record.run_id}: {record.state.lower()}", show_header=False)
     table.add_column(style="bold", no_wrap=True)
@@ -112,6 +112,8 @@ def print_summary(record: RunResult) -> None:
     if record.started is not None and record.finished is not None:
         table.add_row("wall time", f"{record.finished - record.started:.1f} s (start-up included)")
     table.add_row("checkpoints", _shown(record.checkpoints) if record.checkpoints else "off")
+    if record.best:
+        table.add_row("best checkpoint", best_summary(record.best))
     table.add_row("reward plot", _shown(record.plot))
     table.add_row("metrics", _shown(record.metrics))
     table.add_row("log", _shown(record.log))

@@ -81,7 +81,15 @@ class CheckpointBase:
                 self.save_shard(folder, step, rank, LEARNER_STATE)
                 if rank != 0:
                     return None
-                return self.commit_save(folder, step, entries, world_size, LEARNER_STATE, hook)
+                return self.commit_save(
+                    folder,
+                    step,
+                    entries,
+                    world_size,
+                    LEARNER_STATE,
+                    best_step=request.best_step,
+                    _after_phase=hook,
+                )
             except save_errors() as exc:
                 raise save_failure(exc, step, self.run_dir) from None
             finally:

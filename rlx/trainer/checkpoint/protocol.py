@@ -110,10 +110,12 @@ class Checkpoints(Protocol):
         entries: Mapping[str, Mapping[str, str]],
         world_size: int,
         shard: str,
+        best_step: int | None = None,
         _after_phase: PhaseHook | None = None,
     ) -> SavedCheckpoint:
         """Rank 0, after its own save_shard: once all world_size ranks' shards are in, make
-        step's checkpoint complete (the COMPLETE marker last) and rotate older ones out."""
+        step's checkpoint complete (the COMPLETE marker last) and rotate older ones out
+        (best.rotated_out: never best_step, checkpoint.best's step)."""
         ...
 
     def discard(self, folder: Path) -> None:
@@ -164,3 +166,4 @@ class SaveRequest:
     controller_parts: dict[str, Any]  # the controller's own parts (trainer state, RNG)
     rng_states: list[dict[str, Any]]  # every rank's RNG state, in rank order
     kill_spec: str | None = None  # KILL_HOOK_ENV as the controller read it (tests)
+    best_step: int | None = None  # checkpoint.best's step after this save: never rotated out

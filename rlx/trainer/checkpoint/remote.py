@@ -43,6 +43,7 @@ from rlx.errors import RlxError
 from rlx.node.raynode import backoff
 from rlx.storage import Retries, filesystem, join, storage_options, unstrip
 from rlx.trainer.checkpoint.base import CheckpointBase
+from rlx.trainer.checkpoint.best import rotated_out
 from rlx.trainer.checkpoint.parts import read_part
 from rlx.trainer.checkpoint.protocol import PhaseHook, SavedCheckpoint
 from rlx.trainer.checkpoint.store import (
@@ -233,12 +234,13 @@ class StoreCheckpointManager(CheckpointBase):
         uploaded: list[dict[str, Any]],
         *,
         late: tuple[str, ...] = (),
+        best_step: int | None = None,
         _after_phase: PhaseHook | None = None,
     ) -> str:
         """Rank 0's part of a save: upload what staging holds that is not uploaded yet (late:
         files to send after everything else but the marker, such as DCP's metadata), check
-        the store lists every file with its size, write COMPLETE, rotate. uploaded: what the
-        ranks have put in the store already."""
+        the store lists every file with its size, write COMPLETE, rotate (sparing
+        best_step). uploaded: what the ranks have put in the store already."""
         hook = _after_phase or (lambda phase: None)
         for name in entries:
             check_part_name(name)
@@ -262,7 +264,7 @@ class StoreCheckpointManager(CheckpointBase):
         )
         self.last_bytes = marker["bytes"]
         hook("marked")
-        self._rotate(step)
+        self._rotate(step, best_step)
         hook("rotated")
         return self.step_url(step)
 
@@ -287,6 +289,7 @@ class StoreCheckpointManager(CheckpointBase):
         entries: Mapping[str, Mapping[str, str]],
         world_size: int,
         shard: str,
+        best_step: int | None = None,
         _after_phase: PhaseHook | None = None,
     ) -> SavedCheckpoint:
         """Rank 0: wait for every rank's receipt, then commit what its staging folder holds
@@ -297,6 +300,7 @@ class StoreCheckpointManager(CheckpointBase):
             entries,
             self.wait_for_uploads(step, world_size),
             late=(f"{shard}/{DCP_METADATA}",),
+            best_step=best_step,
             _after_phase=_after_phase,
         )
         return SavedCheckpoint(url, self.last_bytes, self.retries.count + self.peer_retries)
@@ -363,11 +367,9 @@ class StoreCheckpointManager(CheckpointBase):
         with contextlib.suppress(FileNotFoundError):
             self.retries.call(f"deleting {path}", self.fs.rm, path, recursive=recursive)
 
-    def _rotate(self, newest: int) -> None:
-        complete = [step for step, done in sorted(self._listing().items()) if done]
-        abandoned = [step for step in complete if step > newest]
-        current = [step for step in complete if step <= newest]
-        for step in abandoned + current[: -self.keep]:
+    def _rotate(self, newest: int, best_step: int | None) -> None:
+        complete = [step for step, done in self._listing().items() if done]
+        for step in rotated_out(complete, newest, self.keep, best_step):
             self._delete(step)
 
 

@@ -29,6 +29,7 @@ from rlx import __version__
 from rlx.checkpoints import MARKER, MARKER_FORMAT, STEP_DIR, parse_marker, step_name, step_of
 from rlx.errors import RlxError
 from rlx.trainer.checkpoint.base import CheckpointBase
+from rlx.trainer.checkpoint.best import rotated_out
 from rlx.trainer.checkpoint.parts import (
     fsync_path,
     read_part,
@@ -239,7 +240,12 @@ class CheckpointManager(CheckpointBase):
         return size_problem(marker["files"], lambda name: _size(path / name))
 
     def save(
-        self, step: int, parts: Mapping[str, Any], *, _after_phase: PhaseHook | None = None
+        self,
+        step: int,
+        parts: Mapping[str, Any],
+        *,
+        best_step: int | None = None,
+        _after_phase: PhaseHook | None = None,
     ) -> Path:
         """Write parts as the checkpoint of step, atomically, and return its folder.
 
@@ -248,7 +254,8 @@ class CheckpointManager(CheckpointBase):
         can be read by eye, anything else through torch.save (checked first to load back with
         weights_only=True). A complete checkpoint of the same step is replaced; complete
         checkpoints of later steps are removed once this one is complete, since a run saving
-        step N has abandoned whatever came after N (it was resumed from an earlier step).
+        step N has abandoned whatever came after N (it was resumed from an earlier step);
+        best_step (checkpoint.best's) is never rotated out.
 
         _after_phase is for crash tests: called with "part:<name>" after each part file,
         "written" once the temporary folder is synced, "renamed" once it is in place,
@@ -260,7 +267,7 @@ class CheckpointManager(CheckpointBase):
         except BaseException:
             shutil.rmtree(temporary, ignore_errors=True)
             raise
-        return self.commit(temporary, step, entries, _after_phase=_after_phase)
+        return self.commit(temporary, step, entries, best_step=best_step, _after_phase=_after_phase)
 
     def begin(self, step: int) -> Path:
         """A fresh temporary folder for step's checkpoint, after clearing what interrupted
@@ -287,11 +294,13 @@ class CheckpointManager(CheckpointBase):
         step: int,
         entries: Mapping[str, Mapping[str, str]],
         *,
+        best_step: int | None = None,
         _after_phase: PhaseHook | None = None,
     ) -> Path:
         """Make a filled temporary folder step's complete checkpoint: sync it, rename it into
         place, write the COMPLETE marker (every file with its size; small files with their
-        sha256 too), then rotate. entries: each part's file (or folder) and format."""
+        sha256 too), then rotate (sparing best_step). entries: each part's file (or folder)
+        and format."""
         hook = _after_phase or (lambda phase: None)
         for name in entries:
             check_part_name(name)
@@ -317,7 +326,7 @@ class CheckpointManager(CheckpointBase):
 
         if replaced is not None:
             shutil.rmtree(replaced, ignore_errors=True)
-        self._rotate(step)
+        self._rotate(step, best_step)
         hook("rotated")
         return final
 
@@ -337,10 +346,11 @@ class CheckpointManager(CheckpointBase):
         entries: Mapping[str, Mapping[str, str]],
         world_size: int,
         shard: str,
+        best_step: int | None = None,
         _after_phase: PhaseHook | None = None,
     ) -> SavedCheckpoint:
         """Rank 0, once every rank has written its shard (DCP's save is collective): commit."""
-        final = self.commit(folder, step, entries, _after_phase=_after_phase)
+        final = self.commit(folder, step, entries, best_step=best_step, _after_phase=_after_phase)
         marker = read_marker(final)
         return SavedCheckpoint(str(final), None if marker is None else marker["bytes"])
 
@@ -417,11 +427,10 @@ class CheckpointManager(CheckpointBase):
             if child.is_dir() and (LEFTOVER_DIR.fullmatch(child.name) or interrupted):
                 shutil.rmtree(child, ignore_errors=True)
 
-    def _rotate(self, newest_step: int) -> None:
-        complete = complete_checkpoints(self.run_dir)
-        abandoned = [path for step, path in complete if step > newest_step]
-        current = [path for step, path in complete if step <= newest_step]
-        for path in abandoned + current[: -self.keep]:
+    def _rotate(self, newest_step: int, best_step: int | None) -> None:
+        complete = dict(complete_checkpoints(self.run_dir))
+        for step in rotated_out(complete, newest_step, self.keep, best_step):
+            path = complete[step]
             # Rename first: a deletion killed halfway must not leave a marker on a partial
             # folder; the renamed leftover is cleared by the next save.
             doomed = self._fresh_sibling(path, "old", create=False)

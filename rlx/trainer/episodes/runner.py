@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -345,10 +346,13 @@ class PendingEpisodes:
 
 
 def episode_scores(batch: RolloutBatch) -> list[float]:
-    """Each episode's reward (the sum of its turns'), failed episodes left out."""
+    """Each episode's reward (the sum of its turns'), in the batch's order; NaN for a
+    failed episode (never 0: it scored nothing)."""
     assert batch.episodes is not None and batch.token_rewards is not None
     totals = batch.token_rewards.sum(dim=1).tolist()
-    return [t for t, e in zip(totals, batch.episodes, strict=True) if e.failure is None]
+    return [
+        t if e.failure is None else math.nan for t, e in zip(totals, batch.episodes, strict=True)
+    ]
 
 
 def episode_metrics(batch: RolloutBatch) -> dict[str, float]:

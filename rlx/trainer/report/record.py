@@ -63,6 +63,14 @@ def validation_lines(result: RunResult) -> list[str]:
     ]
 
 
+def best_summary(best: dict) -> str:
+    """'val/avg@4 0.412 at step 6 (max), runs/ckpt/run/step-000006' (result.json's best)."""
+    return (
+        f"{best['metric']} {best['value']:.4g} at step {best['step']} ({best['mode']}), "
+        f"{best['checkpoint']}"
+    )
+
+
 def summary_lines(result: RunResult) -> list[str]:
     wall = "n/a" if result.wall_time_s is None else f"{result.wall_time_s:.1f} s"
     lines = [
@@ -80,6 +88,8 @@ def summary_lines(result: RunResult) -> list[str]:
         if result.checkpoint_bytes is not None:
             size = f" (last one {result.checkpoint_bytes / 2**20:.1f} MiB on disk)"
         lines.append(f"checkpoints: {result.checkpoints}{size}")
+    if result.best:
+        lines.append(f"best checkpoint: {best_summary(result.best)}")
     if result.model:
         lines.append(f"model (Hugging Face folder): {result.model}")
     if result.gpu_peak_gib is not None:

@@ -60,7 +60,8 @@ class PromptSamples:
 
 def summarize(prompts: Sequence[PromptSamples], compares_answers: bool) -> dict[str, float]:
     """pass@k for k = 1, 2, 4, ... <= n, avg@n, maj@n (where answers compare) and the mean
-    response length, each averaged over the prompts; every prompt has the same n."""
+    response length, each averaged over the prompts; every prompt has the same n. A sample
+    whose reward failed (NaN) is not correct and is left out of avg@n (NaN: none scored)."""
     if not prompts:
         raise ValueError("summarize needs at least one prompt")
     n = len(prompts[0].rewards)
@@ -70,7 +71,8 @@ def summarize(prompts: Sequence[PromptSamples], compares_answers: bool) -> dict[
     for k in ks_up_to(n):
         estimates = [pass_at_k(n, sum(map(bool, p.correct)), k) for p in prompts]
         out[f"pass@{k}"] = sum(estimates) / len(prompts)
-    out[f"avg@{n}"] = sum(sum(p.rewards) for p in prompts) / (n * len(prompts))
+    scored = [r for p in prompts for r in p.rewards if math.isfinite(r)]
+    out[f"avg@{n}"] = sum(scored) / len(scored) if scored else math.nan
     if compares_answers:
         votes = [majority_correct(p.answers, p.correct) for p in prompts]
         out[f"maj@{n}"] = sum(votes) / len(prompts)

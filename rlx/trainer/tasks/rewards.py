@@ -216,6 +216,18 @@ ANSWER_EXTRACTORS: dict[str, Callable[[str], str | None]] = {
 }
 
 
+def answer_extractor(settings: Any) -> Callable[[str], str | None] | None:
+    """How a run's samples are told to agree (maj@n, in `rlx eval` and validation): the
+    extractor of its one reward function (trainer.reward, gsm8k in its gsm8k_mode), or None
+    where it compares no answers (another reward, a mix of terms, an environment's)."""
+    if settings.rewards is not None or settings.environment is not None:
+        return None
+    spec = settings.reward.function
+    if spec == "gsm8k" and settings.reward.gsm8k_mode == "flexible":
+        spec = "gsm8k_flexible"
+    return ANSWER_EXTRACTORS.get(spec)
+
+
 def reward_spec_problem(spec: str) -> str | None:
     """What is wrong with a reward spec's form, before anything is imported (None when it
     names a built-in or looks like a user function). Lint asks this too."""

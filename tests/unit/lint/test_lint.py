@@ -391,6 +391,32 @@ BROKEN = [
         "is on node-local disk but 2 nodes write shards there",
     ),
     (
+        "best-metric-never-logged",
+        "name: job\n"
+        + TRAINER
+        + "  validation: {data: held.jsonl, n: 4}\n"
+        + "  checkpoint: {dir: ckpt, best: {metric: val/pass@8}}\n",
+        6,
+        "trainer.checkpoint.best.metric",
+        "the run never logs val/pass@8; with validation.n 4",
+    ),
+    (
+        "best-not-a-validation-metric",
+        "name: job\n" + TRAINER + "  checkpoint: {dir: ckpt, best: {metric: reward/mean}}\n",
+        5,
+        "trainer.checkpoint.best.metric",
+        "'reward/mean' is not a validation metric",
+    ),
+    (
+        "best-mode",
+        "name: job\n"
+        + TRAINER
+        + "  checkpoint: {dir: ckpt, best: {metric: val/pass@1, mode: highest}}\n",
+        5,
+        "trainer.checkpoint.best.mode",
+        "'highest' is not allowed",
+    ),
+    (
         "resume-auto-without-dir",
         "name: job\n" + TRAINER + "  checkpoint: {resume: auto}\n",
         5,
@@ -510,3 +536,17 @@ def test_staleness_needs_engines_of_their_own(write_recipe):
         "  rollout: {max_staleness: 2}\n"
     )
     assert [f for f in lint_file(split) if f.severity == "error"] == []
+
+
+def test_checkpoint_best_on_a_logged_metric_lints_clean(write_recipe):
+    """gsm8k compares answers, so maj@n is logged; saves every 4 meet validation every 2."""
+    text = (
+        "name: job\n" + TRAINER + "  reward: {function: gsm8k}\n"
+        "  validation: {data: held.jsonl, n: 8, every: 2}\n"
+        "  checkpoint: {dir: ckpt, every: 4, best: {metric: val/maj@8, mode: max}}\n"
+    )
+    assert [f.format() for f in lint_file(write_recipe(text))] == []
+    apart = text.replace("every: 4", "every: 3")
+    findings = lint_file(write_recipe(apart, "apart.yaml"))
+    assert [(f.field, f.severity) for f in findings] == [("trainer.checkpoint.every", "warning")]
+    assert "only a step both validated and saved can be the best" in findings[0].message

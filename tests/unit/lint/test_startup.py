@@ -74,6 +74,10 @@ def _terms(*terms: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
     return change
 
 
+VALIDATION = {"data": "synthetic:letters_or_digits", "n": 4}
+BEST_PASS8 = {"dir": "ckpt", "best": {"metric": "val/pass@8"}}
+BEST_MAJ = {"dir": "ckpt", "best": {"metric": "val/maj@4", "mode": "max"}}
+
 # Per start-up check: recipes it refuses (a change to BASE) and the field it names.
 BROKEN: dict[str, list[tuple[Callable[[dict[str, Any]], None], str]]] = {
     "check_batch_divisibility": [
@@ -216,6 +220,27 @@ BROKEN: dict[str, list[tuple[Callable[[dict[str, Any]], None], str]]] = {
         (
             _terms({"function": "letters_or_digits"}, {"function": "gsm9k", "weight": 0}),
             "trainer.rewards[1].function",
+        ),
+    ],
+    "check_checkpoint_best": [
+        (
+            _set("trainer.checkpoint", {"dir": "ckpt", "best": {"metric": "val/avg@4"}}),
+            "trainer.checkpoint.best.metric",  # no validation section
+        ),
+        (
+            _all(_set("trainer.validation", VALIDATION), _set("trainer.checkpoint", BEST_PASS8)),
+            "trainer.checkpoint.best.metric",  # pass@8 of validation.n 4
+        ),
+        (
+            _all(_set("trainer.validation", VALIDATION), _set("trainer.checkpoint", BEST_MAJ)),
+            "trainer.checkpoint.best.metric",  # letters_or_digits compares no answers
+        ),
+        (
+            _all(
+                _set("trainer.validation", VALIDATION),
+                _set("trainer.checkpoint", {"best": {"metric": "val/avg@4"}}),
+            ),
+            "trainer.checkpoint.best",  # no checkpoint.dir
         ),
     ],
     "check_reward_secrets": [

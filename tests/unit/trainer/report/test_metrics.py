@@ -330,3 +330,21 @@ def test_summary_has_the_first_and_last_validation(tmp_path: Path) -> None:
     assert (result["first_val_reward_mean"], result["last_val_reward_mean"]) == (0.1, 0.4)
     assert (result["first_val_pass1"], result["last_val_pass1"]) == (0.0, 0.5)
     assert result["val_steps"] == (0, 2)
+
+
+def test_the_summary_names_the_best_checkpoint() -> None:
+    from rlx.runs import RunResult
+    from rlx.trainer.report.record import summary_lines
+
+    result = RunResult("SUCCEEDED", "run", "runs/run", 10, last_step=10, checkpoints="ckpt/run")
+    assert not any(line.startswith("best checkpoint") for line in summary_lines(result))
+    result.best = {
+        "metric": "val/avg@4",
+        "mode": "max",
+        "step": 6,
+        "value": 0.4125,
+        "checkpoint": "ckpt/run/step-000006",
+    }
+    assert "best checkpoint: val/avg@4 0.4125 at step 6 (max), ckpt/run/step-000006" in (
+        summary_lines(result)
+    )
