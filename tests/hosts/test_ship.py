@@ -171,7 +171,7 @@ def test_slurm_nodes_install_the_shipped_wheel_in_the_job_folder(slurm_cluster, 
         "name": "shipped",
         "resources": {"nodes": 3},
         "command": [f"python3 {tmp_path / 'check.py'}"],
-        "ray": {"join_timeout": 120},
+        "ray": {"join_timeout": 300},  # a hang bound: a busy machine starts Ray slowly
     }
     (tmp_path / "shipped.yaml").write_text(yaml.safe_dump(recipe))
     path = f"{shared}/bin:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"

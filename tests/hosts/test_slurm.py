@@ -193,7 +193,7 @@ def test_kept_cluster_attach_tunnel_and_down(slurm_cluster, launch_env, tmp_path
     the job's Ray; a -b ray job goes through `rlx tunnel` (srun); down frees the nodes."""
     path = tmp_path / "kept.yaml"
     path.write_text(
-        yaml.safe_dump({"name": "kept", "resources": {"nodes": 3}, "ray": {"join_timeout": 120}})
+        yaml.safe_dump({"name": "kept", "resources": {"nodes": 3}, "ray": {"join_timeout": 300}})
     )
     started = time.monotonic()
     out = rlx(tmp_path, launch_env, "launch", str(path), "-b", "slurm", "--keep")

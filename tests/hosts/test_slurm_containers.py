@@ -65,7 +65,7 @@ def test_podman_containers_on_the_real_slurm(slurm_cluster, image_store, tmp_pat
         "resources": {"nodes": 3},
         "volumes": [{"path": str(tmp_path)}],
         "command": [f"python3 {tmp_path / 'check.py'}"],
-        "ray": {"join_timeout": 120},
+        "ray": {"join_timeout": 300},  # a hang bound: a busy machine starts Ray slowly
         "slurm": {"container": {"runtime": "podman", "image": image, "shm_size": "1g"}},
     }
     (tmp_path / "boxed.yaml").write_text(yaml.safe_dump(recipe))
