@@ -437,7 +437,7 @@ def status(
 
     from rich.console import Console
     from rich.markup import escape
-    from rich.table import Table
+    from rich.table import Column, Table
 
     from rlx.launchers.base import recall, recall_all
     from rlx.launchers.bill import job_bill
@@ -449,13 +449,26 @@ def status(
         return
     price_data = load_prices(prices)
     now = time.time()
-    table = Table("name", "backend", "id", "state", "up", "hours", "$/hour", "spend", "detail")
+    rows = []
     for job in jobs:
         found, detail = _job_status(job, one=name is not None)
         bill = job_bill(job, found, price_data, now)
         state = found.state if found is not None else "UNKNOWN"
-        table.add_row(job.name, job.backend, job.handle, state, *bill.cells(), escape(detail))
-    Console(soft_wrap=True).print(table)
+        rows.append((job.name, job.backend, job.handle, state, *bill.cells(), escape(detail)))
+    headers = ("name", "backend", "id", "state", "up", "hours", "$/hour", "spend")
+    # Names, states and figures are never cut or folded (a narrow terminal wraps the detail
+    # alone); read through a pipe, every row is one whole line.
+    columns = [
+        Column(header, no_wrap=True, min_width=max(len(header), *(len(r[i]) for r in rows)))
+        for i, header in enumerate(headers)
+    ]
+    table = Table(*columns, "detail")
+    for row in rows:
+        table.add_row(*row)
+    console = Console(soft_wrap=True)
+    if not console.is_terminal:
+        console = Console(soft_wrap=True, width=1000)
+    console.print(table)
     if price_data is None:
         typer.echo(no_prices("rlx status"))
 
