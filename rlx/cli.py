@@ -224,17 +224,21 @@ def _load_checked(
     return loaded
 
 
+# `rlx plan` and `rlx status`: where hourly prices come from.
+PRICES_OPTION = typer.Option(
+    None,
+    "--prices",
+    help="Hourly prices from this CSV file, in the columns of SkyPilot's vms.csv "
+    "(default: SkyPilot's catalog in ~/.sky/catalogs where it is).",
+)
+
+
 @app.command()
 @expected_errors
 def plan(
     recipe: Path = typer.Argument(..., help="Recipe file."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
-    prices: Path | None = typer.Option(
-        None,
-        "--prices",
-        help="Hourly prices from this CSV file, in the columns of SkyPilot's vms.csv "
-        "(default: SkyPilot's catalog in ~/.sky/catalogs where it is).",
-    ),
+    prices: Path | None = PRICES_OPTION,
 ) -> None:
     """Memory per GPU and per node (weights, grads, optimiser, reference, critic,
     activations, logits, rollout engine), checkpoint size, and whether it fits; with
@@ -424,12 +428,7 @@ def _refuse_options_not_taken(chosen: BackendSpec, given: dict[str, bool]) -> No
 @expected_errors
 def status(
     name: str | None = typer.Argument(None, help="Job name (default: all)."),
-    prices: Path | None = typer.Option(
-        None,
-        "--prices",
-        help="Hourly prices from this CSV file, in the columns of SkyPilot's vms.csv "
-        "(default: SkyPilot's catalog in ~/.sky/catalogs where it is).",
-    ),
+    prices: Path | None = PRICES_OPTION,
 ) -> None:
     """Show the state of launched jobs: whether each is still up (billed), the hours it has
     been up, and, where prices are known, its hourly price and the spend so far."""
