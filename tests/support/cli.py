@@ -9,7 +9,8 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping
+import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,37 @@ def run_rlx(
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@contextlib.contextmanager
+def launched_and_training(
+    recipe: Path, cwd: Path, name: str, timeout: float = 300, **extra: str
+) -> Iterator[subprocess.Popen[str]]:
+    """`rlx launch RECIPE --name NAME` (the local backend) in the background, yielded once
+    its run has logged a step (runs/NAME-*/metrics.jsonl under cwd); killed after, if it
+    still runs. The launch ending before it logs a step fails the test with its output."""
+    launch = subprocess.Popen(
+        [sys.executable, "-m", "rlx", "launch", str(recipe), "--name", name],
+        cwd=cwd,
+        env=rlx_env(**extra),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + timeout
+        metrics: list[Path] = []
+        while time.monotonic() < deadline and not metrics:
+            metrics = [m for m in cwd.glob(f"runs/{name}-*/metrics.jsonl") if m.read_text().strip()]
+            assert launch.poll() is None, launch.communicate()
+            time.sleep(0.5)
+        assert metrics, "the job never logged a step"
+        yield launch
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+            launch.wait()
 
 
 def invoke(args: list[str], env: Mapping[str, str] | None = None) -> Any:

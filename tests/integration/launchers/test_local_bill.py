@@ -5,16 +5,13 @@ and a spend priced from a price file (this test's own figure for a CPU machine);
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.conftest import REPO
-from tests.support.cli import rlx_env, run_rlx
+from tests.support.cli import launched_and_training, run_rlx
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.timeout(600)
@@ -41,25 +38,7 @@ def test_status_bills_a_running_local_job_and_down_all_ends_it(tmp_path: Path) -
     prices = tmp_path / "prices.csv"
     prices.write_text(PRICES)
     env = {"SKY_RUNTIME_DIR": str(tmp_path / "no-sky"), "COLUMNS": "250"}
-    launch = subprocess.Popen(
-        [sys.executable, "-m", "rlx", "launch", str(recipe), "--name", "billed"],
-        cwd=tmp_path,
-        env=rlx_env(**env),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 300
-        metrics: list[Path] = []
-        while time.monotonic() < deadline and not metrics:
-            metrics = [
-                m for m in (tmp_path / "runs").glob("billed-*/metrics.jsonl") if m.read_text()
-            ]
-            assert launch.poll() is None, launch.communicate()
-            time.sleep(0.5)
-        assert metrics, "the job never logged a step"
+    with launched_and_training(recipe, tmp_path, "billed", **env) as launch:
         up = run_rlx(["status", "--prices", str(prices)], tmp_path, timeout=120, **env)
         assert up.returncode == 0, up.stderr
         line = row(up.stdout, "billed")
@@ -78,7 +57,3 @@ def test_status_bills_a_running_local_job_and_down_all_ends_it(tmp_path: Path) -
         assert "CANCELLED" in line and " no " in line and "$" not in line, after.stdout
         assert "rlx status --prices FILE" in after.stdout  # no prices: said once, no figure
         assert re.search(r" [0-9]+\.[0-9]{2} ", line), line  # hours up to its end
-    finally:
-        if launch.poll() is None:
-            launch.kill()
-            launch.wait()

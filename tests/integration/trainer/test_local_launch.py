@@ -5,16 +5,13 @@ status`, `rlx logs` and `rlx down` then operate on it."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.conftest import REPO
-from tests.support.cli import rlx_env, run_rlx
+from tests.support.cli import launched_and_training, run_rlx
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.timeout(900)
@@ -62,24 +59,7 @@ def test_launch_trains_and_the_job_can_be_inspected(tmp_path: Path) -> None:
 
 def test_down_stops_a_running_local_job(tmp_path: Path) -> None:
     recipe = quickstart_variant(tmp_path, steps=500)
-    launch = subprocess.Popen(
-        [sys.executable, "-m", "rlx", "launch", str(recipe), "--name", "long"],
-        cwd=tmp_path,
-        env=rlx_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 300
-        metrics = []
-        while time.monotonic() < deadline and not metrics:
-            metrics = list((tmp_path / "runs").glob("long-*/metrics.jsonl"))
-            metrics = [m for m in metrics if m.read_text().strip()]
-            assert launch.poll() is None, launch.communicate()
-            time.sleep(0.5)
-        assert metrics, "the job never logged a step"
+    with launched_and_training(recipe, tmp_path, "long") as launch:
         running = run_rlx(["status", "long"], tmp_path, timeout=120)
         assert "RUNNING" in running.stdout and "step " in running.stdout
         down = run_rlx(["down", "long"], tmp_path, timeout=180)
@@ -88,7 +68,3 @@ def test_down_stops_a_running_local_job(tmp_path: Path) -> None:
         assert launch.returncode == 128 + 2, err[-3000:]  # SIGINT: a person stopped it
         stopped = run_rlx(["status", "long"], tmp_path, timeout=120)
         assert "CANCELLED" in stopped.stdout
-    finally:
-        if launch.poll() is None:
-            launch.kill()
-            launch.wait()
