@@ -4,7 +4,8 @@
 # Each builds its own virtualenv in .venv: demo with pip (torch first, pinned, so nothing
 # pulls a different build), test from the pinned .ci/requirements.lock.
 
-PYTHON ?= python3
+# The interpreter the virtualenvs are built on (.ci/python says which, and why).
+PYTHON ?= $(shell .ci/python)
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 # The tests run rollouts on vLLM's CPU build (the `vllm` extra is the GPU build users install).
