@@ -287,8 +287,9 @@ def test_requeue_resumes_after_a_lost_worker_and_the_warning(slurm_cluster, laun
     # Enough steps that each attempt is still training when it is interrupted (a step of
     # the quickstart takes 1.5-3 s on these hosts with its save, and each interruption comes
     # within seconds of the attempt's first step: the first after step 2, the second a step
-    # or two after the resume). The last attempt trains the rest: each step more costs it.
-    steps = 20
+    # or two after the resume, so by step 6 at the latest). The last attempt trains the rest:
+    # each step more costs it.
+    steps = 12
     path = quickstart(tmp_path, "requeue", steps=steps)
     recipe = yaml.safe_load(path.read_text())
     recipe["slurm"] = {"requeue": {"retries": 2, "signal_lead": 60}}

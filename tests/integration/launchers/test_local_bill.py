@@ -1,6 +1,7 @@
 """`rlx status` and `rlx down --all` on a real local job: while it runs it is up, with hours
-and a spend priced from a price file (this test's own figure for a CPU machine); `rlx down
---all` ends it, and then it is no longer up and its hours stop at its end."""
+and a spend priced from a price file (this test's own figure for a CPU machine), and its own
+status shows its progress; `rlx down --all` ends it (SIGINT, as a person's Ctrl-C), and then
+it is no longer up, it is CANCELLED and its hours stop at its end."""
 
 from __future__ import annotations
 
@@ -45,12 +46,14 @@ def test_status_bills_a_running_local_job_and_down_all_ends_it(tmp_path: Path) -
         assert "RUNNING" in line and " yes " in line, up.stdout
         rate, spend = MONEY.findall(line)
         assert rate == "$3,600.00" and float(spend[1:].replace(",", "")) > 0, line
+        own = run_rlx(["status", "billed"], tmp_path, timeout=120, **env)
+        assert "RUNNING" in own.stdout and "step " in own.stdout, own.stdout
 
         down = run_rlx(["down", "--all"], tmp_path, timeout=180, **env)
         assert down.returncode == 0, down.stderr
         assert "stopped billed" in down.stderr.splitlines(), down.stderr
-        launch.communicate(timeout=60)
-        assert launch.returncode == 128 + 2  # SIGINT: a person stopped it
+        _, err = launch.communicate(timeout=60)
+        assert launch.returncode == 128 + 2, err[-3000:]  # SIGINT: a person stopped it
 
         after = run_rlx(["status"], tmp_path, timeout=120, **env)
         line = row(after.stdout, "billed")
