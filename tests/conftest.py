@@ -19,6 +19,9 @@ pytest_plugins = [
 # spinning (OpenMP's default), or one process's spinning starves the others. Children of
 # the tests (Ray, rlx, the emulated hosts, Slurm jobs) inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The Ray clusters tests start themselves (ray.cluster_utils, ray.init) skip Ray's idle
+# workers as rlx's own do (rlx.node.raynode.NO_PRESTART_ENV).
+os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 # Nothing is fetched from the Hugging Face hub: a test that names a hub id serves it from a
 # cache it filled itself (tests/support/hub.py).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

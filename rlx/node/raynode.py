@@ -41,6 +41,10 @@ FAST_FAILURE_ENV = {
     "RAY_health_check_timeout_ms": "2000",
     "RAY_health_check_failure_threshold": "5",
 }
+# rlx places every actor it needs itself; the idle workers Ray starts by default when the
+# first driver connects (one per CPU of the node, each a Python process importing Ray) are never
+# used: off.
+NO_PRESTART_ENV = {"RAY_prestart_worker_first_driver": "0"}
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,7 @@ def ray_env(base: Mapping[str, str], token: str | None, debug: str = "off") -> d
         # our own clients, which have no token, are refused.
         env["RAY_AUTH_MODE"] = "disabled"
     env.update(FAST_FAILURE_ENV)
+    env.update(NO_PRESTART_ENV)
     return env
 
 

@@ -81,6 +81,11 @@ def connect_ray(job: TrainJob, env: Mapping[str, str]) -> tuple[bool, str]:
 
     # Ray's daemons and workers outlive a SIGTERM to every process here (rlx.sigterm): this
     # process saves the step done and stops them itself (stop_private_ray).
+    from rlx.node.raynode import NO_PRESTART_ENV
+
+    for key, value in NO_PRESTART_ENV.items():
+        os.environ.setdefault(key, value)  # read by the raylet ray.init starts here
+
     def start() -> None:
         try:
             ray.init(
