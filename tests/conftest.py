@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 
+from rlx.node.raynode import NO_PRESTART_ENV
+
 pytest_plugins = [
     "tests.support.hosts.fixtures",
     "tests.support.dstack_server",
@@ -20,8 +22,9 @@ pytest_plugins = [
 # the tests (Ray, rlx, the emulated hosts, Slurm jobs) inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The Ray clusters tests start themselves (ray.cluster_utils, ray.init) skip Ray's idle
-# workers as rlx's own do (rlx.node.raynode.NO_PRESTART_ENV).
-os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
+# workers as rlx's own do.
+for _key, _value in NO_PRESTART_ENV.items():
+    os.environ.setdefault(_key, _value)
 # Nothing is fetched from the Hugging Face hub: a test that names a hub id serves it from a
 # cache it filled itself (tests/support/hub.py).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

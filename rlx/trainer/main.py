@@ -79,13 +79,13 @@ def connect_ray(job: TrainJob, env: Mapping[str, str]) -> tuple[bool, str]:
         return False, f"at {address}"
     cpus = max(os.cpu_count() or 1, job.actors.bundles + 1)
 
-    # Ray's daemons and workers outlive a SIGTERM to every process here (rlx.sigterm): this
-    # process saves the step done and stops them itself (stop_private_ray).
     from rlx.node.raynode import NO_PRESTART_ENV
 
     for key, value in NO_PRESTART_ENV.items():
         os.environ.setdefault(key, value)  # read by the raylet ray.init starts here
 
+    # Ray's daemons and workers outlive a SIGTERM to every process here (rlx.sigterm): this
+    # process saves the step done and stops them itself (stop_private_ray).
     def start() -> None:
         try:
             ray.init(
