@@ -1,4 +1,5 @@
-"""A probe job on three emulated hosts, whichever backend renders it.
+"""A probe job on emulated hosts (three, or the two a scenario needs), whichever backend
+renders it.
 
 The recipe's head command is tests/support/hosts/probe.py; a Job starts attempts of the rendered
 job (SkyPilot and dstack host by host, Slurm through sbatch), waits for the head and the
@@ -37,15 +38,15 @@ RUN_TIMEOUT = 240.0  # a whole attempt, against hangs
 T = TypeVar("T")
 
 
-def probe_recipe(out: Path, join_timeout: int = JOIN_TIMEOUT) -> Recipe:
-    """Three nodes, token auth (the default), the probe as the head command."""
+def probe_recipe(out: Path, join_timeout: int = JOIN_TIMEOUT, nodes: int = 3) -> Recipe:
+    """`nodes` nodes, token auth (the default), the probe as the head command."""
     command = " ".join(
         shlex.quote(part) for part in (sys.executable, str(PROBE), "--out", str(out))
     )
     text = yaml.safe_dump(
         {
             "name": "probe",
-            "resources": {"nodes": 3},
+            "resources": {"nodes": nodes},
             "command": [command],
             "ray": {"join_timeout": join_timeout},
         }
@@ -152,7 +153,8 @@ WORKERS_DONE = "rlx: workers finished with exit code "
 
 
 class Job:
-    """A probe job on three hosts: start attempts, wait for outcomes, read node logs."""
+    """A probe job on `hosts`, one node each (on Slurm, those of the cluster's hosts):
+    start attempts, wait for outcomes, read node logs."""
 
     def __init__(
         self,
@@ -170,7 +172,7 @@ class Job:
         self.cluster = cluster
         self.out = workdir / "probe"
         self.out.mkdir(exist_ok=True)
-        self.recipe = probe_recipe(self.out, join_timeout)
+        self.recipe = probe_recipe(self.out, join_timeout, nodes=len(hosts))
         self.rendered = (
             None
             if backend == "slurm"
@@ -198,7 +200,11 @@ class Job:
             assert self.cluster is not None
             names = " ".join(self.hosts[rank].name for rank in stalled)
             run.job_id = submit_slurm(
-                self.cluster, self.recipe, self.workdir, extra_env={"RLX_TEST_STALLED_HOSTS": names}
+                self.cluster,
+                self.recipe,
+                self.workdir,
+                extra_env={"RLX_TEST_STALLED_HOSTS": names},
+                nodelist=[host.name for host in self.hosts],
             )
         return run
 

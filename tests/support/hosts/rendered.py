@@ -243,8 +243,10 @@ def submit_slurm(
     workdir: Path,
     *,
     extra_env: Mapping[str, str] | None = None,
+    nodelist: Sequence[str] = (),
 ) -> int:
-    """Render the batch script, submit it with `sbatch` from `workdir`; the job id.
+    """Render the batch script, submit it with `sbatch` from `workdir`; the job id. With a
+    `nodelist`, the job runs on those nodes only.
 
     The job inherits the submission environment (sbatch's default), which is how the
     script reaches this checkout's rlx and how a token given in `extra_env` would arrive.
@@ -254,8 +256,9 @@ def submit_slurm(
     (workdir / "rlx-logs").mkdir(exist_ok=True)
     env = {**os.environ, **cluster.env, **node_base_env(workdir), **(extra_env or {})}
     env = {k: v for k, v in env.items() if v != "" or k == "PATH"}
+    where = [f"--nodelist={','.join(nodelist)}"] if nodelist else []
     done = subprocess.run(
-        ["sbatch", "--parsable", str(script)],
+        ["sbatch", "--parsable", *where, str(script)],
         env=env,
         cwd=workdir,
         capture_output=True,
