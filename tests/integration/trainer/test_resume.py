@@ -1,8 +1,9 @@
 """Resume with sharded checkpoints, at 2 training ranks: 6 steps straight equal 3 steps, a
-kill, and 3 resumed steps; a kill in the middle of a save falls back to the previous
-checkpoint; a run saved at 2 ranks resumes at 3 and trains on. Each run is a real `rlx
-train` process joining a Ray cluster of several nodes on this machine (ray.cluster_utils:
-one raylet per node), one training worker per node as on CPU clusters, gloo between them.
+kill, and 3 resumed steps, with a kill in the middle of the save of step 6 between them that
+falls back to the checkpoint before; a run saved at 2 ranks resumes at 3 and trains on. Each
+run is a real `rlx train` process joining a Ray cluster of several nodes on this machine
+(ray.cluster_utils: one raylet per node), one training worker per node as on CPU clusters,
+gloo between them.
 The model (policy, reference and critic) is named by its hub id and served to every node
 from a hub cache the test fills, offline: FSDP at 2 and 3 ranks loads it as users name it.
 """
@@ -187,34 +188,34 @@ def test_two_ranks_write_their_own_shards_and_export(straight: Path, workdir: Pa
     }
 
 
-def test_kill_after_a_checkpoint_then_resume_continues(recipe, workdir, straight, ray_nodes):
+def test_a_kill_then_a_kill_during_a_save_each_resume_from_the_last_complete_checkpoint(
+    recipe, workdir, straight, ray_nodes
+):
+    """One run id through three processes: killed outright just after the checkpoint of
+    step 3; resumed from it and killed again in the middle of the save of step 6, whose
+    folder is left without its marker; resumed from step 3 once more, it ends as the
+    straight run did."""
     killed = train(recipe, "killed", ray_nodes, RLX_TEST_KILL_AT="step:3")
     assert killed.returncode == -9, killed.stderr[-3000:]
     metrics = read_metrics(workdir / "runs" / "killed" / "metrics.jsonl")
     assert [r["step"] for r in metrics] == [1, 2, 3]
+
+    crashed = train(recipe, "killed", ray_nodes, RLX_TEST_KILL_AT="save:6:renamed")
+    assert crashed.returncode == 1, crashed.stderr[-3000:]
+    assert "step-000003 (step 3)" in crashed.stdout
+    assert "of host memory per training worker" in crashed.stdout
+    assert "a training worker died" in crashed.stderr
+    assert "Traceback" not in crashed.stderr
+    folder = workdir / "ckpt" / "killed"
+    assert (folder / "step-000006").is_dir() and not (folder / "step-000006" / MARKER).exists()
+
     resumed = train(recipe, "killed", ray_nodes)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "step-000003 (step 3)" in resumed.stdout
-    assert "of host memory per training worker" in resumed.stdout
     assert_same_run(workdir, "killed", straight)
+    assert sorted(p.name for p in folder.iterdir()) == ["step-000003", "step-000006"]
     state = json.loads((workdir / "runs" / "killed" / "result.json").read_text())
     assert state["state"] == "SUCCEEDED" and state["last_step"] == 6
-
-
-def test_a_kill_during_a_save_resumes_from_the_previous_checkpoint(
-    recipe, workdir, straight, ray_nodes
-):
-    crashed = train(recipe, "crashed", ray_nodes, RLX_TEST_KILL_AT="save:6:renamed")
-    assert crashed.returncode == 1, crashed.stderr[-3000:]
-    assert "a training worker died" in crashed.stderr
-    assert "Traceback" not in crashed.stderr
-    folder = workdir / "ckpt" / "crashed"
-    assert (folder / "step-000006").is_dir() and not (folder / "step-000006" / MARKER).exists()
-    resumed = train(recipe, "crashed", ray_nodes)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "step-000003 (step 3)" in resumed.stdout
-    assert_same_run(workdir, "crashed", straight)
-    assert sorted(p.name for p in folder.iterdir()) == ["step-000003", "step-000006"]
 
 
 def test_a_run_saved_at_two_ranks_resumes_at_three(workdir, straight, ray_nodes) -> None:
