@@ -766,8 +766,11 @@ def eval_command(
     ),
     engine: EvalEngine = typer.Option(EvalEngine.hf, "--engine", help="Rollout engine."),
     tp: int = typer.Option(1, "--tp", help="GPUs (or CPU workers) per vLLM engine."),
-    pass_threshold: float = typer.Option(
-        1.0, "--pass-threshold", help="A sample is correct when its reward is at least this."
+    pass_threshold: float | None = typer.Option(
+        None,
+        "--pass-threshold",
+        help="A sample is correct when its reward is at least this (default: the recipe's "
+        "validation.pass_threshold, else 1.0).",
     ),
     out: Path | None = typer.Option(
         None, "--out", help="Write samples.jsonl and summary.json into this folder."

@@ -47,7 +47,7 @@ class EvalOptions:
     max_new_tokens: int | None = None
     engine: str = "hf"
     tp: int = 1
-    pass_threshold: float = 1.0
+    pass_threshold: float | None = None
     out: Path | None = None
     seed: int | None = None
     step: int | None = None
@@ -309,6 +309,15 @@ def eval_settings(target: Target, options: EvalOptions) -> TrainerSettings:
     )
 
 
+def pass_threshold(target: Target, options: EvalOptions) -> float:
+    """--pass-threshold, else the recipe's validation.pass_threshold (what its validation
+    counts as correct), else 1.0 (the 0/1 rewards' success)."""
+    if options.pass_threshold is not None:
+        return options.pass_threshold
+    validation = target.settings.validation if target.settings is not None else None
+    return validation.pass_threshold if validation is not None else 1.0
+
+
 def data_sources(target: Target, options: EvalOptions) -> list[tuple[str, int | None]]:
     """(source, at most this many prompts): --data whole, else the recipe's held-out prompts
     as its validation takes them, else its training prompts."""
@@ -328,6 +337,7 @@ def evaluate(spec: str, options: EvalOptions) -> EvalReport:
     """Evaluate TARGET on each data set; writes --out's files."""
     check_options(options)
     with resolved_target(spec, options) as target:
+        options = dataclasses.replace(options, pass_threshold=pass_threshold(target, options))
         settings = eval_settings(target, options)
         sources = data_sources(target, options)
         with tempfile.TemporaryDirectory(prefix="rlx-eval-data-") as data_dir:
@@ -438,6 +448,7 @@ def _one_dataset(
             for offset, row in enumerate(rows):
                 group = range(offset * n, (offset + 1) * n)
                 got = [extract(responses[j]) if extract else None for j in group]
+                assert options.pass_threshold is not None  # resolved by evaluate()
                 correct = [rewards[j] >= options.pass_threshold for j in group]
                 prompts.append(
                     PromptSamples(

@@ -91,3 +91,18 @@ def test_a_recipe_of_mixed_rewards_is_evaluated_with_the_reward_named():
         eval_settings(target, EvalOptions())
     chosen = eval_settings(target, EvalOptions(reward="math_exact"))
     assert chosen.rewards is None and chosen.reward.function == "math_exact"
+
+
+def test_the_pass_threshold_is_the_recipes_unless_given():
+    from rlx.recipe.model import TrainerSettings
+    from rlx.trainer.evaluate import EvalOptions, Target, pass_threshold
+
+    base = {"model": {"path": "tiny:qwen2-h64-l2"}, "data": {"train": "x.jsonl"}}
+    graded = TrainerSettings.model_validate(
+        {**base, "validation": {"data": "v.jsonl", "pass_threshold": 0.5}}
+    )
+    plain = TrainerSettings.model_validate(base)
+    assert pass_threshold(Target("f", "recipe", graded), EvalOptions()) == 0.5
+    assert pass_threshold(Target("f", "recipe", graded), EvalOptions(pass_threshold=0.8)) == 0.8
+    assert pass_threshold(Target("f", "recipe", plain), EvalOptions()) == 1.0  # no validation
+    assert pass_threshold(Target("f", "folder"), EvalOptions()) == 1.0
