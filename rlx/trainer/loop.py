@@ -918,6 +918,11 @@ class Trainer:
                 f"checkpoint {path} is from a {state['algorithm']} run, this recipe trains "
                 f"{self.settings.algorithm}; set RLX_RUN_ID to start a new run"
             )
+        step = int(state["step"])
+        # Complete: what a retry resumes from, should the loading below stall (the step a
+        # stall names is the one the run goes on to).
+        self.newest_saved = step
+        self.clock.step = step + 1
         try:
             self.sampler.load_state_dict(state["sampler"])
             if self.backfill is not None and state.get("backfill") is not None:
@@ -926,8 +931,6 @@ class Trainer:
             raise RlxError(f"cannot resume from {path}: {exc}") from None
         restore_rng_state(parts[CONTROLLER_RNG])
         loaded = self.cluster.call_all("load_checkpoint", manager, path)
-        step = int(state["step"])
-        self.newest_saved = step
         self.best, note = restored(state.get("best"), self.settings.checkpoint.best)
         if note is not None:
             self.say(note)
