@@ -426,6 +426,8 @@ def _one_dataset(
     from rlx.trainer.rollout.base import SamplingArgs
     from rlx.trainer.tasks.rewards import score
 
+    threshold = options.pass_threshold
+    assert threshold is not None  # resolved by evaluate()
     rollout = settings.rollout
     n = rollout.n
     sampling = SamplingArgs(
@@ -448,8 +450,7 @@ def _one_dataset(
             for offset, row in enumerate(rows):
                 group = range(offset * n, (offset + 1) * n)
                 got = [extract(responses[j]) if extract else None for j in group]
-                assert options.pass_threshold is not None  # resolved by evaluate()
-                correct = [rewards[j] >= options.pass_threshold for j in group]
+                correct = [rewards[j] >= threshold for j in group]
                 prompts.append(
                     PromptSamples(
                         [rewards[j] for j in group], correct, got, [lengths[j] for j in group]
