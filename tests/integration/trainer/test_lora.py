@@ -192,23 +192,37 @@ def _peft(run: dict[str, Any]) -> Any:
 
 
 def test_vllm_serves_the_exported_adapter_as_peft_runs_it(run, engine) -> None:
-    from transformers import GenerationConfig
+    """vLLM's greedy tokens from the exported adapter, scored by PEFT over the same sequence:
+    each token is PEFT's own greedy pick (up to a near tie, where kernels may differ) and has
+    PEFT's log-prob. The base alone scores them otherwise: the adapter was applied."""
     from vllm.lora.request import LoRARequest
 
     prompts = [[257, 72, 105, 33], [257, 65, 66], [257, 120, 121, 122, 10]]
-    params = engine._vllm.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    params = engine._vllm.SamplingParams(
+        temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1
+    )
     request = LoRARequest("exported", 99, str(run["adapter"]))
     served = engine.llm.generate(
         [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=request
     )
     model = _peft(run)
-    config = GenerationConfig(do_sample=False, max_new_tokens=12, min_new_tokens=12)
+    apart = 0.0
     for prompt, output in zip(prompts, served, strict=True):
+        tokens = list(output.outputs[0].token_ids)
+        assert len(tokens) == 12
+        ids = torch.tensor([prompt + tokens])
         with torch.no_grad():
-            ids = model.generate(input_ids=torch.tensor([prompt]), generation_config=config)[
-                0, len(prompt) :
-            ]
-        assert list(output.outputs[0].token_ids) == ids.tolist()
+            peft = torch.log_softmax(model(input_ids=ids).logits[0].double(), -1)
+            with model.disable_adapter():
+                base = torch.log_softmax(model(input_ids=ids).logits[0].double(), -1)
+        for i, token in enumerate(tokens):
+            row = peft[len(prompt) + i - 1]
+            # greedy: no token beats the served one by more than float32 noise
+            assert row.max().item() - row[token].item() <= 1e-4, (prompt, i)
+            served_logprob = output.outputs[0].logprobs[i][token].logprob
+            assert abs(served_logprob - row[token].item()) <= 1e-4, (prompt, i)
+            apart = max(apart, abs(base[len(prompt) + i - 1][token].item() - row[token].item()))
+    assert apart > 1e-2, apart  # the adapter moves these log-probs: it was served
     engine.llm.llm_engine.remove_lora(99)
 
 
