@@ -118,10 +118,10 @@ def floor_job(hosts, workdir: Path, marker: Path):
     poller = workdir / "floor_poll.py"
     poller.write_text(FLOOR_POLL)
     q = shlex.join
-    head_start = q(raynode.head_command(settings, head, 0))
+    head_start = q(raynode.launch_argv(raynode.head_command(settings, head, 0)))
     workers = []
     for host in hosts[1:]:
-        join = q(raynode.worker_command(settings, head, host.ip, 0))
+        join = q(raynode.launch_argv(raynode.worker_command(settings, head, host.ip, 0)))
         workers.append(f'  "{host.ip}") {join} ;;')
     run_block = "\n".join(
         [

@@ -42,9 +42,6 @@ def clean_env(root: Path) -> Path:
     )
     site = next((venv / "lib").glob("python3*/site-packages"))
     (site / "deps.pth").write_text(str(deps) + "\n")
-    ray = venv / "bin" / "ray"
-    ray.write_text(f"#!{venv}/bin/python\nfrom ray.scripts.scripts import main\nmain()\n")
-    ray.chmod(0o755)
     return venv
 
 

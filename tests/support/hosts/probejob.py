@@ -105,10 +105,14 @@ def ray_processes(host: Host, name: str) -> list[int]:
     return [p.pid for p in host.processes() if program(p.cmdline) == name]
 
 
+# `ray start` as the `ray` command runs it, or as rlx runs it (rlx.node.raynode.launch_argv).
+RAY_START = r"((^|/)ray|-m rlx\.node\.raystart) start( |$)"
+
+
 def ray_start_running(host: Host) -> bool:
     """Whether a `ray start` command still runs on `host` (it may outlive the moment its
     node is ALIVE, and until it exits the daemons it started are its children)."""
-    return any(re.search(r"(^|/)ray start( |$)", p.cmdline) for p in host.processes())
+    return any(re.search(RAY_START, p.cmdline) for p in host.processes())
 
 
 def assert_nothing_left(hosts: Sequence[Host], timeout: float = 30) -> None:
