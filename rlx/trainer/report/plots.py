@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,25 @@ from rlx.runs import (
 )
 
 VALIDATION_SERIES = ((VAL_REWARD, "validation reward mean"), (VAL_PASS1, "validation pass@1"))
+# validation.n > 1 samples a prompt: val/pass@k for k = 2, 4, ... <= n, and val/maj@n
+SAMPLED = re.compile(r"val/(pass|maj)@(\d+)")
+
+
+def validation_series(records: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(key, label) of the validation lines: the reward mean and the greedy pass@1, then
+    where validation samples, the largest k's pass@k and maj@n (the figures `rlx eval`
+    reports for the same samples)."""
+    largest: dict[str, int] = {}
+    for record in records:
+        for key in record:
+            if (match := SAMPLED.fullmatch(key)) and int(match[2]) > 1:
+                largest[match[1]] = max(largest.get(match[1], 0), int(match[2]))
+    sampled = [
+        (f"val/{kind}@{largest[kind]}", f"validation {kind}@{largest[kind]}")
+        for kind in ("pass", "maj")
+        if kind in largest
+    ]
+    return [*VALIDATION_SERIES, *sampled]
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -74,7 +94,7 @@ def _reward_panel(reward_axes: Any, records: list[dict[str, Any]]) -> None:
                 alpha=0.25,
                 label="±1 std",
             )
-    validation = [(label, *_series(records, key)) for key, label in VALIDATION_SERIES]
+    validation = [(label, *_series(records, key)) for key, label in validation_series(records)]
     validation = [(label, steps, values) for label, steps, values in validation if steps]
     for label, val_steps, values in validation:
         reward_axes.plot(val_steps, values, marker="s", markersize=4, linestyle="--", label=label)

@@ -348,3 +348,27 @@ def test_the_summary_names_the_best_checkpoint() -> None:
     assert "best checkpoint: val/avg@4 0.4125 at step 6 (max), ckpt/run/step-000006" in (
         summary_lines(result)
     )
+
+
+def test_the_plot_shows_the_largest_sampled_pass_at_k_and_maj_beside_greedy_pass1(
+    tmp_path: Path,
+) -> None:
+    from rlx.trainer.report.plots import validation_series
+
+    records = [
+        {"step": 0, "val/reward_mean": 0.1, "val/pass@1": 0.0, "val/pass@1_sampled": 0.1},
+        {"step": 4, "val/pass@2": 0.2, "val/pass@4": 0.3, "val/avg@4": 0.1, "val/maj@4": 0.2},
+    ]
+    with make_logger(tmp_path)[0] as logger:
+        for record in records:
+            logger.log(record["step"], {k: v for k, v in record.items() if k != "step"})
+    png = write_plot(tmp_path / METRICS_FILE, tmp_path / "metrics.png")
+    assert png.read_bytes().startswith(PNG_MAGIC)
+    keys = [key for key, _ in validation_series(records)]
+    assert keys == ["val/reward_mean", "val/pass@1", "val/pass@4", "val/maj@4"]
+    labels = dict(validation_series(records))
+    assert labels["val/pass@4"] == "validation pass@4"
+    assert [key for key, _ in validation_series([{"step": 0, "loss": 1.0}])] == [
+        "val/reward_mean",
+        "val/pass@1",
+    ]
