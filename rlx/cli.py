@@ -809,26 +809,39 @@ def eval_command(
 
 class DataTask(str, Enum):
     gsm8k = "gsm8k"
+    math500 = "math500"
+    aime = "aime"
 
 
 @app.command()
 @expected_errors
 def data(
-    task: DataTask = typer.Argument(..., help="The dataset to convert: gsm8k."),
+    task: DataTask = typer.Argument(..., help="The benchmark to convert: gsm8k, math500, aime."),
     source: str = typer.Argument(
-        ..., help="The dataset's own file (gsm8k: openai/gsm8k's main train or test parquet)."
+        ...,
+        help="The benchmark's own file (jsonl or parquet: openai/gsm8k's main train or test, "
+        "HuggingFaceH4/MATH-500's test, an AIME set's), or its dataset by id "
+        "(hf://ORG/NAME[@revision], from the hub cache).",
     ),
     out: str = typer.Argument(..., help="The prompt file to write: .jsonl or .parquet."),
     tools: bool = typer.Option(
         False, "--tools", help="Prompts that teach the calculator tool (gsm8k-tools.yaml)."
     ),
+    split: str | None = typer.Option(
+        None,
+        "--split",
+        help="A dataset id's split (default: gsm8k train, math500 test, aime train).",
+    ),
+    config: str | None = typer.Option(
+        None, "--config", help="A dataset id's configuration (gsm8k: main)."
+    ),
 ) -> None:
-    """Write a prompt file a recipe reads (prompt as chat messages, answer) from a public
-    dataset's own file, on this machine."""
-    from rlx.trainer.tasks.gsm8k import write_prompts
+    """Write a prompt file a recipe or `rlx eval --data` reads (prompt as chat messages,
+    answer) from a benchmark as published, on this machine."""
+    from rlx.trainer.tasks.benchmarks import write_prompts
 
-    written = write_prompts(source, out, tools=tools)
-    typer.echo(f"wrote {written.rows} {task.value} prompts to {written.path}")
+    written = write_prompts(task.value, source, out, tools=tools, split=split, config=config)
+    typer.echo(f"wrote {written.rows} {task.value} prompts from {written.source} to {written.path}")
 
 
 def _recipe_from(path: Path | None) -> Any:

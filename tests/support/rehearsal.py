@@ -30,7 +30,7 @@ def write_workdir(folder: Path) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from rlx.trainer.tasks.gsm8k import write_prompts
+    from rlx.trainer.tasks.benchmarks import write_prompts
 
     def verl(rows: list[tuple[str, str]], path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -65,5 +65,5 @@ def write_workdir(folder: Path) -> Path:
     pq.write_table(pa.Table.from_pylist(gsm8k), source)
     out = folder / "data" / "gsm8k-tools" / "train.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_prompts(source, out, tools=True)
+    write_prompts("gsm8k", source, out, tools=True)
     return folder

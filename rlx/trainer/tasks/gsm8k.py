@@ -1,4 +1,5 @@
-"""GSM8K prompt files from the dataset's own files (`rlx data gsm8k SOURCE OUT`).
+"""GSM8K's prompt rows from the dataset's own rows (`rlx data gsm8k SOURCE OUT`, through
+rlx.trainer.tasks.benchmarks).
 
 The source is GSM8K as published (openai/gsm8k, config `main`: a parquet or jsonl file with a
 `question` and an `answer` whose last line is `#### N`). Each row becomes a chat prompt (a
@@ -10,15 +11,11 @@ With `tools` the system message teaches the calculator's call, `<calc>EXPR</calc
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from rlx.storage import is_url
-from rlx.trainer.tasks.data import DataError, detect_format, read_rows
+from rlx.trainer.tasks.data import DataError
 
 SYSTEM = (
     "Solve the math word problem. Reason briefly, then write the final answer on its own "
@@ -32,12 +29,6 @@ SYSTEM_TOOLS = (
     "that message."
 )
 _FINAL = re.compile(r"####\s*(.+?)\s*$")
-
-
-@dataclass(frozen=True)
-class Written:
-    path: Path
-    rows: int
 
 
 def prompt_rows(rows: Iterable[Mapping[str, Any]], source: str, tools: bool) -> list[dict]:
@@ -67,31 +58,3 @@ def prompt_rows(rows: Iterable[Mapping[str, Any]], source: str, tools: bool) -> 
             }
         )
     return out
-
-
-def write_prompts(source: str | Path, out: str | Path, tools: bool) -> Written:
-    """Read GSM8K's `source` file and write its prompt rows to `out` (.jsonl or .parquet,
-    which must not exist); the folder is made. Raises DataError with one line."""
-    for name, path in (("source", source), ("out", out)):
-        if is_url(str(path)):
-            raise DataError(
-                f"{name} {str(path)!r} is a URL; rlx data reads and writes files on this "
-                "machine (copy the result to the store with its own tool)"
-            )
-    out = Path(out)
-    fmt = detect_format(out)
-    if out.exists():
-        raise DataError(f"{out} exists; name a new file (nothing was written)")
-    rows = prompt_rows(read_rows(source), str(source), tools)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(out.name + ".partial")
-    if fmt == "jsonl":
-        with partial.open("w", encoding="utf-8") as f:
-            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-    else:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        pq.write_table(pa.Table.from_pylist(rows), partial)
-    partial.replace(out)  # a killed run leaves no half file under the real name
-    return Written(out, len(rows))

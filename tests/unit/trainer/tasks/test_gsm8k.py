@@ -38,7 +38,7 @@ def test_tools_prompts_load_as_the_recipe_says_and_the_calculator_scores_them(
     out = tmp_path / "data" / "gsm8k-tools" / f"train{suffix}"
     result = invoke(["data", "gsm8k", str(source), str(out), "--tools"])
     assert result.exit_code == 0, result.output
-    assert f"wrote 2 gsm8k prompts to {out}" in result.output
+    assert f"wrote 2 gsm8k prompts from {source} to {out}" in result.output
     assert not list(out.parent.glob("*.partial"))
 
     # The keys recipes/gsm8k-tools.yaml names.
@@ -72,7 +72,7 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path: Path) -> None:
         (wrong, out, "row 0: GSM8K rows have text columns 'question' and 'answer'"),
         (unfinished, out, "row 0: the answer does not end with a '#### N' line"),
         (tmp_path / "none.parquet", out, "does not exist"),
-        (source, "s3://bucket/train.jsonl", "is a URL; rlx data reads and writes files"),
+        (source, "s3://bucket/train.jsonl", "is a URL; rlx data writes a file"),
         (source, tmp_path / "out.csv", "cannot tell the format"),
     ]
     for src, dst, needle in cases:
