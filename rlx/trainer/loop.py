@@ -61,6 +61,7 @@ from rlx.trainer.checkpoint import (
 from rlx.trainer.checkpoint.best import Best, consider, restored
 from rlx.trainer.checkpoint.faults import SaveFailed, failure_line, save_failure
 from rlx.trainer.checkpoint.protocol import Location, SavedCheckpoint, SaveRequest
+from rlx.trainer.checkpoint.resume import chosen_commits, moved_data
 from rlx.trainer.checkpoint.training import (
     CONTROLLER_RNG,
     KILL_HOOK_ENV,
@@ -775,6 +776,7 @@ class Trainer:
             "backfill": None if self.backfill is None else self.backfill.state_dict(),
             "world_size": self.cluster.plan.train_workers,
             "algorithm": self.settings.algorithm,
+            "data_revisions": dict(self.inputs.data.revisions),
         }
         # The best once this step is saved: the step itself where it was validated and beats it.
         validated = self.validated[1] if self.validated and self.validated[0] == step else None
@@ -918,6 +920,14 @@ class Trainer:
                 f"checkpoint {path} is from a {state['algorithm']} run, this recipe trains "
                 f"{self.settings.algorithm}; set RLX_RUN_ID to start a new run"
             )
+        data = self.settings.data
+        moved = moved_data(
+            state.get("data_revisions") or {},
+            self.inputs.data.revisions,
+            chosen_commits([data.train, *(source.train for source in data.mix or ())]),
+        )
+        if moved is not None:
+            raise RlxError(f"cannot resume from {path}: {moved}")
         step = int(state["step"])
         # Complete: what a retry resumes from, should the loading below stall (the step a
         # stall names is the one the run goes on to).

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 
 from rlx.errors import RlxError
@@ -112,3 +112,35 @@ def newest_verified(manager: Checkpoints, note: Callable[[str], None]) -> Locati
             f"{manager.run_dir} verifies; set RLX_RUN_ID to start a new run"
         )
     return None
+
+
+def moved_data(
+    recorded: Mapping[str, str], now: Mapping[str, str], chosen: Collection[str] = ()
+) -> str | None:
+    """Whether a dataset repository the checkpoint's run trained on (`recorded`: its commit by
+    `hf://org/name`) is read at another commit now (`now`): the line that says so, else None.
+    A repository the recipe now names by a full commit (`chosen`) was moved on purpose; one
+    it no longer names at all was dropped on purpose."""
+    for repo, commit in recorded.items():
+        current = now.get(repo)
+        if current is None or current == commit or repo in chosen:
+            continue
+        return (
+            f"the run started on {repo} at commit {commit[:12]} and it is at {current[:12]} "
+            f"now (the dataset changed); write {repo}@{commit} in trainer.data to go on with "
+            "the data the run started with, or set RLX_RUN_ID to start a new run"
+        )
+    return None
+
+
+def chosen_commits(specs: Iterable[str]) -> set[str]:
+    """The dataset repositories `specs` (trainer.data's) name by a full commit."""
+    from rlx.hub import COMMIT
+    from rlx.recipe.specs import hub_data
+
+    named = [hub_data(spec) for spec in specs]
+    return {
+        f"hf://{data.repo_id}"
+        for data in named
+        if data is not None and data.revision is not None and COMMIT.fullmatch(data.revision)
+    }

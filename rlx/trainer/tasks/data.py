@@ -261,6 +261,9 @@ class PromptDataset:
     # Each prompt as the chat messages it was rendered from (a text prompt: one user
     # message), for readers that render it their own way (a reward model's template).
     messages: list[list[dict[str, str]]] = field(default_factory=list)
+    # The commit each dataset repository read was at: {"hf://org/name": commit}, which a
+    # checkpoint records so a resume reads what the run started with.
+    revisions: Mapping[str, str] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -482,6 +485,9 @@ def load_prompt_dataset(
         n_truncated=n_truncated,
         columns=[rows[i] for i in kept_rows],
         messages=messages,
+        revisions=(
+            {f"hf://{path.repo_id}": path.folder.name} if isinstance(path, HubSource) else {}
+        ),
     )
     if n_filtered or n_truncated:
         logger.warning("%s", dataset.summary())
@@ -543,6 +549,7 @@ def mix_datasets(parts: Sequence[tuple[PromptDataset, float]], seed: int) -> Pro
             if all(data.messages for data, _ in parts)
             else []
         ),
+        revisions={k: v for data, _ in parts for k, v in data.revisions.items()},
     )
 
 

@@ -96,3 +96,34 @@ def test_the_quickstart_trains_from_a_dataset_id(tmp_path: Path, dataset_cache) 
     assert f"validation: 4 held-out prompts from {held_out}" in log
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert any("val/pass@1" in step for step in steps)
+
+
+def test_a_resume_after_the_dataset_moved_on_is_one_line(tmp_path: Path) -> None:
+    """A checkpoint records the commit of every dataset repository its run trained on; when
+    main names another commit at the resume, the run stops in one line naming both and the
+    pin that goes on with the run's own data."""
+    from tests.support.hub import fill_dataset_cache, write_dataset_repo
+
+    cache = fill_dataset_cache(tmp_path / "hub", write_dataset_repo(tmp_path / "repo", rows=16))
+    spec = f"hf://{DATASET_ID}"
+    data = {"train": spec, "config": "letters", "prompt_key": PROMPT_COLUMN}
+    settings = {
+        "data": {**data, "answer_key": ANSWER_COLUMN, "max_prompt_length": 128},
+        "rollout": {"n": 4, "max_new_tokens": 8},
+        "checkpoint": {"dir": str(tmp_path / "ckpt"), "every": 1},
+    }
+    recipe = write_recipe(tmp_path, steps=1, **settings)
+    first = run_rlx(["train", str(recipe)], tmp_path, **cache.env)
+    assert first.returncode == 0, first.stderr[-3000:]
+
+    moved = fill_dataset_cache(cache.root, write_dataset_repo(tmp_path / "new", seed=1, rows=16))
+    assert moved.commit != cache.commit  # main names the new commit now
+    recipe = write_recipe(tmp_path, steps=2, **settings)
+    resumed = run_rlx(["train", str(recipe)], tmp_path, **cache.env)
+    assert_one_line_error(
+        resumed,
+        "cannot resume from",
+        f"the run started on {spec} at commit {cache.commit[:12]} and it is at "
+        f"{moved.commit[:12]} now",
+        f"write {spec}@{cache.commit} in trainer.data",
+    )

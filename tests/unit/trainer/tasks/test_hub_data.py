@@ -60,6 +60,7 @@ def test_the_quickstart_prompts_load_by_id(served, tiny_tokenizer, tmp_path: Pat
     assert dataset.answers == [row["answer"] for row in rows]
     assert rows[0]["prompt"] in dataset.prompts[0] != rows[0]["prompt"]
     assert dataset.source == f"{SPEC}@{served.commit[:12]} (split train, config letters)"
+    assert dataset.revisions == {SPEC: served.commit}  # what a checkpoint records
     # The held-out split: the task's other phrasings.
     test = resolve_data_path(data.train, tmp_path, seed=0, config="letters", split="test")
     held_out = load_recipe_prompts(test, tiny_tokenizer, data)
@@ -169,4 +170,5 @@ def test_a_mix_holds_each_source_in_proportion_to_its_weight(
     assert mixed.prompts[20:] == [few.prompts[0]] * 60
     assert len(set(mixed.prompts[:20])) > 1 and set(mixed.prompts[:20]) <= set(letters.prompts)
     assert mixed == mix_datasets([(letters, 1.0), (few, 3.0)], seed=0)  # seeded
+    assert mixed.revisions == letters.revisions and not few.revisions  # a file has none
     assert mix_datasets([(letters, 2.0)], seed=0) is letters
