@@ -255,7 +255,7 @@ class Trainer:
             stream=self.out,
         )
         self.samples = StepRecords(self.inputs.paths.run_dir / SAMPLES_FILE, start + 1)
-        self.validation_note()
+        self.data_note()
         try:
             if start == 0 and validation.due(settings, 0):
                 with self.clock.phase_of("validation"):
@@ -331,7 +331,9 @@ class Trainer:
         self.validated = (step, dict(scores))
         return {**scores, "time/validate": time.perf_counter() - started}
 
-    def validation_note(self) -> None:
+    def data_note(self) -> None:
+        """What the run trains on (a dataset by id at its commit) and validates on."""
+        self.say(f"data: {len(self.inputs.data)} prompts from {self.inputs.data.source}")
         held_out = self.inputs.validation
         if held_out is None:
             return

@@ -1,7 +1,8 @@
 """The trainer across emulated hosts: SkyPilot's rendered run block runs on each of two
 hosts with the variables SkyPilot injects; the head forms the Ray cluster and runs `rlx
 train`, which places one training worker on every host (CPU-only: one rank per node, FSDP2
-over gloo between them) and learns the quickstart task. (Three hosts, with kills and
+over gloo between them) and learns the quickstart task, its prompts read by dataset id from
+an offline hub cache at the commit the head resolved. (Three hosts, with kills and
 resumes: bench/chaos_store.py.) Every host runs this checkout's rlx
 (PYTHONPATH).
 """
@@ -22,6 +23,7 @@ from rlx.recipe import parse_recipe
 from rlx.runs import read_metrics
 from tests.conftest import REPO
 from tests.support.hosts import Hosts, backend_env
+from tests.support.hub import ANSWER_COLUMN, DATASET_ID, PROMPT_COLUMN
 from tests.support.recipes import trainer_section
 
 pytest.importorskip("ray")
@@ -43,11 +45,19 @@ def node_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def test_training_runs_on_every_host(hosts_factory, tmp_path: Path) -> None:
+def test_training_runs_on_every_host(hosts_factory, dataset_cache, tmp_path: Path) -> None:
     sky = pytest.importorskip("sky")
     hosts: Hosts = hosts_factory(NODES)
+    spec = f"hf://{DATASET_ID}"  # the quickstart's task by id, from an offline hub cache
     section = trainer_section(
         tmp_path,
+        data={
+            "train": spec,
+            "config": "letters",
+            "prompt_key": PROMPT_COLUMN,
+            "answer_key": ANSWER_COLUMN,
+            "max_prompt_length": 64,
+        },
         batch={"prompts_per_step": 3, "micro_batch_size": 24},  # 48 samples, 24 per rank
         steps=STEPS,
         checkpoint={"dir": str(tmp_path / "ckpt"), "every": STEPS},
@@ -64,7 +74,7 @@ def test_training_runs_on_every_host(hosts_factory, tmp_path: Path) -> None:
         "multinode-train.yaml",
     ).recipe
     task = sky.Task.from_yaml_config(yaml.safe_load(render("sky", recipe, "x.yaml")))
-    base = node_env(tmp_path)
+    base = {**node_env(tmp_path), **dataset_cache.env}
     (tmp_path / "home").mkdir()
     procs, logs = [], []
     for rank, host in enumerate(hosts):
@@ -98,6 +108,7 @@ def test_training_runs_on_every_host(hosts_factory, tmp_path: Path) -> None:
     ), workers
     run_dir = tmp_path / "runs" / TASK_ID  # the run id is SkyPilot's task id
     assert "sharding: FSDP2" in head, head  # several ranks: sharded by default
+    assert f"data: 64 prompts from {spec}@{dataset_cache.commit[:12]} (split train" in head
     records = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     rewards = [r["reward/mean"] for r in records]
