@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -78,6 +79,7 @@ class DataResult:
     source: str
     metrics: dict[str, float]
     samples: list[dict[str, Any]] = field(repr=False)
+    failures: str = ""  # the reward terms that failed on samples, and their first errors
 
 
 # --------------------------------------------------------------------------- the target
@@ -289,20 +291,16 @@ def eval_settings(target: Target, options: EvalOptions) -> TrainerSettings:
         }
     )
     model = base.model.model_copy(update={"path": target.folder, "lora": None})
-    reward = base.reward
+    reward, rewards = base.reward, base.rewards  # a mix of terms: scored as validation does
     if options.reward is not None:
         reward = reward.model_copy(update={"function": options.reward, "gsm8k_mode": "strict"})
-    elif base.rewards is not None:
-        raise RlxError(
-            "the recipe mixes rewards (trainer.rewards) and rlx eval scores with one reward "
-            "function; name it with --reward SPEC (e.g. --reward gsm8k)"
-        )
+        rewards = None
     return base.model_copy(
         update={
             "model": model,
             "rollout": rollout,
             "reward": reward,
-            "rewards": None,
+            "rewards": rewards,
             "validation": None,
             "seed": base.seed if options.seed is None else options.seed,
         }
@@ -352,7 +350,7 @@ def _evaluate(
     options: EvalOptions,
     data_dir: Path,
 ) -> list[DataResult]:
-    from rlx.trainer.resolve import load_tokenizer, resolve_data_path, resolve_reward_fn
+    from rlx.trainer.resolve import load_tokenizer, resolve_data_path
     from rlx.trainer.tasks.data import load_recipe_prompts
     from rlx.trainer.tasks.rewards import answer_extractor
 
@@ -367,20 +365,54 @@ def _evaluate(
             load_recipe_prompts(path, tokenizer, settings.data), source=source
         )
         datasets.append(dataset if limit is None else first_prompts(dataset, limit))
-    reward_fn = resolve_reward_fn(settings)
+    scorer = _scorer(settings, tokenizer)
     extract = answer_extractor(settings)
     engine = _engine(settings, target.folder, options)
     results = []
     try:
         for dataset in datasets:
             results.append(
-                _one_dataset(engine, dataset, tokenizer, settings, reward_fn, extract, options)
+                _one_dataset(engine, dataset, tokenizer, settings, scorer, extract, options)
             )
     finally:
         engine.close()
     if options.out is not None:
         write_results(options.out, results, target.label)
     return results
+
+
+class Scored:
+    """Each sample's reward (NaN where a weighted term failed on it) and, where terms
+    failed, which and their first error."""
+
+    def __init__(self, rewards: list[float], failures: str = "") -> None:
+        self.rewards = rewards
+        self.failures = failures
+
+
+def _scorer(settings: TrainerSettings, tokenizer: Any) -> Any:
+    """scorer(prompts, responses, answers, inputs) -> Scored: the one reward function, which
+    stops the evaluation at a sample it fails on; or a recipe's trainer.rewards, as its
+    validation scores them (the terms' weighted sum; a sample a weighted term fails on is
+    not correct and is left out of avg@n, and the table says how many)."""
+    if settings.rewards is None:
+        from rlx.trainer.resolve import resolve_reward_fn
+        from rlx.trainer.tasks.rewards import score
+
+        reward_fn = resolve_reward_fn(settings)
+        return lambda prompts, responses, answers, inputs: Scored(
+            score(reward_fn, prompts, responses, answers)
+        )
+    from rlx.trainer.tasks.reward_terms import build_terms
+
+    terms = build_terms(settings, os.environ)
+    terms.use_policy_tokenizer(tokenizer)
+
+    def scorer(prompts: Any, responses: Any, answers: Any, inputs: Any) -> Scored:
+        scored = terms.score(prompts, responses, answers, inputs)
+        return Scored(scored.outcome().tolist(), scored.failure_line())
+
+    return scorer
 
 
 def first_prompts(dataset: Any, limit: int) -> Any:
@@ -418,13 +450,13 @@ def _one_dataset(
     dataset: Any,
     tokenizer: Any,
     settings: TrainerSettings,
-    reward_fn: Any,
+    scorer: Any,
     extract: Any,
     options: EvalOptions,
 ) -> DataResult:
     from rlx.trainer.report.progress import Progress
     from rlx.trainer.rollout.base import SamplingArgs
-    from rlx.trainer.tasks.rewards import score
+    from rlx.trainer.tasks.reward_terms import RewardInputs
 
     threshold = options.pass_threshold
     assert threshold is not None  # resolved by evaluate()
@@ -435,6 +467,7 @@ def _one_dataset(
     )
     per_call = engine.prompts_per_call  # the progress bar moves once per call
     samples: list[dict[str, Any]] = []
+    failures = ""
     prompts: list[PromptSamples] = []
     with Progress(len(dataset), f"eval {Path(dataset.source).name}") as progress:
         for call, start in enumerate(range(0, len(dataset), per_call)):
@@ -446,7 +479,15 @@ def _one_dataset(
             lengths = batch.response_lengths.tolist()
             texts = [dataset.prompts[i] for i in rows for _ in range(n)]
             answers = [dataset.answers[i] for i in rows for _ in range(n)]
-            rewards = score(reward_fn, texts, responses, answers)
+            messages = dataset.messages
+            inputs = RewardInputs(
+                prompt_ids=[dataset.prompt_token_ids[i] for i in rows for _ in range(n)],
+                response_ids=batch.response_lists(),
+                messages=[messages[i] for i in rows for _ in range(n)] if messages else None,
+            )
+            scored = scorer(texts, responses, answers, inputs)
+            rewards = scored.rewards
+            failures = failures or scored.failures
             for offset, row in enumerate(rows):
                 group = range(offset * n, (offset + 1) * n)
                 got = [extract(responses[j]) if extract else None for j in group]
@@ -465,14 +506,14 @@ def _one_dataset(
                             "response": responses[j],
                             "answer": dataset.answers[row],
                             "extracted": got[sample],
-                            "reward": rewards[j],
+                            "reward": rewards[j] if math.isfinite(rewards[j]) else None,
                             "correct": correct[sample],
                             "length": lengths[j],
                         }
                     )
             progress.update(len(rows))
     metrics = summarize(prompts, compares_answers=extract is not None)
-    return DataResult(dataset.source, metrics, samples)
+    return DataResult(dataset.source, metrics, samples, failures)
 
 
 # --------------------------------------------------------------------------- output
@@ -529,3 +570,12 @@ def print_table(report: EvalReport, console: Any = None) -> None:
         ]
         table.add_row(Path(result.source).name, str(prompts), *cells)
     console.print(table)
+    for result in report.results:
+        failed = sum(1 for sample in result.samples if sample["reward"] is None)
+        if failed:  # not correct, and left out of avg@n
+            console.print(
+                f"note: {Path(result.source).name}: {failed} of {len(result.samples)} samples "
+                f"have no reward ({result.failures})",
+                markup=False,
+                highlight=False,
+            )

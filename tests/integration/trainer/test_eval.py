@@ -72,3 +72,56 @@ def test_eval_from_a_checkpoint_and_its_export(tmp_path: Path, tiny_model_dir: P
             assert abs(summary[key] - value) < 1e-12
     assert printed["dcp"]["pass@4"] > 0  # something to compare: not all zero
     assert printed["dcp"] == printed["export"]  # the same weights, the same samples
+
+
+FLAKY = """
+def score(prompt, response, answer):
+    if answer == "digits":
+        raise ValueError("no verdict on digits")
+    return 0.5
+"""
+
+
+def test_a_recipe_of_mixed_rewards_is_scored_as_its_validation_scores(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """`rlx eval RECIPE` of a recipe with trainer.rewards: each sample's reward is the terms'
+    weighted sum; a sample a weighted term failed on has none, is not correct, and the
+    table's note counts it."""
+    import yaml
+
+    from rlx.trainer.tasks.synthetic import letters_or_digits_reward
+
+    _save_checkpoint(tiny_model_dir, tmp_path / "ckpt")  # run "run", step 1
+    data = tmp_path / "prompts.jsonl"
+    rows = [("Write digits.", "digits"), ("Write letters.", "letters")] * 2
+    data.write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in rows))
+    (tmp_path / "flaky.py").write_text(FLAKY)
+    recipe = tmp_path / "run.yaml"
+    trainer = {
+        "model": {"path": str(tiny_model_dir), "dtype": "float32"},
+        "data": {"train": str(data), "answer_key": "answer"},
+        "rewards": [
+            {"function": "letters_or_digits", "weight": 1.0},
+            {"function": f"{tmp_path / 'flaky.py'}:score", "weight": 2.0},
+        ],
+        "checkpoint": {"dir": str(tmp_path / "ckpt")},
+        "logging": {"dir": str(tmp_path / "runs")},
+    }
+    recipe.write_text(yaml.safe_dump({"name": "run", "trainer": trainer}))
+    out = tmp_path / "mixed"
+    args = ["eval", str(recipe), "--n", "2", "--max-new-tokens", "8", "--out", str(out)]
+    result = invoke([*args, "--pass-threshold", "0.5"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "note: prompts.jsonl: 4 of 8 samples have no reward (" in result.output
+    assert "no verdict on digits" in result.output
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    for sample in samples:
+        if sample["answer"] == "digits":
+            assert sample["reward"] is None and sample["correct"] is False
+        else:
+            expected = (
+                letters_or_digits_reward(sample["prompt"], sample["response"], "letters") + 1.0
+            )
+            assert abs(sample["reward"] - expected) < 1e-9, sample
+            assert sample["correct"] is True  # 0.5 or more: flaky's 2 x 0.5 alone

@@ -74,8 +74,7 @@ def test_summary_files_and_columns(tmp_path: Path):
     ]
 
 
-def test_a_recipe_of_mixed_rewards_is_evaluated_with_the_reward_named():
-    from rlx.errors import RlxError
+def test_a_recipe_of_mixed_rewards_keeps_them_unless_a_reward_is_named():
     from rlx.recipe.model import TrainerSettings
     from rlx.trainer.evaluate import EvalOptions, Target, eval_settings
 
@@ -87,8 +86,8 @@ def test_a_recipe_of_mixed_rewards_is_evaluated_with_the_reward_named():
         }
     )
     target = Target("folder", "recipe", settings)
-    with pytest.raises(RlxError, match="name it with --reward SPEC"):
-        eval_settings(target, EvalOptions())
+    kept = eval_settings(target, EvalOptions())
+    assert kept.rewards is not None and [t.function for t in kept.rewards][:1] == ["gsm8k"]
     chosen = eval_settings(target, EvalOptions(reward="math_exact"))
     assert chosen.rewards is None and chosen.reward.function == "math_exact"
 
