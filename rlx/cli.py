@@ -224,7 +224,7 @@ def _load_checked(
     return loaded
 
 
-# `rlx plan` and `rlx status`: where hourly prices come from.
+# `rlx plan`, `rlx status` and `rlx launch`: where hourly prices come from.
 PRICES_OPTION = typer.Option(
     None,
     "--prices",
@@ -337,8 +337,11 @@ def launch(
         help=f"{_takers('keep')}: form the cluster and keep it with no trainer, for `-b ray` "
         "jobs and `rlx attach`; `rlx down NAME` ends it.",
     ),
+    prices: Path | None = PRICES_OPTION,
 ) -> None:
-    """Submit a recipe to a backend (default: run it here) and remember the job."""
+    """Submit a recipe to a backend (default: run it here) and remember the job. Where hourly
+    prices are known, the job carries its price: the run's summary and result.json give
+    its cost."""
     import time
 
     from rlx.launchers.base import LaunchRequest, collect_secrets, remember
@@ -354,6 +357,7 @@ def launch(
         from rlx.launchers.keep import kept_recipe
 
         job_recipe = kept_recipe(job_recipe)
+    job_recipe = _priced(job_recipe, prices, time.time())
     text = launchers.render(backend.value, job_recipe, str(recipe))
     if dry_run:  # the native file, or what would run here
         typer.echo(text, nl=False)
@@ -383,6 +387,17 @@ def launch(
     code = int(job.extra.get("exit_code", "0"))
     _after_launch(job, request)
     raise typer.Exit(code)
+
+
+def _priced(recipe: Recipe, prices: Path | None, now: float) -> Recipe:
+    """The recipe carrying its cluster's hourly price (rlx.launchers.bill.priced_recipe) where
+    prices are known (a bad price file: one line before anything launches), else as it is."""
+    from rlx.launchers.bill import hourly_rate, priced_recipe
+    from rlx.plan.prices import load_prices
+
+    price_data = load_prices(prices)
+    rate = None if price_data is None else hourly_rate(recipe, price_data)
+    return recipe if rate is None else priced_recipe(recipe, rate, now)
 
 
 def _after_launch(job: Job, request: LaunchRequest) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -130,6 +131,54 @@ class RunPaths:
         return self.run_url or str(self.run_dir)
 
 
+# What `rlx launch` hands a job where it knows prices (--prices FILE, or SkyPilot's catalog):
+# the cluster's price an hour, the accelerator alternative priced, whether that price is an
+# upper bound (spot: auto, priced on-demand), and the launch's time. The run's result.json
+# and summary carry the cost from them (run_cost), as `rlx status` computes it.
+PRICE_ENV = "RLX_PRICE_PER_HOUR"
+PRICE_LABEL_ENV = "RLX_PRICE_LABEL"
+PRICE_AT_MOST_ENV = "RLX_PRICE_AT_MOST"
+LAUNCHED_AT_ENV = "RLX_LAUNCHED_AT"
+
+
+def run_cost(env: Mapping[str, str], started: float | None, ended: float) -> dict[str, Any] | None:
+    """{per_hour, hours, dollars, at_most, label, since}: the price `env` carries times the
+    hours from the launch (since "launch"; without its time, from this run's start, since
+    "start") to `ended`; None where the launch carried no price."""
+    try:
+        per_hour = float(env[PRICE_ENV])
+    except (KeyError, ValueError):
+        return None
+    since, origin = "launch", env.get(LAUNCHED_AT_ENV)
+    try:
+        begun = float(origin) if origin else None
+    except ValueError:
+        begun = None
+    if begun is None:
+        since, begun = "start", started
+    if begun is None:
+        return None
+    hours = max(0.0, ended - begun) / 3600
+    return {
+        "per_hour": per_hour,
+        "hours": hours,
+        "dollars": per_hour * hours,
+        "at_most": env.get(PRICE_AT_MOST_ENV) == "1",
+        "label": env.get(PRICE_LABEL_ENV, ""),
+        "since": since,
+    }
+
+
+def cost_line(cost: Mapping[str, Any]) -> str:
+    """'cost: $12.40 (2.48 h since launch at $5.00/h, A100:8)'; '<=' for an upper bound."""
+    bound = "<= " if cost["at_most"] else ""
+    label = f", {cost['label']}" if cost["label"] else ""
+    return (
+        f"cost: {bound}${cost['dollars']:,.2f} ({cost['hours']:.2f} h since {cost['since']} "
+        f"at {bound}${cost['per_hour']:,.2f}/h{label})"
+    )
+
+
 @dataclass
 class RunResult:
     """What a finished (or failed) run leaves behind; also written as result.json."""
@@ -169,6 +218,7 @@ class RunResult:
     accelerator: dict[str, Any] | None = None
     model: str | None = None  # the Hugging Face folder exported at the end
     error: str | None = None
+    cost: dict[str, Any] | None = None  # run_cost: where the launch knew prices
 
 
 def write_result(paths: RunPaths, result: RunResult) -> None:

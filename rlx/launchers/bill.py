@@ -98,3 +98,17 @@ def job_bill(job: Job, status: JobStatus | None, prices: Prices | None, now: flo
     recipe = job.launched_recipe()
     rate = None if prices is None or recipe is None else hourly_rate(recipe, prices)
     return Bill(up, hours, rate)
+
+
+def priced_recipe(recipe: Recipe, rate: Rate, launched_at: float) -> Recipe:
+    """The recipe with its price in the job's environment (rlx.runs.PRICE_ENV and the
+    others), so the run's result.json and summary carry its cost."""
+    from rlx.runs import LAUNCHED_AT_ENV, PRICE_AT_MOST_ENV, PRICE_ENV, PRICE_LABEL_ENV
+
+    priced = {
+        PRICE_ENV: f"{rate.dollars:.6g}",
+        PRICE_LABEL_ENV: rate.label,
+        PRICE_AT_MOST_ENV: "1" if rate.at_most else "0",
+        LAUNCHED_AT_ENV: f"{launched_at:.3f}",
+    }
+    return recipe.model_copy(update={"env": {**recipe.env, **priced}})

@@ -21,7 +21,15 @@ from rlx import sigterm
 from rlx.errors import RlxError
 from rlx.owner import owned_run
 from rlx.recipe.model import Recipe
-from rlx.runs import RunPaths, RunResult, mirror_run, pull_run, run_line, write_result
+from rlx.runs import (
+    RunPaths,
+    RunResult,
+    mirror_run,
+    pull_run,
+    run_cost,
+    run_line,
+    write_result,
+)
 from rlx.trainer.checkpoint.probe import probe_locations
 from rlx.trainer.job import STAND_IN_GPUS_ENV, TrainJob
 from rlx.trainer.report.console import Stopped, StopRequest, console_to_log, handle_signals
@@ -452,6 +460,7 @@ def run_training(
             raise
         finally:
             result.finished = time.time()
+            result.cost = run_cost(env, result.started, result.finished)
             write_result(paths, result)
             mirror_run(paths, err)
         if print_summary:

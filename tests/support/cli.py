@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,13 +60,18 @@ def run_rlx(
 
 @contextlib.contextmanager
 def launched_and_training(
-    recipe: Path, cwd: Path, name: str, timeout: float = 300, **extra: str
+    recipe: Path,
+    cwd: Path,
+    name: str,
+    timeout: float = 300,
+    args: Sequence[str] = (),
+    **extra: str,
 ) -> Iterator[subprocess.Popen[str]]:
-    """`rlx launch RECIPE --name NAME` (the local backend) in the background, yielded once
-    its run has logged a step (runs/NAME-*/metrics.jsonl under cwd); killed after, if it
+    """`rlx launch RECIPE --name NAME [ARGS]` (the local backend) in the background, yielded
+    once its run has logged a step (runs/NAME-*/metrics.jsonl under cwd); killed after, if it
     still runs. The launch ending before it logs a step fails the test with its output."""
     launch = subprocess.Popen(
-        [sys.executable, "-m", "rlx", "launch", str(recipe), "--name", name],
+        [sys.executable, "-m", "rlx", "launch", str(recipe), "--name", name, *args],
         cwd=cwd,
         env=rlx_env(**extra),
         stdout=subprocess.PIPE,

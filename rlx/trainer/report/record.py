@@ -3,7 +3,7 @@ reward, validation), and the summary lines. (result.json itself: rlx/runs.py.)""
 
 from __future__ import annotations
 
-from rlx.runs import SUMMARY_WINDOW, RunPaths, RunResult
+from rlx.runs import SUMMARY_WINDOW, RunPaths, RunResult, cost_line
 
 
 def finish(result: RunResult, paths: RunPaths) -> None:
@@ -92,6 +92,8 @@ def summary_lines(result: RunResult) -> list[str]:
         lines.append(f"best checkpoint: {best_summary(result.best)}")
     if result.model:
         lines.append(f"model (Hugging Face folder): {result.model}")
+    if result.cost is not None:
+        lines.append(cost_line(result.cost))
     if result.gpu_peak_gib is not None:
         plan = "n/a" if result.plan_gpu_gib is None else f"{result.plan_gpu_gib:.1f} GiB"
         lines.append(

@@ -5,7 +5,9 @@ it is no longer up, it is CANCELLED and its hours stop at its end."""
 
 from __future__ import annotations
 
+import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -39,7 +41,9 @@ def test_status_bills_a_running_local_job_and_down_all_ends_it(tmp_path: Path) -
     prices = tmp_path / "prices.csv"
     prices.write_text(PRICES)
     env = {"SKY_RUNTIME_DIR": str(tmp_path / "no-sky"), "COLUMNS": "250"}
-    with launched_and_training(recipe, tmp_path, "billed", **env) as launch:
+    launched = time.time()
+    args = ["--prices", str(prices)]  # the job carries its price: its result, its cost
+    with launched_and_training(recipe, tmp_path, "billed", args=args, **env) as launch:
         up = run_rlx(["status", "--prices", str(prices)], tmp_path, timeout=120, **env)
         assert up.returncode == 0, up.stderr
         line = row(up.stdout, "billed")
@@ -60,3 +64,14 @@ def test_status_bills_a_running_local_job_and_down_all_ends_it(tmp_path: Path) -
         assert "CANCELLED" in line and " no " in line and "$" not in line, after.stdout
         assert "rlx status --prices FILE" in after.stdout  # no prices: said once, no figure
         assert re.search(r" [0-9]+\.[0-9]{2} ", line), line  # hours up to its end
+    (result,) = tmp_path.glob("runs/billed-*/result.json")
+    record = json.loads(result.read_text())
+    cost = record["cost"]
+    assert cost["per_hour"] == 3600.0 and cost["since"] == "launch", cost
+    # a dollar a second from the launch, which came after `launched` and before the run's
+    # start, to the run's end
+    since_launched, since_started = (
+        record["finished"] - launched,
+        record["finished"] - record["started"],
+    )
+    assert since_started - 0.01 <= cost["dollars"] <= since_launched + 0.01, (cost, record)

@@ -77,6 +77,29 @@ def test_the_rate_is_the_first_alternative_with_the_recipes_spot_setting(price_f
     assert hourly_rate(recipe("{accelerators: 'L4:1'}"), prices) is None  # no row for it
 
 
+def test_a_priced_launch_gives_the_run_its_cost(price_file: Path):
+    from rlx.launchers.bill import priced_recipe
+    from rlx.runs import cost_line, run_cost
+
+    auto = recipe("{nodes: 2, accelerators: [H100:8, A100-80GB:8], spot: auto}")
+    priced = priced_recipe(auto, hourly_rate(auto, load_prices(price_file)), 1000.0)
+    cost = run_cost(priced.env, started=1900.0, ended=1000.0 + 1.5 * HOUR)
+    assert cost == {
+        "per_hour": 200.0,
+        "hours": 1.5,
+        "dollars": 300.0,
+        "at_most": True,
+        "label": "H100:8",
+        "since": "launch",
+    }
+    assert cost_line(cost) == "cost: <= $300.00 (1.50 h since launch at <= $200.00/h, H100:8)"
+    # without the launch's time: from the run's own start; without a price: none at all
+    alone = {"RLX_PRICE_PER_HOUR": "0.5"}
+    assert run_cost(alone, started=0.0, ended=HOUR)["since"] == "start"
+    assert run_cost({}, started=0.0, ended=HOUR) is None
+    assert run_cost({"RLX_PRICE_PER_HOUR": "n/a"}, started=0.0, ended=HOUR) is None
+
+
 def test_cells_say_a_dash_for_what_is_not_known():
     priced = Bill(True, 2.0, Rate(200.0, "H100:8"))
     assert priced.spend == 400.0
