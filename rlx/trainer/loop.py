@@ -80,7 +80,13 @@ from rlx.trainer.report.metrics import MetricsLogger, StepRecords
 from rlx.trainer.report.progress import Progress
 from rlx.trainer.rollout.base import SamplingArgs
 from rlx.trainer.rollout.probe import Probe
-from rlx.trainer.stall import StallClock, Stalled, bounded_call
+from rlx.trainer.stall import (
+    LEARNER_IDLE,
+    SAVE_AT_STALL_S,
+    StallClock,
+    Stalled,
+    bounded_call,
+)
 from rlx.trainer.tasks import validation
 from rlx.trainer.tasks.data import PromptDataset, PromptSampler
 from rlx.trainer.tasks.reward_terms import (
@@ -232,7 +238,30 @@ class Trainer:
         try:
             return self._run()
         except Stalled as stall:
+            self.save_at_stall(stall)
             raise stall.with_line(self.newest_saved, self.manager is not None) from None
+
+    def save_at_stall(self, stall: Stalled) -> None:
+        """Save the last finished step where the learner still answers (stall.py) and no
+        checkpoint holds it yet; a save that fails or stalls too is said and left."""
+        done = stall.step - 1  # the step whose update the training ranks hold
+        if self.manager is None or done < 1 or (self.newest_saved or 0) >= done:
+            return
+        if stall.phase not in LEARNER_IDLE or (
+            stall.phase == "generation" and self.settings.layout != "split"
+        ):
+            return  # the engines are in the training ranks' processes: they may not answer
+        self.clock.reopen(min(self.clock.window, SAVE_AT_STALL_S))
+        try:
+            with self.clock.phase_of("save at the stall"):
+                self._save(done)
+                self.finish_saves()
+        except Exception as exc:  # stalled too, failed, a rank gone: the older checkpoints stay
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            self.say(f"the save of step {done} at the stall did not finish: {first}")
+            return
+        if self.newest_saved == done:
+            self.say(f"step {done} saved at the stall (the training ranks still answered)")
 
     def _run(self) -> int:
         settings = self.settings

@@ -14,9 +14,12 @@ the step times measured so far:
 The head never waits without it: every wait on the actors (Cluster's gather, a rollout's
 collect) takes the window's remaining time, and the reward function, which runs here on the
 head, is called under it (bounded_call). What is left when it passes: the checkpoints already
-complete, untouched; nothing is saved, since the learner's state is that of the step before
-and a save would ask the very actors that may not answer. The job exits 75 (TRY_AGAIN), so
-Slurm's requeue and managed recovery run it again, and it resumes from the last checkpoint.
+complete, untouched. Where the learner still answers (the run stalled in the reward, or in the
+generation of engines of their own, layout: split) and its last finished step was not saved,
+that step is saved then, within a window of its own (SAVE_AT_STALL_S at most), so a retry
+loses no finished step; a save that does not finish there leaves the older checkpoints as they
+were. The job exits 75 (TRY_AGAIN), so Slurm's requeue and managed recovery run it again, and
+it resumes from the last checkpoint.
 
 The training ranks' process groups and the weight group time out too (process_group_timeout),
 so a worker blocked in a collective raises instead of waiting for ever.
@@ -38,6 +41,10 @@ from rlx.errors import TRY_AGAIN, RlxError
 FIRST_WINDOW_S = 1800.0  # until the first step finishes
 MIN_WINDOW_S = 600.0  # any later window, at least
 STEP_MULTIPLE = 5.0  # later windows: this many times the slowest step so far
+SAVE_AT_STALL_S = 600.0  # the save at a stall: at most this long, and at most one window
+# The phases in which the learner is idle, holding the last finished step: a stall there may
+# save it (generation only where the engines are not in the training ranks' processes).
+LEARNER_IDLE = ("reward", "generation")
 # The signal that interrupts a reward call on the main thread when its window has passed
 # (SIGALRM is math-verify's own limit, SIGUSR1 the scheduler's warning).
 INTERRUPT = signal.SIGUSR2
@@ -129,6 +136,11 @@ class StallClock:
         self.opened = now
         self.window = stall_window(self.setting, self.slowest)
         self.step = step + 1
+
+    def reopen(self, window: float) -> None:
+        """A window of `window` seconds from now, for what follows a stall (its save)."""
+        self.opened = self.now()
+        self.window = window
 
     def remaining(self) -> float:
         return max(0.0, self.opened + self.window - self.now())

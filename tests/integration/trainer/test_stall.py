@@ -1,7 +1,9 @@
 """A run nobody watches that stalls stops by itself: a reward call that hangs at step 3, then
 (the same run tried again) a rollout engine whose call never returns at step 3, each end
-within stall_timeout + 30 s with one line naming the phase and who did not answer, exit 75,
-step 2's checkpoint intact; the third try resumes there and finishes."""
+within stall_timeout + 30 s with one line naming the phase and who did not answer, exit 75.
+The reward's stall saves step 2 (no cadence would have: checkpoint.every is 3), since the
+training ranks still answer; the engine's, in the training ranks' own processes, keeps that
+checkpoint intact; the third try resumes there and finishes."""
 
 from __future__ import annotations
 
@@ -60,7 +62,7 @@ def test_a_hung_reward_then_a_hung_engine_stop_the_run_and_it_resumes(
         "reward": {"function": str(tmp_path / "rewards.py") + ":reward"},
         "rollout": {"n": N, "max_new_tokens": 8},
         "batch": {"prompts_per_step": PROMPTS, "micro_batch_size": 8},
-        "checkpoint": {"dir": str(checkpoints), "every": 2, "keep": 2},
+        "checkpoint": {"dir": str(checkpoints), "every": 3, "keep": 2},
     }
     recipe = make_recipe(tmp_path, stall_timeout=STALL_TIMEOUT, **settings)
     env = {"RLX_RUN_ID": "stalls"}
@@ -83,7 +85,9 @@ def test_a_hung_reward_then_a_hung_engine_stop_the_run_and_it_resumes(
     assert "did not answer: reward function " in line and "(sample 0 of 4)" in line
     assert "step 2's checkpoint is kept and a retry resumes there" in line
     saved = sorted(p.name for p in (checkpoints / "stalls").iterdir() if p.name.startswith("step"))
-    assert saved == ["step-000002"], saved
+    assert saved == ["step-000002"], saved  # saved at the stall: the ranks still answered
+    log = (tmp_path / "runs" / "stalls" / "train.log").read_text()
+    assert "step 2 saved at the stall (the training ranks still answered)" in log
     record = (tmp_path / "runs" / "stalls" / "result.json").read_text()
     assert '"exit_code": 75' in record and "stalled in the reward" in record
 
