@@ -9,6 +9,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from rlx.checkpoints import step_of
 from rlx.recipe.model import TrainerSettings
 from rlx.runs import RunPaths
@@ -102,7 +104,10 @@ class _Ranks:
         return 0.0
 
 
-def _trainer(tmp_path: Path) -> Any:
+PROMPTS = "hf://org/prompts"
+
+
+def _trainer(tmp_path: Path, commit: str = "a" * 40) -> Any:
     from rlx.trainer.checkpoint import open_manager
     from rlx.trainer.loop import Trainer
 
@@ -123,7 +128,8 @@ def _trainer(tmp_path: Path) -> Any:
     trainer = Trainer.__new__(Trainer)
     trainer.settings = settings
     trainer.cluster = _Ranks()
-    trainer.inputs = SimpleNamespace(paths=paths, probe=None)
+    data = SimpleNamespace(revisions={PROMPTS: commit})  # the dataset's commit read now
+    trainer.inputs = SimpleNamespace(paths=paths, probe=None, data=data)
     trainer.manager = open_manager(tmp_path / "ckpt", "run", settings.checkpoint.keep)
     trainer.out, trainer.err = io.StringIO(), io.StringIO()
     trainer.clock = SimpleNamespace(phase_of=lambda phase: _Nothing())
@@ -183,3 +189,14 @@ def test_the_record_is_none_until_a_validated_step_is_saved(tmp_path: Path) -> N
     trainer = _trainer(tmp_path)
     trainer.save(2)
     assert trainer.best is None and trainer.best_record() is None
+
+
+def test_a_resume_where_the_dataset_moved_on_is_refused(tmp_path: Path) -> None:
+    """A save records the dataset's commit; a resume that reads another stops in one line
+    (the integration test: test_train_cli, a dataset repository that moved on)."""
+    from rlx.errors import RlxError
+
+    _trainer(tmp_path).save(2)
+    with pytest.raises(RlxError, match=f"cannot resume from .*{PROMPTS} at commit aaaaaaaaaaaa"):
+        _trainer(tmp_path, commit="b" * 40).resume()
+    assert _trainer(tmp_path).resume() == 2  # the same commit goes on
