@@ -67,14 +67,18 @@ def test_a_recipe_without_a_trainer(tmp_path: Path) -> None:
     assert_one_line_error(run_rlx(["train", str(path)], tmp_path), "has no 'trainer:' section")
 
 
-def test_the_quickstart_trains_from_a_dataset_id(tmp_path: Path, dataset_cache) -> None:
+def test_the_quickstart_trains_from_a_dataset_id_and_a_resume_after_it_moved_is_refused(
+    tmp_path: Path,
+) -> None:
     # The quickstart's task, its prompts read by id from an offline hub cache: a named
     # configuration and split, columns of the repository's own names, held-out prompts
     # from its test split, all at the commit main named at start.
+    from tests.support.hub import fill_dataset_cache, write_dataset_repo
+
+    cache = fill_dataset_cache(tmp_path / "hub", write_dataset_repo(tmp_path / "repo", rows=32))
     spec = f"hf://{DATASET_ID}"
-    recipe = write_recipe(
-        tmp_path,
-        data={
+    settings = {
+        "data": {
             "train": spec,
             "config": "letters",
             "prompt_key": PROMPT_COLUMN,
@@ -82,44 +86,30 @@ def test_the_quickstart_trains_from_a_dataset_id(tmp_path: Path, dataset_cache) 
             "system_prompt": "Answer with characters only.",
             "max_prompt_length": 128,
         },
-        rollout={"n": 4, "max_new_tokens": 8},
-        steps=2,
-        validation={"data": spec, "every": 2, "n": 1, "max_prompts": 4},
-    )
-    result = run_rlx(["train", str(recipe)], tmp_path, **dataset_cache.env)
+        "rollout": {"n": 4, "max_new_tokens": 8},
+        "validation": {"data": spec, "every": 2, "n": 1, "max_prompts": 4},
+        "checkpoint": {"dir": str(tmp_path / "ckpt"), "every": 2},
+    }
+    recipe = write_recipe(tmp_path, steps=2, **settings)
+    result = run_rlx(["train", str(recipe)], tmp_path, **cache.env)
     assert result.returncode == 0, result.stderr[-3000:]
     run = tmp_path / "runs" / "trainer-test"
     record = json.loads((run / "result.json").read_text())
     assert record["state"] == "SUCCEEDED", record
     log = (run / "train.log").read_text()
-    held_out = f"{spec}@{dataset_cache.commit[:12]} (split test, config letters)"
+    assert f"data: 32 prompts from {spec}@{cache.commit[:12]} (split train, config letters)" in log
+    held_out = f"{spec}@{cache.commit[:12]} (split test, config letters)"
     assert f"validation: 4 held-out prompts from {held_out}" in log
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert any("val/pass@1" in step for step in steps)
 
-
-def test_a_resume_after_the_dataset_moved_on_is_one_line(tmp_path: Path) -> None:
-    """A checkpoint records the commit of every dataset repository its run trained on; when
-    main names another commit at the resume, the run stops in one line naming both and the
-    pin that goes on with the run's own data."""
-    from tests.support.hub import fill_dataset_cache, write_dataset_repo
-
-    cache = fill_dataset_cache(tmp_path / "hub", write_dataset_repo(tmp_path / "repo", rows=16))
-    spec = f"hf://{DATASET_ID}"
-    data = {"train": spec, "config": "letters", "prompt_key": PROMPT_COLUMN}
-    settings = {
-        "data": {**data, "answer_key": ANSWER_COLUMN, "max_prompt_length": 128},
-        "rollout": {"n": 4, "max_new_tokens": 8},
-        "checkpoint": {"dir": str(tmp_path / "ckpt"), "every": 1},
-    }
-    recipe = write_recipe(tmp_path, steps=1, **settings)
-    first = run_rlx(["train", str(recipe)], tmp_path, **cache.env)
-    assert first.returncode == 0, first.stderr[-3000:]
-
-    moved = fill_dataset_cache(cache.root, write_dataset_repo(tmp_path / "new", seed=1, rows=16))
-    assert moved.commit != cache.commit  # main names the new commit now
-    recipe = write_recipe(tmp_path, steps=2, **settings)
-    resumed = run_rlx(["train", str(recipe)], tmp_path, **cache.env)
+    # main moves on to a new commit: the checkpoint recorded the run's, and the resume stops
+    # in one line naming both and the pin that goes on with the run's own data.
+    moved = fill_dataset_cache(cache.root, write_dataset_repo(tmp_path / "new", seed=1, rows=32))
+    assert moved.commit != cache.commit
+    resumed = run_rlx(
+        ["train", str(write_recipe(tmp_path, steps=3, **settings))], tmp_path, **cache.env
+    )
     assert_one_line_error(
         resumed,
         "cannot resume from",
