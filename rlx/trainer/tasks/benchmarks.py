@@ -24,7 +24,14 @@ from typing import Any
 
 from rlx.storage import is_url
 from rlx.trainer.tasks import gsm8k
-from rlx.trainer.tasks.data import DataError, HubSource, detect_format, hub_source, read_rows
+from rlx.trainer.tasks.data import (
+    DataError,
+    HubSource,
+    chat_prompt_row,
+    detect_format,
+    hub_source,
+    read_rows,
+)
 
 MATH_SYSTEM = "Solve the problem. Reason step by step, then give the final answer in \\boxed{}."
 
@@ -51,15 +58,7 @@ def math_rows(benchmark: str) -> Rows:
                     f"{source}: row {index}: {benchmark} rows have a text column 'problem' and "
                     f"an 'answer'; this one has {sorted(row)}"
                 )
-            out.append(
-                {
-                    "prompt": [
-                        {"role": "system", "content": MATH_SYSTEM},
-                        {"role": "user", "content": problem.strip()},
-                    ],
-                    "answer": str(answer).strip(),
-                }
-            )
+            out.append(chat_prompt_row(MATH_SYSTEM, problem, str(answer).strip()))
         return out
 
     return rows

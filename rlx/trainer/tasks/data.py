@@ -212,6 +212,18 @@ def read_rows(path: str | Path | HubSource, data_format: str | None = None) -> l
     return rows
 
 
+def chat_prompt_row(system: str, question: str, answer: str) -> dict[str, Any]:
+    """A prompt file's row as `rlx data` writes them: the chat messages (a system message, the
+    question as the user's) under `prompt`, and the reference `answer`."""
+    return {
+        "prompt": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": question.strip()},
+        ],
+        "answer": answer,
+    }
+
+
 def get_field(row: Mapping[str, Any], key: str) -> Any:
     """row[key], where a dotted key walks into nested dicts ("reward_model.ground_truth").
 

@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from rlx.trainer.tasks.data import DataError
+from rlx.trainer.tasks.data import DataError, chat_prompt_row
 
 SYSTEM = (
     "Solve the math word problem. Reason briefly, then write the final answer on its own "
@@ -48,13 +48,5 @@ def prompt_rows(rows: Iterable[Mapping[str, Any]], source: str, tools: bool) -> 
                 f"{source}: row {index}: the answer does not end with a '#### N' line "
                 f"({solution[-60:]!r})"
             )
-        out.append(
-            {
-                "prompt": [
-                    {"role": "system", "content": system},
-                    {"role": "user", "content": question.strip()},
-                ],
-                "answer": final.group(1).replace(",", ""),
-            }
-        )
+        out.append(chat_prompt_row(system, question, final.group(1).replace(",", "")))
     return out
