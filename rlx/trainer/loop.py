@@ -925,6 +925,18 @@ class Trainer:
         )
         return exported.folder
 
+    def check_data_revisions(self, path: Any, state: dict[str, Any]) -> None:
+        """The dataset repositories read now are at the commits the checkpoint's run read
+        (resume.moved_data), unless the recipe names another commit outright."""
+        data = self.settings.data
+        moved = moved_data(
+            state.get("data_revisions") or {},
+            self.inputs.data.revisions,
+            chosen_commits([data.train, *(source.train for source in data.mix or ())]),
+        )
+        if moved is not None:
+            raise RlxError(f"cannot resume from {path}: {moved}")
+
     def resume(self) -> int:
         """Load the checkpoint the settings point at (none: start at step 0). Returns its step."""
         setting = self.settings.checkpoint.resume
@@ -951,14 +963,7 @@ class Trainer:
                 f"checkpoint {path} is from a {state['algorithm']} run, this recipe trains "
                 f"{self.settings.algorithm}; set RLX_RUN_ID to start a new run"
             )
-        data = self.settings.data
-        moved = moved_data(
-            state.get("data_revisions") or {},
-            self.inputs.data.revisions,
-            chosen_commits([data.train, *(source.train for source in data.mix or ())]),
-        )
-        if moved is not None:
-            raise RlxError(f"cannot resume from {path}: {moved}")
+        self.check_data_revisions(path, state)
         step = int(state["step"])
         # Complete: what a retry resumes from, should the loading below stall (the step a
         # stall names is the one the run goes on to).
