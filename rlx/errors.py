@@ -16,6 +16,12 @@ class RlxError(Exception):
     exit_code = 1  # TRY_AGAIN where running the job again later may succeed
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of an error's text, or its type's name where it has none."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 @dataclass(frozen=True)
 class Finding:
     """One lint or schema finding, tied to a place in a recipe file."""

@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from rlx.errors import first_line
+
 # Where every run writes its outputs, inside the run folder.
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"  # per step: the prompt rows trained and their versions
@@ -380,5 +382,5 @@ def mirror_run(paths: RunPaths, err: Any) -> None:
     try:
         push_run(paths)
     except Exception as exc:  # the store's library raises its own kinds
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         print(f"warning: run folder not copied to {paths.run_url}: {first}", file=err)

@@ -21,7 +21,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from rlx.errors import RlxError
+from rlx.errors import RlxError, first_line
 from rlx.lint.core import ERROR, Check, Problem
 from rlx.recipe import Recipe
 from rlx.recipe.model import TrainerSettings, episode_token_budget
@@ -237,7 +237,7 @@ def _hub_data_problem(
     try:
         row = hub_first_row(source)
     except Exception as exc:  # a file datasets cannot read: say so, not a traceback
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         return f"{source}: the datasets library cannot read it: {first}"
     if row is None:
         return f"{source}: the split holds no rows; choose another with {field.part_fields[1]}"

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 from rlx import sigterm
-from rlx.errors import RlxError
+from rlx.errors import RlxError, first_line
 from rlx.owner import owned_run
 from rlx.recipe.model import Recipe
 from rlx.runs import (
@@ -82,7 +82,7 @@ def connect_ray(job: TrainJob, env: Mapping[str, str]) -> tuple[bool, str]:
         try:
             ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
         except (ConnectionError, RuntimeError, ValueError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            first = first_line(exc)
             raise RlxError(f"cannot join the Ray cluster at {address}: {first}") from None
         return False, f"at {address}"
     cpus = max(os.cpu_count() or 1, job.actors.bundles + 1)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rlx import hub
-from rlx.errors import RlxError
+from rlx.errors import RlxError, first_line
 from rlx.hub import is_hub_id
 from rlx.recipe.model import TrainerSettings
 from rlx.recipe.specs import (
@@ -211,7 +211,7 @@ def load_tokenizer(path: str, trust_remote_code: bool) -> Any:
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         raise RlxError(
             f"trainer.model.path: cannot load a tokenizer from {path!r}: {first}"
         ) from None

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlx.errors import RlxError
+from rlx.errors import RlxError, first_line
 from rlx.recipe.model import DataSettings
 
 if TYPE_CHECKING:
@@ -149,7 +149,7 @@ def hub_part_problem(
     try:
         configs = datasets.get_dataset_config_names(str(source.folder))
     except Exception as exc:  # not a layout datasets can read
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         return f"{spec}: the datasets library cannot read its snapshot {source.folder}: {first}"
     if source.config is None and len(configs) > 1 and "default" not in configs:
         return (
