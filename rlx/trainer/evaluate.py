@@ -479,12 +479,7 @@ def _one_dataset(
             lengths = batch.response_lengths.tolist()
             texts = [dataset.prompts[i] for i in rows for _ in range(n)]
             answers = [dataset.answers[i] for i in rows for _ in range(n)]
-            messages = dataset.messages
-            inputs = RewardInputs(
-                prompt_ids=[dataset.prompt_token_ids[i] for i in rows for _ in range(n)],
-                response_ids=batch.response_lists(),
-                messages=[messages[i] for i in rows for _ in range(n)] if messages else None,
-            )
+            inputs = RewardInputs.of_rows(dataset, rows, n, batch.response_lists())
             scored = scorer(texts, responses, answers, inputs)
             rewards = scored.rewards
             failures = failures or scored.failures

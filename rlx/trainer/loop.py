@@ -21,7 +21,7 @@ from typing import Any, TextIO
 import torch
 
 from rlx.checkpoints import step_of
-from rlx.errors import RlxError
+from rlx.errors import RlxError, first_line
 from rlx.recipe.model import TrainerSettings
 from rlx.runs import (
     CHECKPOINT_RETRIES,
@@ -257,7 +257,7 @@ class Trainer:
                 self._save(done)
                 self.finish_saves()
         except Exception as exc:  # stalled too, failed, a rank gone: the older checkpoints stay
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            first = first_line(exc)
             self.say(f"the save of step {done} at the stall did not finish: {first}")
             return
         if self.newest_saved == done:
@@ -468,12 +468,7 @@ class Trainer:
             )
             prompts = [inputs.data.prompts[i] for i in rows for _ in range(n)]
             answers = [inputs.data.answers[i] for i in rows for _ in range(n)]
-            messages = inputs.data.messages
-            extra = RewardInputs(
-                prompt_ids=[inputs.data.prompt_token_ids[i] for i in rows for _ in range(n)],
-                response_ids=rollout.response_lists(),
-                messages=[messages[i] for i in rows for _ in range(n)] if messages else None,
-            )
+            extra = RewardInputs.of_rows(inputs.data, rows, n, rollout.response_lists())
             terms = self.score_terms(prompts, responses, answers, extra)
             self.term_scores.append(terms)
             self.check_failed(step, terms)
@@ -911,7 +906,7 @@ class Trainer:
             exported = export_checkpoint(latest, self.inputs.paths.run_dir / "model", replace=True)
         except (RlxError, OSError, ValueError) as exc:
             # The run itself succeeded and its checkpoint is complete: say how to retry.
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            first = first_line(exc)
             retry = f"rlx export {shlex.quote(str(latest))} OUT"
             print(
                 f"warning: no Hugging Face export ({first}); try `{retry}`",

@@ -35,6 +35,19 @@ class RewardInputs:
     response_ids: Sequence[Sequence[int]] | None = None
     messages: Sequence[Sequence[Mapping[str, str]]] | None = None
 
+    @classmethod
+    def of_rows(
+        cls, data: Any, rows: Sequence[int], n: int, response_ids: Sequence[Sequence[int]]
+    ) -> RewardInputs:
+        """n samples of each of the dataset's `rows` (a PromptDataset), in order, and the
+        responses' token ids."""
+        messages = data.messages
+        return cls(
+            prompt_ids=[data.prompt_token_ids[i] for i in rows for _ in range(n)],
+            response_ids=response_ids,
+            messages=[messages[i] for i in rows for _ in range(n)] if messages else None,
+        )
+
 
 class TermScorer(Protocol):
     def __call__(

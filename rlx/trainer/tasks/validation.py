@@ -174,11 +174,7 @@ def _samples(
     n = sampling.n
     prompts = [p for p in data.prompts for _ in range(n)]
     answers = [a for a in data.answers for _ in range(n)]
-    extra = RewardInputs(
-        prompt_ids=[p for p in data.prompt_token_ids for _ in range(n)],
-        response_ids=batch.response_lists(),
-        messages=[m for m in data.messages for _ in range(n)] if data.messages else None,
-    )
+    extra = RewardInputs.of_rows(data, range(len(data.prompt_token_ids)), n, batch.response_lists())
     if scorer is not None:
         scores = scorer(prompts, responses, answers, extra)
     else:
